@@ -1,0 +1,93 @@
+"""Collect calibration activations and their Fisher information (KVQuant Section 3.3).
+
+For every layer we keep the pre-RoPE keys (`k_proj` output), the values
+(`v_proj` output) and F = (dLoss/dA)^2, the diagonal Fisher information of each
+activation, from teacher-forced forward/backward passes of the language-model
+loss. Only activation gradients are computed (weights are frozen). Sink tokens
+are dropped here so they never shape a statistic. Activations are stored in
+fp16 and Fisher values in bfloat16 (squared gradients underflow fp16).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from ..integrations.models import kv_shape
+from ..integrations.modules import attention_modules
+from ..quantizer import check_finite
+
+
+@dataclass
+class Activations:
+    """Per layer [N, C] matrices over N calibration tokens (sinks excluded)."""
+
+    keys: list[torch.Tensor]  # pre-RoPE, fp16
+    values: list[torch.Tensor]  # fp16
+    key_fisher: list[torch.Tensor]  # bf16
+    value_fisher: list[torch.Tensor]  # bf16
+    positions: torch.Tensor  # [N] absolute position of each row, for re-applying RoPE
+    loss: float  # mean LM loss over the calibration samples
+    seconds: float
+
+
+def collect(model, samples: torch.Tensor, sinks: int = 1, progress: bool = True) -> Activations:
+    """Run forward + backward on each sample [S, T] and gather K, V and their Fisher information."""
+    shape = kv_shape(model.config)
+    s, t = samples.shape
+    if t <= sinks:
+        raise ValueError(f"calibration windows of {t} tokens leave nothing after {sinks} sink tokens")
+    attn = attention_modules(model)
+    n = s * (t - sinks)
+    keys = [torch.empty(n, shape.channels, dtype=torch.float16) for _ in attn]
+    values = [torch.empty_like(k) for k in keys]
+    kf = [torch.empty(n, shape.channels, dtype=torch.bfloat16) for _ in attn]
+    vf = [torch.empty_like(f) for f in kf]
+    captured: dict[tuple[int, str], torch.Tensor] = {}
+
+    def hook(layer: int, kind: str):
+        def fn(module, inputs, output):
+            output.retain_grad()
+            captured[(layer, kind)] = output
+        return fn
+
+    handles = []
+    for i, a in enumerate(attn):
+        handles.append(a.k_proj.register_forward_hook(hook(i, "k")))
+        handles.append(a.v_proj.register_forward_hook(hook(i, "v")))
+    was_training = model.training
+    flags = [p.requires_grad for p in model.parameters()]
+    model.requires_grad_(False)
+    embed = model.get_input_embeddings()
+    t0 = time.perf_counter()
+    total_loss = 0.0
+    try:
+        for j in tqdm(range(s), desc="fisher", unit="seq", disable=not progress):
+            ids = samples[j : j + 1]
+            captured.clear()
+            emb = embed(ids).detach().requires_grad_(True)
+            out = model(inputs_embeds=emb, labels=ids, use_cache=False)
+            if not torch.isfinite(out.loss):
+                raise FloatingPointError(f"calibration sample {j} gives a NaN/Inf loss; check the model and text")
+            out.loss.backward()
+            total_loss += float(out.loss.detach())
+            rows = slice(j * (t - sinks), (j + 1) * (t - sinks))
+            for i in range(len(attn)):
+                k, v = captured[(i, "k")], captured[(i, "v")]
+                check_finite(k, f"layer {i} keys")
+                check_finite(v, f"layer {i} values")
+                keys[i][rows] = k[0, sinks:].detach().half()
+                values[i][rows] = v[0, sinks:].detach().half()
+                kf[i][rows] = k.grad[0, sinks:].float().square().bfloat16()
+                vf[i][rows] = v.grad[0, sinks:].float().square().bfloat16()
+    finally:
+        for h in handles:
+            h.remove()
+        for p, f in zip(model.parameters(), flags):
+            p.requires_grad_(f)
+        model.train(was_training)
+    positions = torch.arange(sinks, t).repeat(s)
+    return Activations(keys, values, kf, vf, positions, total_loss / s, time.perf_counter() - t0)

@@ -1,0 +1,132 @@
+"""Fit a recipe from calibration activations: ranges, outlier thresholds and nuq codebooks.
+
+Keys (pre- and post-RoPE) and values get per-channel ranges at every outlier
+fraction (quantiles over the calibration tokens) and per-matrix thresholds for
+the ablation. Codebooks are fitted per layer, for K and for V, by weighted
+k-means in the normalized domain A_norm = (A - z) / s over the non-outlier
+elements, with weights F * s^2 (KVQuant's "fs2"), F ("fisher") or 1 ("unw").
+Keys are normalized by their offline per-channel (s, z); values by the online
+per-token (s, z) they will get at inference.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import torch
+from tqdm.auto import tqdm
+
+from ..datatypes import normal_float_levels, uniform_levels
+from ..integrations.models import kv_shape
+from ..integrations.modules import apply_rope, rope_cos_sin
+from ..outliers import calibrated_thresholds, clamp_range, online_thresholds, outlier_mask
+from ..quantizer import choose_qparams
+from ..recipe import Recipe, codebook_key, matrix_key, model_fingerprint, range_key
+from .collect import Activations
+from .kmeans import WeightedHistogram, fit_codebook
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """What `kvsqueeze calibrate` fits; the defaults are the paper's."""
+
+    samples: int = 16  # calibration sequences (KVQuant: 16)
+    seqlen: int = 2048  # tokens per sequence (KVQuant: 2K)
+    bits: tuple[int, ...] = (2, 3, 4)
+    fractions: tuple[float, ...] = (0.0, 0.001, 0.01)  # outlier fractions: none, 0.1%, 1%
+    sinks: int = 1  # leading tokens kept fp16 and left out of every statistic
+    fits: tuple[str, ...] = ("fs2", "fisher", "unw")  # the last two only for the ablation
+    bins: int = 4096  # k-means histogram resolution over [-1, 1]
+
+
+def _weights(fit: str, fisher: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    if fit == "fs2":
+        return fisher * scale.square()
+    if fit == "fisher":
+        return fisher.expand_as(fisher)
+    return torch.ones_like(fisher)
+
+
+def _hist_objective(hist: WeightedHistogram, centers: np.ndarray) -> float:
+    """Weighted SSE of the histogram's data under `centers` (each bin assigned whole, spread included)."""
+    nz = hist.w > 0
+    w, wx, wx2 = hist.w[nz], hist.wx[nz], hist.wx2[nz]
+    mean = wx / w
+    c = np.sort(centers)
+    idx = np.clip(np.searchsorted((c[1:] + c[:-1]) / 2, mean), 0, len(c) - 1)
+    return float(np.sum(wx2 - 2 * c[idx] * wx + w * c[idx] ** 2))
+
+
+def _normalized(x, lo, hi, fraction):
+    scale, zero = choose_qparams(lo, hi)
+    inside = ~outlier_mask(x, lo, hi) if fraction > 0 else torch.ones_like(x, dtype=torch.bool)
+    return (x - zero) / scale, scale, inside
+
+
+def fit_recipe(model, acts: Activations, cfg: CalibrationConfig, model_id: str, text_name: str,
+               progress: bool = True) -> Recipe:
+    """Build the recipe (see the module docstring) from collected activations."""
+    shape = kv_shape(model.config)
+    t0 = time.perf_counter()
+    uniq = torch.unique(acts.positions)
+    cos, sin = rope_cos_sin(model, uniq)
+    lookup = torch.full((int(uniq.max()) + 1,), -1, dtype=torch.long)
+    lookup[uniq] = torch.arange(uniq.numel())
+    cos, sin = cos[lookup[acts.positions]][:, None], sin[lookup[acts.positions]][:, None]  # [N, 1, D]
+    tensors: dict[str, torch.Tensor] = {}
+    objectives: dict[str, dict] = {}
+    for layer in tqdm(range(shape.layers), desc="fit", unit="layer", disable=not progress):
+        k = acts.keys[layer].float()
+        v = acts.values[layer].float()
+        n = k.shape[0]
+        k_post = apply_rope(k.view(n, shape.kv_heads, shape.head_dim), cos, sin).reshape(n, -1)
+        mats = {"k_pre": k, "k_post": k_post, "v": v}
+        for p in cfg.fractions:
+            for name, x in mats.items():
+                tensors[range_key(layer, name, p)] = torch.stack(calibrated_thresholds(x, p, dim=0))
+                if p > 0:
+                    tensors[matrix_key(layer, name, p)] = torch.stack(calibrated_thresholds(x, p, dim=None))
+        fisher = {"k": acts.key_fisher[layer].float(), "v": acts.value_fisher[layer].float()}
+        for p in cfg.fractions:
+            for scope in ("vector", "matrix") if p > 0 else ("vector",):
+                for kv, x in (("k", k), ("v", v)):
+                    if kv == "k":  # offline, per channel
+                        if scope == "vector":
+                            lo, hi = tensors[range_key(layer, "k_pre", p)]
+                        else:
+                            lo0, hi0 = tensors[range_key(layer, "k_pre", 0.0)]
+                            t_lo, t_hi = tensors[matrix_key(layer, "k_pre", p)]
+                            lo, hi = torch.maximum(lo0, t_lo), torch.minimum(hi0, t_hi)
+                        lo, hi = lo.view(1, -1), hi.view(1, -1)
+                    elif scope == "vector":  # online, per token
+                        lo, hi = online_thresholds(x, p, dim=1)
+                    else:
+                        t_lo, t_hi = tensors[matrix_key(layer, "v", p)]
+                        lo, hi = clamp_range(x, t_lo, t_hi, dim=1)
+                    norm, scale, inside = _normalized(x, lo, hi, p)
+                    fits = cfg.fits if scope == "vector" else ("fs2",)
+                    for fit in fits:
+                        hist = WeightedHistogram(bins=cfg.bins)
+                        w = _weights(fit, fisher[kv], scale)
+                        hist.add(norm[inside], w[inside])
+                        for bits in cfg.bits:
+                            res = fit_codebook(hist, 2**bits)
+                            key = codebook_key(layer, kv, bits, p, scope, fit)
+                            tensors[key] = torch.tensor(res.centers, dtype=torch.float32)
+                            if fit == "fs2":
+                                objectives[key] = {
+                                    "nuq": res.objective,
+                                    "uniform": _hist_objective(hist, uniform_levels(bits).double().numpy()),
+                                    "nf": _hist_objective(hist, normal_float_levels(bits).double().numpy()),
+                                }
+    meta = {
+        "model": {"id": model_id, "fingerprint": model_fingerprint(model)},
+        "text": text_name,
+        "settings": {**asdict(cfg), "bits": list(cfg.bits), "fractions": list(cfg.fractions), "fits": list(cfg.fits)},
+        "calibration_loss": acts.loss,
+        "timings_s": {"fisher": round(acts.seconds, 2), "fit": round(time.perf_counter() - t0, 2)},
+        "kmeans_objective": objectives,
+    }
+    return Recipe(meta=meta, tensors=tensors)

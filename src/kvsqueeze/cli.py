@@ -1,0 +1,183 @@
+"""The `kvsqueeze` command: calibrate, eval, inspect, memory, passkey.
+
+Every subcommand takes its defaults from the config dataclasses of the module
+that does the work, so the CLI and the Python API cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from .calibrate.fit import CalibrationConfig
+from .integrations.models import DEFAULT_MODEL
+from .eval.texts import DEFAULT_TEXT
+
+_CAL = CalibrationConfig()
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        vals = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise SystemExit(f"error: {what} must be comma-separated integers, got {text!r}")
+    if not vals:
+        raise SystemExit(f"error: {what} is empty")
+    return vals
+
+
+def _write_json(path: str | None, payload: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {path}")
+
+
+def cmd_calibrate(args) -> None:
+    from .calibrate.collect import collect
+    from .calibrate.fit import fit_recipe
+    from .eval.texts import calibration_windows, load_text
+    from .integrations.models import load_model
+
+    bits = tuple(_int_list(args.bits, "--bits"))
+    for b in bits:
+        if b not in (2, 3, 4):
+            raise SystemExit(f"error: --bits {b} is not supported; use 2, 3 and/or 4")
+    fractions = tuple(float(f) / 100 for f in args.outliers.split(","))
+    cfg = CalibrationConfig(samples=args.samples, seqlen=args.seqlen, bits=bits,
+                            fractions=tuple(sorted({0.0, *fractions})), sinks=args.sinks)
+    t0 = time.perf_counter()
+    model, tok = load_model(args.model)
+    text = load_text(args.text)
+    t_load = time.perf_counter() - t0
+    samples = calibration_windows(tok, text.calibration, cfg.samples, cfg.seqlen)
+    print(f"[1/3] loaded {args.model} and {text.name} in {t_load:.1f}s; {cfg.samples} x {cfg.seqlen} tokens")
+    acts = collect(model, samples, sinks=cfg.sinks)
+    print(f"[2/3] activations and Fisher information in {acts.seconds:.1f}s (calibration loss {acts.loss:.3f})")
+    recipe = fit_recipe(model, acts, cfg, args.model, text.name)
+    print(f"[3/3] ranges, thresholds and codebooks in {recipe.meta['timings_s']['fit']:.1f}s")
+    recipe.meta["timings_s"]["load"] = round(t_load, 2)
+    recipe.meta["timings_s"]["total"] = round(time.perf_counter() - t0, 2)
+    out = recipe.save(args.out)
+    objs = recipe.meta["kmeans_objective"]
+    for bits in cfg.bits:
+        for kv in ("k", "v"):
+            sel = [o for k, o in objs.items() if f".codebook.{kv}.b{bits}.p0.vector" in k]
+            if sel:
+                nuq = sum(o["nuq"] for o in sel)
+                print(f"  {kv.upper()} {bits}-bit weighted k-means objective (all layers): nuq {nuq:.4g}, "
+                      f"uniform {sum(o['uniform'] for o in sel) / nuq:.2f}x, nf {sum(o['nf'] for o in sel) / nuq:.2f}x")
+    print(f"recipe written to {out} in {recipe.meta['timings_s']['total']:.1f}s")
+
+
+def cmd_eval(args) -> None:
+    from .eval.perplexity import evaluate, format_table
+    from .eval.texts import load_text, token_windows
+    from .integrations.models import load_model
+    from .methods import parse_methods
+    from .recipe import Recipe
+
+    specs = parse_methods(args.methods)
+    seqlens = _int_list(args.seqlen, "--seqlen")
+    recipe = Recipe.load(args.recipe) if args.recipe else None
+    model, tok = load_model(args.model)
+    text = load_text(args.text)
+    payloads = []
+    for seqlen in seqlens:
+        windows = token_windows(tok, text.evaluation, seqlen, args.max_windows)
+        print(f"{args.model} on {text.name} (evaluation part): {windows.shape[0]} windows of {seqlen} tokens")
+        rows = evaluate(model, windows, specs, recipe)
+        print(format_table(rows))
+        payloads.append({
+            "model": args.model, "text": text.name, "seqlen": seqlen, "windows": int(windows.shape[0]),
+            "rows": [{"method": r.method, "avg_bits": round(r.avg_bits, 4), "ppl": round(r.ppl, 4)} for r in rows],
+        })
+    if args.json:
+        _write_json(args.json, payloads[0] if len(payloads) == 1 else {"runs": payloads})
+    if args.plot:
+        from .eval.plots import plot_ppl_by_length
+
+        plot_ppl_by_length(payloads, args.plot)
+        print(f"wrote {args.plot}")
+
+
+def cmd_inspect(args) -> None:
+    from .eval.plots import inspect_activations
+
+    for path in inspect_activations(args.model, args.text, args.out, layer=args.layer, seqlen=args.seqlen):
+        print(f"wrote {path}")
+
+
+def cmd_memory(args) -> None:
+    from .eval.memory import run_memory_command
+
+    run_memory_command(args.model, args.context, args.methods, batch=args.batch, gpus=args.gpus,
+                       gpu_mem=args.gpu_mem, json_out=args.json)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvsqueeze", description="KVQuant-style KV-cache quantization")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    c = sub.add_parser("calibrate", help="Fisher information, ranges, outlier thresholds and nuq codebooks")
+    c.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2-135m', a HF model id or a local directory")
+    c.add_argument("--text", default=DEFAULT_TEXT, help="'bbc' (calibration part) or a text file")
+    c.add_argument("--out", required=True, help="directory for recipe.safetensors + recipe.json")
+    c.add_argument("--samples", type=int, default=_CAL.samples)
+    c.add_argument("--seqlen", type=int, default=_CAL.seqlen)
+    c.add_argument("--bits", default=",".join(map(str, _CAL.bits)))
+    c.add_argument("--outliers", default="0.1,1", help="outlier percentages to calibrate, e.g. 0.1,1")
+    c.add_argument("--sinks", type=int, default=_CAL.sinks, help="leading tokens left out of statistics")
+    c.set_defaults(fn=cmd_calibrate)
+
+    e = sub.add_parser("eval", help="perplexity of each method (simulated quantization)")
+    e.add_argument("--model", default=DEFAULT_MODEL)
+    e.add_argument("--text", default=DEFAULT_TEXT, help="'bbc' (evaluation part) or a text file (whole)")
+    e.add_argument("--recipe", help="recipe directory (needed by nuq and per-channel methods)")
+    e.add_argument("--methods", default="fp16,int3,nf3,nuq3,nuq3-1%")
+    e.add_argument("--seqlen", default=str(_CAL.seqlen), help="window length(s), e.g. 2048 or 1024,2048,4096")
+    e.add_argument("--max-windows", type=int, default=None)
+    e.add_argument("--json", help="write the results as JSON here")
+    e.add_argument("--plot", help="PNG of PPL against window length (with several --seqlen)")
+    e.set_defaults(fn=cmd_eval)
+
+    i = sub.add_parser("inspect", help="plots of key/value channel magnitudes and distributions")
+    i.add_argument("--model", default=DEFAULT_MODEL)
+    i.add_argument("--text", default=DEFAULT_TEXT)
+    i.add_argument("--out", required=True)
+    i.add_argument("--layer", type=int, default=None, help="layer for the per-channel plot (default: middle)")
+    i.add_argument("--seqlen", type=int, default=512)
+    i.set_defaults(fn=cmd_inspect)
+
+    m = sub.add_parser("memory", help="KV-cache memory planner")
+    m.add_argument("--model", default="llama-7b", help="built-in shape name or a config.json path")
+    m.add_argument("--context", default="32K,128K,1M,10M")
+    m.add_argument("--methods", default="fp16,nuq4-1%,nuq3-1%,nuq2,nuq2-1%")
+    m.add_argument("--batch", type=int, default=1)
+    m.add_argument("--gpus", type=int, default=1)
+    m.add_argument("--gpu-mem", default="80GB")
+    m.add_argument("--json")
+    m.set_defaults(fn=cmd_memory)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .eval.texts import TextError
+    from .integrations.models import ModelLoadError
+    from .methods import MethodError
+    from .recipe import RecipeError
+
+    args = build_parser().parse_args(argv)
+    try:
+        args.fn(args)
+    except (MethodError, RecipeError, TextError, ModelLoadError, FloatingPointError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,415 @@
+"""KV-cache memory planner: how many bytes a method's cache takes, and whether it fits.
+
+Paper-capacity arithmetic in the style of KVQuant's appendix A (Hooper et al.,
+arXiv 2401.18079): for a model shape, a list of methods and a list of context
+lengths, the cache size in bytes, the average stored bits per element, the
+weight bytes at 16 and 4 bits, and whether weights plus cache fit on G GPUs of
+M bytes each. It is a *paper* estimate: activations, temporary buffers and
+allocator fragmentation are not counted.
+
+The per-layer accounting is `kvsqueeze.methods.storage_bits` (codes, scales and
+zero-points, outlier values, indices and pointers, sinks, codebooks, fp16
+windows); this file only multiplies it out over layers and batch.
+
+Units are binary throughout, as in the paper's table: a context of ``128K`` is
+131,072 tokens, ``1M`` is 1,048,576, and sizes are reported in GiB. (One
+caveat: the paper's own 10M column is decimal, 10,000,000 tokens — its fp16
+figure for LLaMA-7B, 4883 GB, is 10**7 x 512 KiB. Pass ``10000000`` to
+reproduce that column; ``10M`` here is 10 x 2**20 tokens, about 5% more.)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import Path
+
+from kvsqueeze.methods import MethodSpec, parse_method, parse_methods, storage_bits
+
+GIB = 1024**3
+FP16 = parse_method("fp16")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The sizes of a decoder that decide its KV-cache and weight bytes."""
+
+    name: str
+    layers: int
+    kv_heads: int  # key/value heads (< attention heads for GQA models)
+    head_dim: int
+    params: float  # total parameter count, for weight bytes only
+
+    @property
+    def channels(self) -> int:
+        """K (= V) channels per token in one layer: kv_heads * head_dim."""
+        return self.kv_heads * self.head_dim
+
+
+# Parameter counts as published (LLaMA: 6.74B / 13.0B / 65.2B, the figures
+# behind the paper's 12.6 / 24.1 / 121.1 GB of fp16 weights).
+BUILTIN_SHAPES: dict[str, ModelShape] = {
+    s.name: s
+    for s in (
+        ModelShape("llama-7b", layers=32, kv_heads=32, head_dim=128, params=6.74e9),
+        ModelShape("llama-13b", layers=40, kv_heads=40, head_dim=128, params=13.0e9),
+        ModelShape("llama-65b", layers=80, kv_heads=64, head_dim=128, params=65.2e9),
+        ModelShape("llama-3-8b", layers=32, kv_heads=8, head_dim=128, params=8.03e9),
+        ModelShape("smollm2-135m", layers=30, kv_heads=3, head_dim=64, params=134.5e6),
+    )
+}
+
+
+# ---------------------------------------------------------------- model shapes
+
+
+def resolve_model(model: str) -> ModelShape:
+    """A built-in shape by name (case-insensitive), or one read from a config.json.
+
+    Args:
+        model: a built-in name (see `BUILTIN_SHAPES`), a path to a Hugging Face
+            ``config.json``, or a directory that holds one.
+
+    Raises:
+        ValueError: unknown name, missing file, or a config without usable sizes.
+    """
+    text = model.strip()
+    key = text.lower()
+    if key in BUILTIN_SHAPES:
+        return BUILTIN_SHAPES[key]
+    path = Path(text).expanduser()
+    if path.exists():
+        return shape_from_config(path)
+    raise ValueError(
+        f"unknown model {model!r}: built-in shapes are {', '.join(BUILTIN_SHAPES)}; "
+        "or pass the path of a Hugging Face config.json (or a directory containing one) "
+        "— the planner reads local files only and downloads nothing"
+    )
+
+
+def shape_from_config(path: str | Path) -> ModelShape:
+    """Read a `ModelShape` from a Hugging Face ``config.json`` (or its directory).
+
+    layers = num_hidden_layers; kv_heads = num_key_value_heads (default
+    num_attention_heads, i.e. plain multi-head attention); head_dim = head_dim
+    if given, else hidden_size // num_attention_heads. Multimodal configs whose
+    language model sits under ``text_config`` are read from there. The
+    parameter count is estimated by `estimate_params`.
+
+    Raises:
+        ValueError: the file is missing or not JSON, or a size is missing,
+            zero, negative or inconsistent.
+    """
+    p = Path(path).expanduser()
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise ValueError(f"no config.json at {str(p)!r}: pass a built-in model name or a Hugging Face config.json path")
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"cannot read model config {str(p)!r} as JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"model config {str(p)!r} is not a JSON object")
+    if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
+        cfg = cfg["text_config"]
+    where = f"model config {str(p)!r}"
+
+    layers = _positive_int(cfg, "num_hidden_layers", where)
+    heads = _positive_int(cfg, "num_attention_heads", where)
+    hidden = _positive_int(cfg, "hidden_size", where)
+    kv_heads = _positive_int(cfg, "num_key_value_heads", where, default=heads)
+    if heads % kv_heads:
+        raise ValueError(
+            f"{where}: num_attention_heads ({heads}) is not a multiple of "
+            f"num_key_value_heads ({kv_heads}); fix the config (GQA shares each KV head "
+            "among a whole number of query heads)"
+        )
+    if cfg.get("head_dim") is not None:
+        head_dim = _positive_int(cfg, "head_dim", where)
+    else:
+        if hidden % heads:
+            raise ValueError(
+                f"{where}: hidden_size ({hidden}) is not divisible by num_attention_heads "
+                f"({heads}) and no head_dim is given; add \"head_dim\" to the config"
+            )
+        head_dim = hidden // heads
+    name = str(cfg.get("_name_or_path") or "").strip() or p.resolve().parent.name or p.stem
+    return ModelShape(name=name, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
+                      params=float(estimate_params(cfg, where)))
+
+
+def estimate_params(cfg: dict, where: str = "model config") -> int:
+    """Estimate a LLaMA-style decoder's parameter count from its config.
+
+    Counted: token embeddings (vocab x hidden); per layer the attention
+    projections q and o (hidden x heads*head_dim each) and k and v
+    (hidden x kv_heads*head_dim each), the gated MLP gate/up/down
+    (3 x hidden x intermediate_size) and two RMSNorm weights (2 x hidden); the
+    final norm (hidden); and an untied lm_head (vocab x hidden) unless
+    ``tie_word_embeddings`` is true. Not counted: biases (Qwen's q/k/v bias
+    is well under 0.1%), mixture-of-experts layouts, vision towers. For
+    LLaMA-7B this gives 6.74e9 and for SmolLM2-135M 134.5e6, the published counts.
+
+    Raises:
+        ValueError: vocab_size, hidden_size, intermediate_size or a head
+            count is missing or not positive.
+    """
+    layers = _positive_int(cfg, "num_hidden_layers", where)
+    heads = _positive_int(cfg, "num_attention_heads", where)
+    hidden = _positive_int(cfg, "hidden_size", where)
+    kv_heads = _positive_int(cfg, "num_key_value_heads", where, default=heads)
+    head_dim = _positive_int(cfg, "head_dim", where) if cfg.get("head_dim") is not None else hidden // heads
+    vocab = _positive_int(cfg, "vocab_size", where)
+    inter = _positive_int(cfg, "intermediate_size", where)
+    attn = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # q, o; k, v
+    mlp = 3 * hidden * inter  # gate, up, down
+    per_layer = attn + mlp + 2 * hidden  # + input and post-attention norms
+    embed = vocab * hidden
+    # An absent key is read as untied: LlamaConfig's default (the base
+    # PretrainedConfig's is True, but LLaMA-family configs spell it out).
+    lm_head = 0 if cfg.get("tie_word_embeddings", False) else vocab * hidden
+    return embed + layers * per_layer + hidden + lm_head
+
+
+def _positive_int(cfg: dict, key: str, where: str, default: int | None = None) -> int:
+    value = cfg.get(key)
+    if value is None:
+        if default is not None:
+            return default
+        raise ValueError(f"{where}: {key!r} is missing; a Hugging Face decoder config must set it")
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(
+            f"{where}: {key!r} must be a positive integer, got {value!r}; "
+            "fix the config or pass a built-in model name"
+        )
+    return value
+
+
+# ---------------------------------------------------------------- sizes
+
+_SIZE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
+_SIZE_RE = re.compile(r"^(\d+(?:\.\d+)?)([KMG]?)$", re.IGNORECASE)
+_SIZE_FORMS = "a positive whole number of tokens, e.g. 8192, 32K, 128k, 1M, 1.5M (K = 1024, M = 1024**2, G = 1024**3)"
+
+
+def parse_size(text: str) -> int:
+    """Parse a context length in tokens: ``8192``, ``32K``, ``128k``, ``1M``, ``1.5M``.
+
+    K, M and G are binary (1024, 1024**2, 1024**3), as the paper's context
+    lengths are: 128K = 131,072 tokens.
+
+    Raises:
+        ValueError: empty, zero, negative, an unknown unit, or a value that is
+            not a whole number of tokens (``1.5``, ``1.3K``).
+    """
+    token = text.strip()
+    m = _SIZE_RE.match(token)
+    if not m:
+        raise ValueError(f"bad context length {text!r}: expected {_SIZE_FORMS}")
+    tokens = Fraction(m[1]) * _SIZE_UNITS[m[2].upper()]
+    if tokens.denominator != 1:
+        raise ValueError(
+            f"bad context length {text!r}: {float(tokens):g} is not a whole number of tokens; "
+            f"expected {_SIZE_FORMS}"
+        )
+    if tokens <= 0:
+        raise ValueError(f"bad context length {text!r}: must be at least one token; expected {_SIZE_FORMS}")
+    return int(tokens)
+
+
+def parse_contexts(text: str) -> list[tuple[str, int]]:
+    """Parse a comma-separated list of context lengths into (label as given, tokens)."""
+    labels = [t.strip() for t in text.split(",") if t.strip()]
+    if not labels:
+        raise ValueError(f"no context lengths given: expected a comma-separated list of {_SIZE_FORMS}")
+    return [(label, parse_size(label)) for label in labels]
+
+
+_BYTES_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}
+_BYTES_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*(?:([KMGT])(?:I?B)?|B)?$", re.IGNORECASE)
+_BYTES_FORMS = "a positive size such as 80GB, 80GiB, 48G, 512MiB, 1TB or a plain byte count"
+
+
+def parse_bytes(text: str) -> int:
+    """Parse a memory size such as ``80GB``, ``80GiB`` or ``48G`` into bytes.
+
+    Every unit is binary: GB is read as GiB (1024**3), the convention of the
+    paper's table (and of "an 80 GB GPU", whose usable memory is ~80 GiB).
+    KB/MB/TB likewise. A bare number is bytes; fractions are rounded down.
+
+    Raises:
+        ValueError: empty, zero, negative or an unknown unit.
+    """
+    token = text.strip()
+    m = _BYTES_RE.match(token)
+    if not m:
+        raise ValueError(f"bad memory size {text!r}: expected {_BYTES_FORMS}")
+    n = int(Fraction(m[1]) * _BYTES_UNITS[(m[2] or "").upper()])
+    if n <= 0:
+        raise ValueError(f"bad memory size {text!r}: must be positive; expected {_BYTES_FORMS}")
+    return n
+
+
+# ---------------------------------------------------------------- accounting
+
+
+def _kv_bits(shape: ModelShape, spec: MethodSpec, tokens: int, batch: int) -> float:
+    """Bits of the whole cache: `storage_bits` per layer and sequence, over layers and batch.
+
+    Per-channel scales/zero-points and codebooks of the KVQuant families
+    (int, nf, nuq) are offline calibration statistics, one set per layer that
+    every sequence of a batch shares; they are counted once, not `batch`
+    times. `storage_bits` at zero tokens is exactly that fixed part.
+    """
+    per_seq = storage_bits(spec, tokens, shape.channels)["total"]
+    shared = 0.0
+    if spec.family in ("int", "nf", "nuq"):
+        empty = storage_bits(spec, 0, shape.channels)
+        shared = empty["scales"] + empty["codebook"]
+    return shape.layers * (batch * (per_seq - shared) + shared)
+
+
+def kv_cache_bytes(shape: ModelShape, spec: MethodSpec, tokens: int, batch: int = 1) -> int:
+    """Bytes of K and V cache for `batch` sequences of `tokens` tokens (rounded up)."""
+    if tokens < 1 or batch < 1:
+        raise ValueError(f"tokens and batch must be positive, got tokens={tokens}, batch={batch}")
+    return math.ceil(_kv_bits(shape, spec, tokens, batch) / 8)
+
+
+def weight_bytes(shape: ModelShape, bits: int = 16) -> int:
+    """Weight bytes at `bits` per parameter: params * bits / 8, nothing else.
+
+    No quantization scales, no embeddings kept at higher precision; at 4 bits
+    the real figure is a few percent higher.
+    """
+    return math.ceil(shape.params * bits / 8)
+
+
+def plan(
+    shape: ModelShape,
+    specs: list[MethodSpec],
+    contexts: list[tuple[str, int]],
+    batch: int = 1,
+    gpus: int = 1,
+    gpu_mem_bytes: int = 80 * GIB,
+) -> list[dict]:
+    """One row per (method, context): cache and weight bytes and whether they fit.
+
+    ``fits`` compares fp16 weights plus the cache with ``gpus * gpu_mem_bytes``
+    for every method, so that rows differ only in their cache;
+    ``fits_4bit_weights`` is the same check with 4-bit weights (the paper's
+    1M-context LLaMA-7B setting). ``per_gpu_bytes`` is the fp16-weight total
+    split evenly over the GPUs.
+    """
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}")
+    if gpus < 1:
+        raise ValueError(f"gpus must be at least 1, got {gpus}")
+    capacity = gpus * gpu_mem_bytes
+    w16, w4 = weight_bytes(shape, 16), weight_bytes(shape, 4)
+    rows = []
+    for spec in specs:
+        for label, tokens in contexts:
+            kv = kv_cache_bytes(shape, spec, tokens, batch)
+            fp16 = kv_cache_bytes(shape, FP16, tokens, batch)
+            elements = 2 * batch * shape.layers * tokens * shape.channels
+            total = w16 + kv
+            rows.append(dict(
+                method=spec.name,
+                context=tokens,
+                kv_bytes=kv,
+                weight_bytes=w16,
+                fits=total <= capacity,
+                context_label=label,
+                batch=batch,
+                avg_bits=_kv_bits(shape, spec, tokens, batch) / elements,
+                compression_vs_fp16=fp16 / kv,
+                weight_bytes_4bit=w4,
+                total_bytes=total,
+                per_gpu_bytes=math.ceil(total / gpus),
+                fits_4bit_weights=w4 + kv <= capacity,
+                gpus=gpus,
+                gpu_mem_bytes=gpu_mem_bytes,
+            ))
+    return rows
+
+
+# ---------------------------------------------------------------- command
+
+
+def format_table(shape: ModelShape, rows: list[dict], gpus: int, gpu_mem_label: str) -> str:
+    """A plain-text table of `plan` rows (sizes in GiB)."""
+    fits_head = f"fits {gpus}x{gpu_mem_label}"
+    head = ("method", "context", "KV GiB", "avg bits", "vs fp16", "weights GiB 16b/4b", "per-GPU GiB",
+            fits_head)
+    body = []
+    for r in rows:
+        fits = "yes" if r["fits"] else ("4-bit weights only" if r["fits_4bit_weights"] else "no")
+        body.append((
+            r["method"],
+            r["context_label"],
+            f"{r['kv_bytes'] / GIB:,.2f}",
+            f"{r['avg_bits']:.3f}",
+            f"{r['compression_vs_fp16']:.2f}x",
+            f"{r['weight_bytes'] / GIB:,.2f} / {r['weight_bytes_4bit'] / GIB:,.2f}",
+            f"{r['per_gpu_bytes'] / GIB:,.2f}",
+            fits,
+        ))
+    widths = [max([len(h)] + [len(b[i]) for b in body]) for i, h in enumerate(head)]
+    left = {0, 1, 7}  # text columns; numbers right-aligned
+
+    def line(cells):
+        padded = (c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(padded).rstrip()
+
+    title = (f"{shape.name}: {shape.layers} layers x {shape.kv_heads} KV heads x head_dim {shape.head_dim}, "
+             f"{shape.params / 1e9:.3g}B params, batch {rows[0]['batch'] if rows else 1}")
+    return "\n".join([title, line(head), line(["-" * w for w in widths]), *map(line, body)])
+
+
+def run_memory_command(
+    model: str,
+    contexts: str,
+    methods: str,
+    batch: int = 1,
+    gpus: int = 1,
+    gpu_mem: str = "80GB",
+    json_out: str | None = None,
+) -> dict:
+    """`kvsqueeze memory`: print the plan as a table, optionally write it as JSON, return it.
+
+    Args:
+        model: built-in shape name or a Hugging Face config.json path / directory.
+        contexts: comma-separated context lengths, e.g. ``"32K,128K,1M,10M"``.
+        methods: comma-separated method names, e.g. ``"fp16,nuq3-1%,nuq2"``.
+        batch: sequences cached at once.
+        gpus, gpu_mem: G GPUs of ``gpu_mem`` each (GB read as GiB).
+        json_out: path to write ``{"model": NAME, "rows": [...]}`` to.
+
+    Returns:
+        ``{"model": NAME, "rows": [{"method", "context", "kv_bytes",
+        "weight_bytes", "fits", ...}]}`` with context in tokens.
+    """
+    shape = resolve_model(model)
+    ctx = parse_contexts(contexts)
+    specs = parse_methods(methods)
+    mem = parse_bytes(gpu_mem)
+    rows = plan(shape, specs, ctx, batch=batch, gpus=gpus, gpu_mem_bytes=mem)
+    print(format_table(shape, rows, gpus, gpu_mem.strip()))
+    result = {"model": shape.name, "rows": rows}
+    if json_out:
+        out = Path(json_out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    return result
+
+
+__all__ = [
+    "BUILTIN_SHAPES", "ModelShape", "estimate_params", "format_table", "kv_cache_bytes",
+    "parse_bytes", "parse_contexts", "parse_size", "plan", "resolve_model", "run_memory_command",
+    "shape_from_config", "weight_bytes",
+]

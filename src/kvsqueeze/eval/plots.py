@@ -1,0 +1,118 @@
+"""Figures: per-channel key/value magnitudes (KVQuant Fig. 2), element distributions (Fig. 4),
+and perplexity against context length (Fig. 3)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+@torch.no_grad()
+def capture_kv(model, ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
+    """Per layer pre-RoPE keys, post-RoPE keys and values [T, C] for one sequence ids [1, T]."""
+    from ..integrations.models import kv_shape
+    from ..integrations.modules import apply_rope, attention_modules, rope_cos_sin
+
+    shape = kv_shape(model.config)
+    got: dict[tuple[int, str], torch.Tensor] = {}
+    hooks = []
+    for i, a in enumerate(attention_modules(model)):
+        hooks.append(a.k_proj.register_forward_hook(lambda m, inp, out, i=i: got.__setitem__((i, "k"), out[0])))
+        hooks.append(a.v_proj.register_forward_hook(lambda m, inp, out, i=i: got.__setitem__((i, "v"), out[0])))
+    try:
+        model(ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    t = ids.shape[1]
+    cos, sin = rope_cos_sin(model, torch.arange(t))
+    out = {"k_pre": [], "k_post": [], "v": []}
+    for i in range(shape.layers):
+        k = got[(i, "k")].float()
+        out["k_pre"].append(k)
+        out["k_post"].append(
+            apply_rope(k.view(t, shape.kv_heads, shape.head_dim).transpose(0, 1), cos, sin).transpose(0, 1).reshape(t, -1)
+        )
+        out["v"].append(got[(i, "v")].float())
+    return out
+
+
+def inspect_activations(model_name: str, text_name: str, out_dir: str, layer: int | None = None,
+                        seqlen: int = 512) -> list[Path]:
+    """Write the per-channel magnitude plot for one layer and the per-layer distribution plot."""
+    from ..integrations.models import load_model
+    from .texts import load_text, token_windows
+
+    model, tok = load_model(model_name)
+    ids = token_windows(tok, load_text(text_name).evaluation, seqlen, max_windows=1)
+    acts = capture_kv(model, ids)
+    n_layers = len(acts["v"])
+    layer = n_layers // 2 if layer is None else layer
+    if not 0 <= layer < n_layers:
+        raise ValueError(f"--layer {layer} is out of range: the model has layers 0..{n_layers - 1}")
+    plt = _plt()
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.2))
+    titles = {"k_pre": "keys, pre-RoPE", "k_post": "keys, post-RoPE", "v": "values"}
+    for ax, name in zip(axes, ("k_pre", "k_post", "v")):
+        mag = acts[name][layer].abs()  # [T, C]
+        im = ax.imshow(mag.T.numpy(), aspect="auto", cmap="viridis", interpolation="nearest")
+        ax.set_title(f"layer {layer}: |{titles[name]}|")
+        ax.set_xlabel("token")
+        ax.set_ylabel("channel")
+        fig.colorbar(im, ax=ax)
+    fig.suptitle(f"{model_name}, {text_name}, {seqlen} tokens: outlier channels are stable across tokens "
+                 "for keys (per-channel quantization), not for values")
+    fig.tight_layout()
+    p1 = out / f"channel_magnitudes_layer{layer}.png"
+    fig.savefig(p1, dpi=110)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(2, 1, figsize=(max(8, n_layers * 0.4), 7), sharex=True)
+    for ax, name in zip(axes, ("k_pre", "v")):
+        data = [acts[name][i].flatten().abs().numpy() for i in range(n_layers)]
+        ax.boxplot(data, whis=(0.1, 99.9), showfliers=True, flierprops={"markersize": 1})
+        ax.set_yscale("log")
+        ax.set_ylabel(f"|{titles[name]}|")
+    axes[1].set_xlabel("layer (+1)")
+    axes[0].set_title(f"{model_name}: element magnitudes per layer (whiskers 0.1-99.9 percentile, outliers as dots)")
+    fig.tight_layout()
+    p2 = out / "magnitude_distribution_per_layer.png"
+    fig.savefig(p2, dpi=110)
+    plt.close(fig)
+    return [p1, p2]
+
+
+def plot_ppl_by_length(runs: list[dict], path: str) -> None:
+    """One line per method: perplexity against window length (runs as written by `kvsqueeze eval --json`)."""
+    plt = _plt()
+    by_method: dict[str, list[tuple[int, float]]] = {}
+    for run in runs:
+        for row in run["rows"]:
+            by_method.setdefault(row["method"], []).append((run["seqlen"], row["ppl"]))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method, pts in by_method.items():
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("perplexity")
+    if runs:
+        ax.set_title(f"{runs[0]['model']} on {runs[0]['text']}")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

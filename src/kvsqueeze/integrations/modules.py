@@ -1,0 +1,56 @@
+"""Find the pieces of a transformers decoder we hook into, without knowing its class.
+
+LLaMA, Mistral and Qwen2 (and most decoders in transformers) expose attention
+modules with `k_proj` / `v_proj` linears and a rotary-embedding module that
+returns (cos, sin) for position ids. RoPE is applied the transformers way
+(rotate-half), which is what those models do.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def attention_modules(model) -> list:
+    """Self-attention modules in layer order (those with k_proj, v_proj and a layer_idx)."""
+    mods = [
+        m for m in model.modules()
+        if hasattr(m, "k_proj") and hasattr(m, "v_proj") and hasattr(m, "layer_idx")
+    ]
+    if not mods:
+        raise ValueError(
+            f"{type(model).__name__} has no attention modules with k_proj/v_proj projections; "
+            "kvsqueeze supports LLaMA-style decoders (LLaMA, Mistral, Qwen2, SmolLM, ...)"
+        )
+    return sorted(mods, key=lambda m: m.layer_idx)
+
+
+def rotary_module(model):
+    """The model's rotary-embedding module (forward(x, position_ids) -> (cos, sin))."""
+    for m in model.modules():
+        if type(m).__name__.endswith("RotaryEmbedding"):
+            return m
+    raise ValueError(f"{type(model).__name__} has no rotary embedding module; kvsqueeze needs a RoPE model")
+
+
+def rope_cos_sin(model, positions: torch.Tensor, dtype=torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [T, head_dim] for absolute `positions` [T], computed by the model's own rotary module."""
+    rot = rotary_module(model)
+    probe = torch.zeros(1, dtype=dtype, device=positions.device)
+    cos, sin = rot(probe, positions.view(1, -1))
+    return cos[0], sin[0]
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [..., T, D] by cos/sin [T, D] (RoPE)."""
+    return x * cos + rotate_half(x) * sin
+
+
+def unapply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Inverse of `apply_rope` (rotation by the negative angle)."""
+    return x * cos - rotate_half(x) * sin

@@ -1,0 +1,169 @@
+"""Simulated KV quantization inside a transformers forward pass (quantize -> dequantize).
+
+This is how every method's quality is measured (the paper's ablations are
+computed the same way). Nothing in the model is forked:
+
+* pre-RoPE keys and all values are quantized by forward hooks on each
+  attention module's `k_proj` / `v_proj` (their outputs are exactly the
+  un-rotated keys and the values);
+* post-RoPE keys are quantized as they enter the cache, by `SimulatedLayer`,
+  a `DynamicLayer` whose `update` quantizes the new tokens;
+* KIVI, whose fp16 window depends on the query position, runs in the
+  attention function registered as "kvsqueeze" (see `kivi.py`).
+
+Each token is quantized once, when it enters the cache, exactly like a real
+compressed cache would, so prefill, teacher-forced evaluation and token-by-token
+decoding all see the same numbers. The first `spec.sinks` positions stay exact.
+Batches are assumed unpadded (rows share positions).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import Cache, DynamicLayer
+
+from ..methods import MethodSpec, storage_bits
+from ..quantizer import check_finite
+from ..recipe import Recipe
+from ..schemes import VectorQuantizer, build_quantizers
+from .attention import ATTN_NAME, register_attention
+from .models import kv_shape
+from .modules import attention_modules
+
+
+class _Counter:
+    """Outliers stored per layer since the last reset, for honest bit accounting."""
+
+    def __init__(self, layers: int):
+        self.k = [0] * layers
+        self.v = [0] * layers
+
+    def reset(self) -> None:
+        self.k = [0] * len(self.k)
+        self.v = [0] * len(self.v)
+
+
+def _quantize_tokens(
+    q: VectorQuantizer, x: torch.Tensor, start: int, sinks: int
+) -> tuple[torch.Tensor, int]:
+    """Fake-quantize x [B, T, C] whose first token sits at absolute position `start`; sinks stay fp16."""
+    b, t, c = x.shape
+    keep = max(0, min(sinks - start, t))  # leading tokens that are attention sinks
+    flat = x[:, keep:].reshape(-1, c)
+    if flat.shape[0] == 0:
+        return x.half().to(x.dtype), 0
+    xq, n_out = q.fake(flat)
+    xq = xq.view(b, t - keep, c)
+    if keep:
+        xq = torch.cat([x[:, :keep].half().to(x.dtype), xq], dim=1)
+    return xq, n_out
+
+
+class SimulatedLayer(DynamicLayer):
+    """A DynamicLayer that quantizes post-RoPE keys [B, H, T, D] as they are appended."""
+
+    def __init__(self, sim: "SimulatedQuantization", layer: int):
+        super().__init__()
+        self.sim = sim
+        self.layer = layer
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        q = self.sim.k_post[self.layer]
+        if q is not None:
+            b, h, t, d = key_states.shape
+            flat = key_states.transpose(1, 2).reshape(b, t, h * d)  # [B, T, H*D]
+            xq, n = _quantize_tokens(q, flat, self.get_seq_length(), self.sim.spec.sinks)
+            self.sim.counter.k[self.layer] += n
+            key_states = xq.view(b, t, h, d).transpose(1, 2)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+class SimulatedQuantization:
+    """Context manager that makes `model` see its KV cache through `spec`'s quantizers.
+
+    Usage::
+
+        with SimulatedQuantization(model, parse_method("nuq3-1%"), recipe) as sim:
+            out = model(ids, cache=sim.new_cache(), use_cache=True)
+    """
+
+    def __init__(self, model, spec: MethodSpec, recipe: Recipe | None = None):
+        self.model = model
+        self.spec = spec
+        self.shape = kv_shape(model.config)
+        if recipe is not None:
+            recipe.check_model(model)
+        self.attn = attention_modules(model)
+        qs = [build_quantizers(spec, recipe, i, self.shape.channels) for i in range(self.shape.layers)]
+        pre = spec.key_rope == "pre" and spec.family not in ("group", "kivi")
+        self.k_pre = [k if pre else None for k, _ in qs]
+        self.k_post = [None if pre else k for k, _ in qs]
+        self.v = [v for _, v in qs]
+        if spec.family == "kivi":
+            self.v = [None] * self.shape.layers  # KIVI quantizes K and V in attention (fp16 window)
+        self.counter = _Counter(self.shape.layers)
+        self._handles: list = []
+        self._start = 0
+        self._saved_attn = None
+
+    # ---- hooks ---------------------------------------------------------------------------
+    def _model_pre_hook(self, module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        self._start = cache.get_seq_length() if cache is not None else 0
+
+    def _proj_hook(self, layer: int, kind: str):
+        def hook(module, inputs, output):
+            check_finite(output, f"layer {layer} {kind} activations")
+            q = self.k_pre[layer] if kind == "key" else self.v[layer]
+            if q is None:
+                return output
+            xq, n = _quantize_tokens(q, output, self._start, self.spec.sinks)
+            if kind == "key":
+                self.counter.k[layer] += n
+            else:
+                self.counter.v[layer] += n
+            return xq
+
+        return hook
+
+    def __enter__(self) -> "SimulatedQuantization":
+        self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
+        for i, a in enumerate(self.attn):
+            self._handles.append(a.k_proj.register_forward_hook(self._proj_hook(i, "key")))
+            self._handles.append(a.v_proj.register_forward_hook(self._proj_hook(i, "value")))
+        if self.spec.family == "kivi":
+            register_attention()
+            self._saved_attn = self.model.config._attn_implementation
+            self.model.set_attn_implementation(ATTN_NAME)
+            for a in self.attn:
+                a.kvsqueeze_kivi = self.spec
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        if self._saved_attn is not None:
+            self.model.set_attn_implementation(self._saved_attn)
+            for a in self.attn:
+                del a.kvsqueeze_kivi
+            self._saved_attn = None
+
+    # ---- caches and accounting -----------------------------------------------------------
+    def new_cache(self) -> Cache:
+        """A fresh cache for one batch of sequences (post-RoPE keys are quantized on entry)."""
+        self.counter.reset()
+        return Cache(layers=[SimulatedLayer(self, i) for i in range(self.shape.layers)])
+
+    def storage(self, tokens: int, batch: int = 1) -> dict[str, float]:
+        """Bits the cache holds for `tokens` tokens per row, with the outliers actually kept."""
+        total: dict[str, float] = {}
+        for i in range(self.shape.layers):
+            b = storage_bits(
+                self.spec, tokens, self.shape.channels,
+                k_outliers=self.counter.k[i] / batch if self.spec.outlier_fraction else None,
+                v_outliers=self.counter.v[i] / batch if self.spec.outlier_fraction else None,
+            )
+            for k, v in b.items():
+                total[k] = total.get(k, 0.0) + v
+        return total

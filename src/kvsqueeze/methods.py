@@ -1,0 +1,320 @@
+"""Method names: parse `nuq3-1%`, `int3:kchan:pre`, `kivi2`, ... into a frozen `MethodSpec`.
+
+A method fixes everything about how the KV cache is quantized: the datatype
+family (uniform int, NormalFloat, learned nuq codebooks, KIVI, grouped uniform),
+key and value bit widths, the axis each is quantized along, whether keys are
+quantized before or after RoPE, the outlier fraction and its scope, and how
+many attention-sink tokens stay in fp16. It also owns the honest storage
+accounting (`storage_bits`): codes, scales and zero-points, outlier values,
+indices and pointers, sinks, codebooks and fp16 windows all count.
+
+Grammar::
+
+    FAMILY BITS [-PCT%] [:FLAG ...]
+
+    FAMILY  fp16 | int | nf | nuq | kivi | group
+    BITS    2 | 3 | 4 (both K and V)  or  k3v2 (keys 3 bits, values 2 bits)
+    PCT     outlier percentage, e.g. 1 or 0.1 (kept exactly in fp16)
+    FLAG    ktok | kchan       keys per token / per channel
+            vtok | vchan       values per token / per channel
+            pre | post         keys quantized before / after RoPE
+            pm | pv            outlier thresholds per matrix / per vector
+            sinkN              first N tokens stay fp16 (sink0 disables)
+            unw | fisher | fs2 nuq codebook fit: unweighted / Fisher / Fisher*s^2
+            gN                 group size (kivi, group)
+            rN                 KIVI fp16 window of recent tokens
+
+Family defaults follow the papers: `int`/`nf` are the per-token post-RoPE
+baselines of KVQuant's tables; `nuq` is KVQuant (keys per channel pre-RoPE,
+values per token, Fisher*s^2 codebooks, per-vector outliers, one sink);
+`kivi` is KIVI (keys per channel in groups of 32 tokens post-RoPE, values per
+token in groups of 32 channels, 128 recent tokens fp16); `group` is the
+FlexGen/ATOM grouped per-token uniform quantizer (groups of 128 channels).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, replace
+
+FAMILIES = ("fp16", "int", "nf", "nuq", "kivi", "group")
+SUPPORTED_BITS = (2, 3, 4)
+FIT_VARIANTS = ("fs2", "fisher", "unw")  # Fisher*s^2 (the paper's), Fisher only, unweighted
+
+# Storage widths, in bits. Scales and zero-points are fp16; an outlier is its
+# fp16 value plus a 16-bit index inside its vector (vectors are at most 65,536
+# wide); a compressed-sparse pointer is 32 bits per token so the cache can hold
+# more than 65,536 outliers.
+FP16_BITS = 16
+SCALE_ZERO_BITS = 2 * FP16_BITS
+OUTLIER_BITS = FP16_BITS + 16
+POINTER_BITS = 32
+
+
+class MethodError(ValueError):
+    """A method name that does not parse or asks for something impossible."""
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    """Everything that decides how one KV cache is quantized."""
+
+    family: str
+    k_bits: int = 16
+    v_bits: int = 16
+    outlier_fraction: float = 0.0  # of the elements of each vector, half above and half below
+    outlier_scope: str = "vector"  # "vector": per channel for K / per token for V; "matrix": one per layer
+    key_axis: str = "channel"  # the axis that shares one scale: "channel" or "token"
+    key_rope: str = "pre"  # quantize keys before ("pre") or after ("post") RoPE
+    value_axis: str = "token"
+    sinks: int = 0  # first tokens kept in fp16 and left out of calibration
+    fit: str = "fs2"
+    group_size: int = 0  # kivi / group only
+    window: int = 0  # kivi only: recent tokens kept fp16
+    name: str = ""
+
+    @property
+    def quantized(self) -> bool:
+        return self.family != "fp16"
+
+    @property
+    def needs_recipe(self) -> bool:
+        """True when the method reads offline statistics from a calibration recipe."""
+        if self.family in ("fp16", "kivi", "group"):
+            return False
+        if self.family == "nuq":
+            return True
+        # int/nf read offline per-channel statistics (and per-matrix thresholds)
+        return (
+            self.key_axis == "channel"
+            or self.value_axis == "channel"
+            or (self.outlier_fraction > 0 and self.outlier_scope == "matrix")
+        )
+
+    @property
+    def pct_label(self) -> str:
+        return _pct_label(self.outlier_fraction)
+
+
+_NAME_RE = re.compile(
+    r"^(?P<family>fp16|int|nf|nuq|kivi|group)"
+    r"(?:-?(?:(?P<bits>\d+)|k(?P<kb>\d+)v(?P<vb>\d+)))?"
+    r"(?:-(?P<pct>\d+(?:\.\d+)?)%)?"
+    r"(?P<flags>(?::[a-z0-9]+)*)$"
+)
+
+_DEFAULTS = {
+    "fp16": dict(),
+    "int": dict(key_axis="token", key_rope="post", value_axis="token", sinks=0),
+    "nf": dict(key_axis="token", key_rope="post", value_axis="token", sinks=0),
+    "nuq": dict(key_axis="channel", key_rope="pre", value_axis="token", sinks=1),
+    "kivi": dict(key_axis="channel", key_rope="post", value_axis="token", group_size=32, window=128),
+    "group": dict(key_axis="token", key_rope="post", value_axis="token", group_size=128),
+}
+
+
+def _pct_label(fraction: float) -> str:
+    pct = fraction * 100
+    return f"{pct:g}%"
+
+
+def parse_method(name: str) -> MethodSpec:
+    """Parse a method name (see the module docstring) into a `MethodSpec`.
+
+    Raises:
+        MethodError: the name does not follow the grammar, or asks for bit
+            widths, fractions or flags that the family does not support.
+    """
+    text = name.strip().lower()
+    m = _NAME_RE.match(text)
+    if not m:
+        raise MethodError(
+            f"unknown method {name!r}: expected FAMILY BITS [-PCT%] [:FLAG...], e.g. "
+            "'fp16', 'int3', 'nf4', 'nuq3-1%', 'nuq-k3v2-1%', 'kivi2', 'group3:g64', "
+            "'int3:kchan:pre' (families: " + ", ".join(FAMILIES) + ")"
+        )
+    family = m["family"]
+    fields: dict = dict(_DEFAULTS[family])
+    if family == "fp16":
+        if m["bits"] or m["kb"] or m["pct"] or m["flags"]:
+            raise MethodError(f"method {name!r}: 'fp16' takes no bits, outliers or flags")
+        return MethodSpec(family="fp16", name="fp16")
+    if m["bits"]:
+        kb = vb = int(m["bits"])
+    elif m["kb"]:
+        kb, vb = int(m["kb"]), int(m["vb"])
+    else:
+        raise MethodError(f"method {name!r}: give a bit width, e.g. '{family}3' or '{family}-k3v2'")
+    for which, b in (("key", kb), ("value", vb)):
+        if b not in SUPPORTED_BITS:
+            raise MethodError(
+                f"method {name!r}: {which} bit width {b} is not supported; use one of "
+                f"{', '.join(map(str, SUPPORTED_BITS))}"
+            )
+    fields.update(k_bits=kb, v_bits=vb)
+    if m["pct"]:
+        pct = float(m["pct"])
+        if not 0 < pct < 50:
+            raise MethodError(f"method {name!r}: outlier percentage must be in (0, 50), got {pct}")
+        if family in ("kivi", "group"):
+            raise MethodError(f"method {name!r}: {family} has no outlier option (KVQuant families only)")
+        fields["outlier_fraction"] = pct / 100.0
+    for flag in filter(None, m["flags"].split(":")):
+        _apply_flag(name, family, flag, fields)
+    spec = MethodSpec(family=family, **fields)
+    return replace(spec, name=canonical_name(spec))
+
+
+def _apply_flag(name: str, family: str, flag: str, fields: dict) -> None:
+    simple = {
+        "ktok": ("key_axis", "token"),
+        "kchan": ("key_axis", "channel"),
+        "vtok": ("value_axis", "token"),
+        "vchan": ("value_axis", "channel"),
+        "pre": ("key_rope", "pre"),
+        "post": ("key_rope", "post"),
+        "pm": ("outlier_scope", "matrix"),
+        "pv": ("outlier_scope", "vector"),
+        "unw": ("fit", "unw"),
+        "fisher": ("fit", "fisher"),
+        "fs2": ("fit", "fs2"),
+    }
+    if flag in simple:
+        key, value = simple[flag]
+        if family in ("kivi", "group") and key in ("key_axis", "value_axis", "key_rope"):
+            raise MethodError(f"method {name!r}: {family} has fixed axes; flag ':{flag}' does not apply")
+        if key == "fit" and family != "nuq":
+            raise MethodError(f"method {name!r}: ':{flag}' chooses a nuq codebook fit; {family} has fixed levels")
+        fields[key] = value
+        return
+    m = re.fullmatch(r"(sink|g|r)(\d+)", flag)
+    if not m:
+        raise MethodError(
+            f"method {name!r}: unknown flag ':{flag}'; known flags: ktok kchan vtok vchan pre post "
+            "pm pv sinkN unw fisher fs2 gN rN"
+        )
+    kind, n = m[1], int(m[2])
+    if kind == "sink":
+        fields["sinks"] = n
+    elif kind == "g":
+        if family not in ("kivi", "group") or n < 1:
+            raise MethodError(f"method {name!r}: ':g{n}' sets a positive group size for kivi/group only")
+        fields["group_size"] = n
+    else:
+        if family != "kivi":
+            raise MethodError(f"method {name!r}: ':r{n}' sets the KIVI fp16 window; {family} has none")
+        fields["window"] = n
+
+
+def canonical_name(spec: MethodSpec) -> str:
+    """The shortest name that parses back to `spec` (flags only where they differ from the family default)."""
+    if spec.family == "fp16":
+        return "fp16"
+    bits = str(spec.k_bits) if spec.k_bits == spec.v_bits else f"-k{spec.k_bits}v{spec.v_bits}"
+    out = spec.family + bits
+    if spec.outlier_fraction:
+        out += "-" + _pct_label(spec.outlier_fraction)
+    d = _DEFAULTS[spec.family]
+    flags = []
+    if spec.family not in ("kivi", "group"):
+        if spec.key_axis != d["key_axis"]:
+            flags.append("ktok" if spec.key_axis == "token" else "kchan")
+        if spec.key_rope != d["key_rope"]:
+            flags.append(spec.key_rope)
+        if spec.value_axis != d["value_axis"]:
+            flags.append("vtok" if spec.value_axis == "token" else "vchan")
+    if spec.outlier_fraction and spec.outlier_scope == "matrix":
+        flags.append("pm")
+    if spec.sinks != d.get("sinks", 0):
+        flags.append(f"sink{spec.sinks}")
+    if spec.family == "nuq" and spec.fit != "fs2":
+        flags.append(spec.fit)
+    if spec.family in ("kivi", "group") and spec.group_size != d["group_size"]:
+        flags.append(f"g{spec.group_size}")
+    if spec.family == "kivi" and spec.window != d["window"]:
+        flags.append(f"r{spec.window}")
+    return out + "".join(":" + f for f in flags)
+
+
+def parse_methods(text: str) -> list[MethodSpec]:
+    """Parse a comma-separated list of method names, rejecting duplicates."""
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    if not names:
+        raise MethodError("no methods given: pass e.g. --methods fp16,int3,nuq3-1%")
+    specs = [parse_method(n) for n in names]
+    seen: dict[str, str] = {}
+    for raw, s in zip(names, specs):
+        if s.name in seen:
+            raise MethodError(f"methods {seen[s.name]!r} and {raw!r} are the same method ({s.name})")
+        seen[s.name] = raw
+    return specs
+
+
+def max_outliers_per_side(fraction: float, width: int) -> int:
+    """Outliers kept on each side (above / below) of one vector of `width` elements."""
+    return int(math.floor(fraction * width / 2 + 0.5))
+
+
+def storage_bits(
+    spec: MethodSpec,
+    tokens: int,
+    channels: int,
+    k_outliers: float | None = None,
+    v_outliers: float | None = None,
+) -> dict[str, float]:
+    """Bits one layer's K and V cache occupies, by component.
+
+    Args:
+        spec: the method.
+        tokens: cached tokens (sinks included).
+        channels: K (= V) channels per token in the layer, kv_heads * head_dim.
+        k_outliers, v_outliers: outliers actually stored; by default the
+            nominal fraction of the quantized elements.
+
+    Returns:
+        dict with keys codes, scales, outlier_values, outlier_indices,
+        pointers, sinks, codebook, fp16_window and total (all in bits), and
+        elements (2 * tokens * channels, for an average).
+    """
+    out = dict(codes=0.0, scales=0.0, outlier_values=0.0, outlier_indices=0.0,
+               pointers=0.0, sinks=0.0, codebook=0.0, fp16_window=0.0)
+    elements = 2 * tokens * channels
+    if spec.family == "fp16":
+        out["codes"] = float(elements * FP16_BITS)
+        out["total"] = out["codes"]
+        out["elements"] = elements
+        return out
+    sinks = min(spec.sinks, tokens)
+    window = min(spec.window, tokens - sinks) if spec.family == "kivi" else 0
+    q = tokens - sinks - window  # tokens held as codes
+    out["sinks"] = 2.0 * sinks * channels * FP16_BITS
+    out["fp16_window"] = 2.0 * window * channels * FP16_BITS
+    out["codes"] = float(q * channels * (spec.k_bits + spec.v_bits))
+    if spec.family == "kivi":
+        g = spec.group_size
+        out["scales"] = SCALE_ZERO_BITS * (math.ceil(q / g) * channels + q * math.ceil(channels / g))
+    elif spec.family == "group":
+        out["scales"] = 2.0 * SCALE_ZERO_BITS * q * math.ceil(channels / spec.group_size)
+    else:
+        k_vectors = channels if spec.key_axis == "channel" else q
+        v_vectors = channels if spec.value_axis == "channel" else q
+        out["scales"] = float(SCALE_ZERO_BITS * (k_vectors + v_vectors))
+        if spec.family == "nuq":
+            out["codebook"] = float(FP16_BITS * (2**spec.k_bits + 2**spec.v_bits))
+        if spec.outlier_fraction > 0:
+            nominal = spec.outlier_fraction * q * channels
+            ko = nominal if k_outliers is None else k_outliers
+            vo = nominal if v_outliers is None else v_outliers
+            out["outlier_values"] = FP16_BITS * (ko + vo)
+            out["outlier_indices"] = 16.0 * (ko + vo)
+            out["pointers"] = 2.0 * POINTER_BITS * (q + 1)  # CSC for K, CSR for V: one pointer per token each
+    out["total"] = sum(v for k, v in out.items())
+    out["elements"] = elements
+    return out
+
+
+def average_bits(spec: MethodSpec, tokens: int, channels: int, **kw) -> float:
+    """Average stored bits per K/V element (see `storage_bits`)."""
+    b = storage_bits(spec, tokens, channels, **kw)
+    return b["total"] / max(b["elements"], 1)

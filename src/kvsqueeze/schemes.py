@@ -1,0 +1,159 @@
+"""Per-layer key and value quantizers built from a method and a recipe (pure torch).
+
+A `VectorQuantizer` quantizes a [N, C] matrix of N tokens by C channels
+(C = kv_heads * head_dim): along the channel axis one (scale, zero) per channel
+comes from offline calibration; along the token axis one per token (or per
+group of channels) is computed online. Outliers outside the per-vector or
+per-matrix thresholds are kept exactly in fp16. `build_quantizers` turns a
+`MethodSpec` plus a `Recipe` into the key and value quantizers of one layer;
+the simulated evaluation and the compressed cache both use them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .datatypes import check_codebook, fixed_levels, uniform_levels
+from .methods import MethodError, MethodSpec
+from .outliers import clamp_range, online_thresholds, outlier_mask
+from .quantizer import choose_qparams, dequantize, quantize
+from .recipe import Recipe, RecipeError
+
+
+@dataclass(frozen=True)
+class Encoded:
+    """One quantized [N, C] block: codes plus what it takes to decode them."""
+
+    codes: torch.Tensor  # uint8 [N, C]
+    scale: torch.Tensor  # float32, broadcastable to [N, C]
+    zero: torch.Tensor
+    outliers: torch.Tensor | None  # bool [N, C]: elements stored exactly
+
+
+@dataclass(frozen=True, eq=False)
+class VectorQuantizer:
+    """Quantizer for [N tokens, C channels] matrices; see the module docstring."""
+
+    levels: torch.Tensor  # float32 [2**bits], sorted, in [-1, 1]
+    axis: str  # "channel" (offline per-channel range) or "token" (online per-token range)
+    fraction: float = 0.0  # outliers kept exactly
+    scope: str = "vector"  # "vector" or "matrix" thresholds
+    lo: torch.Tensor | None = None  # channel axis: per-channel clipping range [C]
+    hi: torch.Tensor | None = None
+    mat_lo: float | None = None  # token axis, per-matrix outliers: thresholds
+    mat_hi: float | None = None
+    group: int = 0  # token axis: channels per (scale, zero) group; 0 = the whole token
+
+    @property
+    def bits(self) -> int:
+        return int(self.levels.numel()).bit_length() - 1
+
+    def ranges(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clipping range [lo, hi] for x [N, C] (shapes [1, C] or [N, 1])."""
+        if self.axis == "channel":
+            return self.lo.view(1, -1), self.hi.view(1, -1)
+        if self.fraction > 0 and self.scope == "matrix":
+            return clamp_range(x, torch.tensor(self.mat_lo), torch.tensor(self.mat_hi), dim=1)
+        return online_thresholds(x, self.fraction, dim=1)
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        """Quantize x [N, C] (float) into codes, scales, zero-points and an outlier mask."""
+        if self.group:
+            return self._encode_grouped(x)
+        lo, hi = self.ranges(x)
+        scale, zero = choose_qparams(lo, hi)
+        mask = outlier_mask(x, lo, hi) if self.fraction > 0 else None
+        return Encoded(quantize(x, scale, zero, self.levels), scale, zero, mask)
+
+    def _encode_grouped(self, x: torch.Tensor) -> Encoded:
+        n, c = x.shape
+        g = self.group
+        width = -(-c // g) * g
+        # pad with each row's first value: it changes no group's min or max
+        padded = torch.cat([x, x[:, :1].expand(n, width - c)], dim=1).view(n, -1, g)
+        scale, zero = choose_qparams(padded.amin(-1, keepdim=True), padded.amax(-1, keepdim=True))
+        codes = quantize(padded, scale, zero, self.levels).view(n, width)[:, :c]
+        expand = lambda t: t.expand(n, width // g, g).reshape(n, width)[:, :c]  # noqa: E731
+        return Encoded(codes, expand(scale), expand(zero), None)
+
+    def decode(self, enc: Encoded, x_exact: torch.Tensor | None = None) -> torch.Tensor:
+        """Dequantize; where `enc.outliers` is set, take x_exact rounded to fp16."""
+        out = dequantize(enc.codes, enc.scale, enc.zero, self.levels)
+        if enc.outliers is not None and x_exact is not None:
+            out = torch.where(enc.outliers, x_exact.half().float(), out)
+        return out
+
+    def fake(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Quantize-dequantize x [N, C]; returns (x_hat in x's dtype, number of outliers kept)."""
+        xf = x.float()
+        enc = self.encode(xf)
+        n_out = int(enc.outliers.sum()) if enc.outliers is not None else 0
+        return self.decode(enc, xf).to(x.dtype), n_out
+
+
+def _levels(spec: MethodSpec, recipe: Recipe | None, layer: int, kv: str, bits: int) -> torch.Tensor:
+    if spec.family in ("int", "nf"):
+        return fixed_levels(spec.family, bits)
+    if spec.family in ("group", "kivi"):
+        return uniform_levels(bits)
+    cb = recipe.codebook(layer, kv, bits, spec.outlier_fraction, spec.outlier_scope, spec.fit)
+    return check_codebook(cb, bits)
+
+
+def _channel_range(spec: MethodSpec, recipe: Recipe, layer: int, tensor: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if spec.outlier_fraction > 0 and spec.outlier_scope == "matrix":
+        lo, hi = recipe.channel_range(layer, tensor, 0.0)
+        t_lo, t_hi = recipe.matrix_thresholds(layer, tensor, spec.outlier_fraction)
+        return torch.maximum(lo, t_lo), torch.minimum(hi, t_hi)
+    return recipe.channel_range(layer, tensor, spec.outlier_fraction)
+
+
+def build_quantizers(
+    spec: MethodSpec, recipe: Recipe | None, layer: int, channels: int
+) -> tuple[VectorQuantizer | None, VectorQuantizer | None]:
+    """Key and value quantizers of one layer (None for fp16; KIVI keys are handled by `kivi.py`).
+
+    Raises:
+        RecipeError: the method needs offline statistics and no recipe (or the
+            wrong one) was given.
+        MethodError: a combination the method family cannot do.
+    """
+    if not spec.quantized:
+        return None, None
+    if spec.needs_recipe and recipe is None:
+        raise RecipeError(
+            f"method {spec.name!r} uses offline calibration statistics: pass --recipe DIR "
+            "(create one with `kvsqueeze calibrate`)"
+        )
+    if spec.family == "nuq" and (spec.key_axis, spec.key_rope, spec.value_axis) != ("channel", "pre", "token"):
+        raise MethodError(
+            f"method {spec.name!r}: nuq codebooks are calibrated for per-channel pre-RoPE keys and "
+            "per-token values; use int/nf for other axes"
+        )
+    if spec.family == "group":
+        g = spec.group_size
+        return (VectorQuantizer(uniform_levels(spec.k_bits), "token", group=g),
+                VectorQuantizer(uniform_levels(spec.v_bits), "token", group=g))
+    if spec.family == "kivi":
+        return None, VectorQuantizer(uniform_levels(spec.v_bits), "token", group=spec.group_size)
+
+    def one(kv: str, bits: int, axis: str, tensor: str) -> VectorQuantizer:
+        levels = _levels(spec, recipe, layer, kv, bits)
+        common = dict(levels=levels, axis=axis, fraction=spec.outlier_fraction, scope=spec.outlier_scope)
+        if axis == "channel":
+            lo, hi = _channel_range(spec, recipe, layer, tensor)
+            if lo.numel() != channels:
+                raise RecipeError(
+                    f"recipe layer {layer} has {lo.numel()} {tensor} channels, the model has {channels}: "
+                    "this recipe belongs to another model"
+                )
+            return VectorQuantizer(lo=lo.float(), hi=hi.float(), **common)
+        if spec.outlier_fraction > 0 and spec.outlier_scope == "matrix":
+            t_lo, t_hi = recipe.matrix_thresholds(layer, tensor, spec.outlier_fraction)
+            return VectorQuantizer(mat_lo=float(t_lo), mat_hi=float(t_hi), **common)
+        return VectorQuantizer(**common)
+
+    k_tensor = "k_pre" if spec.key_rope == "pre" else "k_post"
+    return one("k", spec.k_bits, spec.key_axis, k_tensor), one("v", spec.v_bits, spec.value_axis, "v")
