@@ -26,6 +26,8 @@ def normal_float_levels(bits: int) -> torch.Tensor:
     puts the extreme levels at the edges of the outermost bins.
     """
     _check_bits(bits)
+    if bits < 2:
+        raise ValueError("NormalFloat needs at least 2 bits (1 bit cannot hold both signs and zero)")
     n = 2**bits
     offset = 1.0 - 0.5 * (1.0 / (2 * (n - 1)) + 1.0 / (2 * n))
     pos = torch.special.ndtri(torch.linspace(offset, 0.5, n // 2 + 1, dtype=torch.float64)[:-1])

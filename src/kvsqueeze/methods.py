@@ -163,6 +163,16 @@ def parse_method(name: str) -> MethodSpec:
     for flag in filter(None, m["flags"].split(":")):
         _apply_flag(name, family, flag, fields)
     spec = MethodSpec(family=family, **fields)
+    if spec.outlier_scope == "matrix" and spec.outlier_fraction == 0:
+        raise MethodError(f"method {name!r}: ':pm' sets per-matrix outlier thresholds; give a percentage, e.g. {family}{kb}-1%:pm")
+    if family == "kivi":
+        if spec.window < spec.group_size:
+            raise MethodError(
+                f"method {name!r}: the KIVI fp16 window ({spec.window}) must hold at least one key group "
+                f"({spec.group_size} tokens), or quantized keys would use statistics of future tokens"
+            )
+        if spec.sinks:
+            raise MethodError(f"method {name!r}: KIVI has no attention sinks; drop ':sink{spec.sinks}'")
     return replace(spec, name=canonical_name(spec))
 
 

@@ -44,19 +44,19 @@ def calibrated_thresholds(x: torch.Tensor, fraction: float, dim: int = 0) -> tup
     Returns:
         lo, hi: float32 tensors [C] (or scalars for dim=None).
     """
-    if dim is None:
+    per_matrix = dim is None
+    if per_matrix:
         x = x.reshape(-1, 1)
         dim = 0
     x = x.float()
     n = x.shape[dim]
     k = int(round(fraction / 2 * n))
     if k == 0:
-        return x.amin(dim), x.amax(dim)
-    lo = x.kthvalue(k + 1, dim=dim).values
-    hi = x.kthvalue(n - k, dim=dim).values
-    if lo.ndim == 1 and lo.numel() == 1 and x.shape[1 - dim] == 1:
-        return lo.squeeze(), hi.squeeze()
-    return lo, hi
+        lo, hi = x.amin(dim), x.amax(dim)
+    else:
+        lo = x.kthvalue(k + 1, dim=dim).values
+        hi = x.kthvalue(n - k, dim=dim).values
+    return (lo.squeeze(), hi.squeeze()) if per_matrix else (lo, hi)
 
 
 def outlier_mask(x: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:

@@ -130,6 +130,8 @@ class Recipe:
             meta = json.loads((d / META_FILE).read_text())
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise RecipeError(f"{d / META_FILE} is corrupted ({exc}); recalibrate or restore the file") from exc
+        if not isinstance(meta, dict):
+            raise RecipeError(f"{d / META_FILE} does not hold a recipe (a JSON object); recalibrate or restore the file")
         version = meta.get("format_version")
         if version != FORMAT_VERSION:
             raise RecipeError(

@@ -71,8 +71,8 @@ class VectorQuantizer:
         n, c = x.shape
         g = self.group
         width = -(-c // g) * g
-        # pad with each row's first value: it changes no group's min or max
-        padded = torch.cat([x, x[:, :1].expand(n, width - c)], dim=1).view(n, -1, g)
+        # pad with each row's last value, which sits in the last group: no group's min or max changes
+        padded = torch.cat([x, x[:, -1:].expand(n, width - c)], dim=1).view(n, -1, g)
         scale, zero = choose_qparams(padded.amin(-1, keepdim=True), padded.amax(-1, keepdim=True))
         codes = quantize(padded, scale, zero, self.levels).view(n, width)[:, :c]
         expand = lambda t: t.expand(n, width // g, g).reshape(n, width)[:, :c]  # noqa: E731

@@ -36,7 +36,7 @@ def fake_quantize_channel_groups(v: torch.Tensor, group: int, bits: int) -> torc
     flat = v.transpose(1, 2).reshape(b, t, h * d)
     c = h * d
     pad = -c % group
-    fp = torch.cat([flat, flat[..., :1].expand(b, t, pad)], dim=-1) if pad else flat
+    fp = torch.cat([flat, flat[..., -1:].expand(b, t, pad)], dim=-1) if pad else flat
     fg = fp.float().view(b, t, -1, group)
     scale, zero = choose_qparams(fg.amin(-1, keepdim=True), fg.amax(-1, keepdim=True))
     levels = uniform_levels(bits)

@@ -1,0 +1,58 @@
+"""Long-context evaluation: passkey retrieval through a quantized KV cache.
+
+Generation runs greedy decoding with the method's simulated quantization (every
+prompt and generated token is quantized as it enters the cache, exactly as the
+compressed cache stores it), over the same seeded prompts for every method.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..integrations.simulate import SimulatedQuantization
+from ..methods import MethodSpec
+from ..recipe import Recipe
+from .passkey import PasskeyPrompt, PasskeyResult, build_passkey_prompts, run_passkey
+
+ANSWER_TOKENS = 8  # a 5-digit key plus a space and punctuation, whatever the tokenizer
+
+
+@torch.no_grad()
+def greedy_answer(model, tok, text: str, sim: SimulatedQuantization, max_new_tokens: int = ANSWER_TOKENS) -> str:
+    """Greedy continuation of `text` through the simulated quantized cache."""
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=sim.new_cache(),
+                         max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+
+
+def passkey_eval(model, tok, specs: list[MethodSpec], lengths: list[int], trials: int,
+                 recipe: Recipe | None = None, seed: int = 0, progress: bool = True) -> list[PasskeyResult]:
+    """Exact-match passkey accuracy for each method and prompt length (same prompts for all methods)."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    for n in lengths:
+        if n < 1:
+            raise ValueError(f"passkey length must be positive, got {n}")
+        if limit and n + ANSWER_TOKENS > limit:
+            raise ValueError(
+                f"passkey length {n} plus {ANSWER_TOKENS} answer tokens exceeds the model's "
+                f"{limit}-token context; use lengths up to {limit - ANSWER_TOKENS}"
+            )
+    prompts = {n: build_passkey_prompts(tok, n - ANSWER_TOKENS if n == limit else n, trials, seed=seed)
+               for n in lengths}
+    by_name = {s.name: s for s in specs}
+    sims: dict[str, SimulatedQuantization] = {}
+
+    def generate(method: str, prompt: PasskeyPrompt) -> str:
+        if method not in sims:
+            for s in sims.values():
+                s.__exit__(None, None, None)
+            sims.clear()
+            sims[method] = SimulatedQuantization(model, by_name[method], recipe).__enter__()
+        return greedy_answer(model, tok, prompt.text, sims[method])
+
+    try:
+        return run_passkey(prompts, [s.name for s in specs], generate, progress=progress)
+    finally:
+        for s in sims.values():
+            s.__exit__(None, None, None)

@@ -1,0 +1,246 @@
+"""Tests for kvsqueeze.methods: the method-name grammar, canonical names and storage accounting."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvsqueeze.methods import (
+    FAMILIES,
+    MethodError,
+    MethodSpec,
+    average_bits,
+    canonical_name,
+    parse_method,
+    parse_methods,
+    storage_bits,
+)
+
+DOCUMENTED = [
+    "fp16", "int3", "nf4", "nuq3", "nuq3-1%", "nuq-k3v2-1%", "kivi2", "group3:g64", "int3:kchan:pre",
+    "int2", "int4", "nf2", "nf3", "nuq2", "nuq4", "nuq2-1%", "nuq4-1%", "nuq3-0.1%", "nuq3-1%:pm",
+    "nuq3:sink0", "nuq3:sink5", "nuq3:unw", "nuq3:fisher", "nuq3-1%:fs2", "kivi4", "kivi2:g64:r256",
+    "group2", "group4:g32", "int3:vchan", "int3:ktok:post", "int3-1%", "int3-1%:kchan:pre:pm",
+    "nf3-1%:kchan:pre", "int-k4v2", "nuq-k2v4", "int3:sink1", "group3:sink2", "kivi2:r64",
+]
+
+COMPONENTS = ("codes", "scales", "outlier_values", "outlier_indices", "pointers", "sinks", "codebook",
+              "fp16_window")
+
+
+@pytest.mark.parametrize("name", DOCUMENTED)
+def test_documented_names_parse_and_round_trip(name):
+    spec = parse_method(name)
+    assert isinstance(spec, MethodSpec)
+    assert spec.name == canonical_name(spec)
+    assert parse_method(spec.name) == spec
+    assert parse_method(canonical_name(spec)) == spec
+    assert canonical_name(parse_method(spec.name)) == spec.name
+
+
+def test_defaults_follow_the_papers():
+    nuq = parse_method("nuq3-1%")
+    assert (nuq.key_axis, nuq.key_rope, nuq.value_axis, nuq.sinks, nuq.fit) == ("channel", "pre", "token", 1, "fs2")
+    assert nuq.outlier_fraction == pytest.approx(0.01) and nuq.outlier_scope == "vector"
+    assert nuq.k_bits == nuq.v_bits == 3
+    i3 = parse_method("int3")
+    assert (i3.key_axis, i3.key_rope, i3.value_axis, i3.sinks) == ("token", "post", "token", 0)
+    kivi = parse_method("kivi2")
+    assert (kivi.group_size, kivi.window, kivi.key_rope) == (32, 128, "post")
+    assert parse_method("group3").group_size == 128
+    mixed = parse_method("nuq-k3v2-1%")
+    assert (mixed.k_bits, mixed.v_bits) == (3, 2)
+    assert parse_method("fp16") == MethodSpec(family="fp16", name="fp16")
+
+
+def test_names_are_case_and_space_insensitive():
+    assert parse_method("  NUQ3-1%:PM ") == parse_method("nuq3-1%:pm")
+
+
+def test_needs_recipe():
+    for name in ("nuq3", "nuq2-1%", "int3:kchan:pre", "int3:vchan", "int3-1%:pm"):
+        assert parse_method(name).needs_recipe, name
+    for name in ("fp16", "int3", "nf3-1%", "kivi2", "group3"):
+        assert not parse_method(name).needs_recipe, name
+
+
+# ---- property: every name the grammar accepts round-trips --------------------------------------
+FLAGS = ["ktok", "kchan", "vtok", "vchan", "pre", "post", "pm", "pv", "unw", "fisher", "fs2",
+         "sink0", "sink1", "sink3", "g16", "g32", "g64", "r32", "r128", "r256"]
+
+
+@st.composite
+def method_names(draw):
+    family = draw(st.sampled_from(FAMILIES[1:]))
+    if draw(st.booleans()):
+        bits = str(draw(st.sampled_from([2, 3, 4])))
+    else:
+        bits = f"-k{draw(st.sampled_from([2, 3, 4]))}v{draw(st.sampled_from([2, 3, 4]))}"
+    pct = draw(st.sampled_from(["", "-1%", "-0.1%", "-2.5%"]))
+    flags = draw(st.lists(st.sampled_from(FLAGS), max_size=4))
+    return family + bits + pct + "".join(":" + f for f in flags)
+
+
+@settings(max_examples=400, deadline=None)
+@given(name=method_names())
+def test_any_accepted_name_round_trips(name):
+    try:
+        spec = parse_method(name)
+    except MethodError:
+        return
+    assert parse_method(spec.name) == spec, f"{name!r} -> {spec.name!r} parses to something else"
+
+
+def test_per_matrix_flag_without_outliers_round_trips():
+    """`nuq3:pm` is accepted but its canonical name `nuq3` parses to a different spec
+    (outlier_scope 'vector' vs 'matrix'); the nuq spec then asks the recipe for a
+    per-matrix codebook at 0% outliers, which calibration never fits. Either reject
+    ':pm' without an outlier percentage or normalize it away."""
+    try:
+        spec = parse_method("nuq3:pm")
+    except MethodError as exc:
+        assert "pm" in str(exc)
+        return
+    assert parse_method(spec.name) == spec
+
+
+# ---- bad names ---------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "name,match",
+    [
+        ("int5", r"bit width 5 is not supported; use one of 2, 3, 4"),
+        ("nuq-k3v5", r"value bit width 5"),
+        ("nuq3-60%", r"outlier percentage must be in \(0, 50\)"),
+        ("nuq3-0%", r"outlier percentage"),
+        ("fp16-1%", r"'fp16' takes no bits, outliers or flags"),
+        ("fp16:sink1", r"'fp16' takes no"),
+        ("kivi3-1%", r"kivi has no outlier option"),
+        ("group3-1%", r"group has no outlier option"),
+        ("int3:bogus", r"unknown flag ':bogus'; known flags: .*kchan"),
+        ("kivi2:kchan", r"kivi has fixed axes"),
+        ("group3:pre", r"group has fixed axes"),
+        ("int3:unw", r"chooses a nuq codebook fit"),
+        ("nuq3:g32", r"group size for kivi/group only"),
+        ("group3:g0", r"positive group size"),
+        ("nuq3:r64", r"KIVI fp16 window"),
+        ("int", r"give a bit width"),
+        ("foo3", r"unknown method 'foo3'.*families: fp16, int, nf, nuq, kivi, group"),
+        ("", r"unknown method"),
+        ("nuq3-1", r"unknown method"),
+        ("nuq3%", r"unknown method"),
+    ],
+)
+def test_bad_names_raise_helpful_errors(name, match):
+    with pytest.raises(MethodError, match=match):
+        parse_method(name)
+
+
+def test_method_error_is_a_value_error():
+    assert issubclass(MethodError, ValueError)
+
+
+@pytest.mark.parametrize("text,match", [
+    ("int3,int3", r"'int3' and 'int3' are the same method"),
+    ("nuq3, nuq3:kchan:pre:fs2", r"same method \(nuq3\)"),
+    ("nuq3-1%,NUQ3-1%:pv", r"same method"),
+    (",, ,", r"no methods given"),
+    ("fp16,int9", r"bit width 9"),
+])
+def test_parse_methods_rejects(text, match):
+    with pytest.raises(MethodError, match=match):
+        parse_methods(text)
+
+
+def test_parse_methods_keeps_order():
+    assert [s.name for s in parse_methods("fp16, nuq3-1% ,kivi2")] == ["fp16", "nuq3-1%", "kivi2"]
+
+
+# ---- storage accounting ------------------------------------------------------------------------
+@pytest.mark.parametrize("tokens,channels", [(1, 1), (100, 64), (4096, 512), (7, 1024)])
+def test_fp16_is_16_bits(tokens, channels):
+    b = storage_bits(parse_method("fp16"), tokens, channels)
+    assert b["total"] == 16 * 2 * tokens * channels
+    assert average_bits(parse_method("fp16"), tokens, channels) == 16.0
+
+
+def test_nuq3_1pct_matches_hand_count():
+    t, c = 4096, 512
+    q = t - 1  # one sink
+    p = 0.01
+    expected = (
+        q * c * (3 + 3)  # codes
+        + 32 * (c + q)  # per-channel key (s, z) + per-token value (s, z), fp16 each
+        + 2 * p * q * c * (16 + 16)  # K and V outliers: fp16 value + 16-bit index
+        + 2 * 32 * (q + 1)  # CSC / CSR pointers
+        + 16 * (8 + 8)  # two 3-bit codebooks in fp16
+        + 2 * 1 * c * 16  # the sink token's K and V in fp16
+    )
+    b = storage_bits(parse_method("nuq3-1%"), t, c)
+    assert b["total"] == pytest.approx(expected, rel=1e-12)
+    avg = average_bits(parse_method("nuq3-1%"), t, c)
+    assert 3 + 32 * p < avg < 3 + 32 * p + 0.2  # ~3.33 plus small overheads (paper: ~3.33)
+
+
+@pytest.mark.parametrize("name", DOCUMENTED)
+@pytest.mark.parametrize("tokens,channels", [(1, 32), (50, 32), (3000, 192)])
+def test_components_sum_to_total(name, tokens, channels):
+    b = storage_bits(parse_method(name), tokens, channels)
+    assert set(COMPONENTS) <= set(b)
+    assert b["total"] == pytest.approx(sum(b[k] for k in COMPONENTS))
+    assert all(b[k] >= 0 for k in COMPONENTS)
+    assert b["elements"] == 2 * tokens * channels
+
+
+def test_average_bits_ordering():
+    t, c = 8192, 1024
+    avg = {n: average_bits(parse_method(n), t, c) for n in
+           ("nuq2", "nuq2-1%", "nuq3", "nuq3-1%", "nuq4", "nuq4-1%", "fp16", "int3", "kivi2", "kivi4")}
+    assert avg["nuq2"] < avg["nuq2-1%"] < avg["nuq3-1%"] < avg["nuq4-1%"] < avg["fp16"]
+    assert avg["nuq3"] < avg["nuq3-1%"]
+    assert 3.0 < avg["nuq3"] < 3.1
+    assert avg["int3"] == pytest.approx(3 + 32 / c, rel=1e-9)  # per-token s, z for K and V
+    assert avg["kivi2"] < avg["kivi4"]
+
+
+def test_kivi_window_is_counted_in_fp16():
+    spec = parse_method("kivi2")
+    c = 256
+    short = storage_bits(spec, 100, c)  # the whole sequence fits in the 128-token window
+    assert short["codes"] == 0 and short["fp16_window"] == 2 * 100 * c * 16
+    assert average_bits(spec, 100, c) == 16.0
+    long = storage_bits(spec, 128 + 320, c)
+    assert long["fp16_window"] == 2 * 128 * c * 16
+    assert long["codes"] == 320 * c * (2 + 2)
+    g = 32
+    assert long["scales"] == 32 * (math.ceil(320 / g) * c + 320 * math.ceil(c / g))
+    # the window's share vanishes as context grows: KIVI-2 tends to ~3 bits
+    assert 2.9 < average_bits(spec, 1 << 20, 4096) < 3.2
+    assert average_bits(parse_method("kivi2:r32"), 1000, c) < average_bits(spec, 1000, c)
+
+
+def test_sinks_counted_in_fp16():
+    c = 64
+    b0 = storage_bits(parse_method("nuq3:sink0"), 10, c)
+    b5 = storage_bits(parse_method("nuq3:sink5"), 10, c)
+    assert b0["sinks"] == 0 and b5["sinks"] == 2 * 5 * c * 16
+    assert b5["codes"] == 5 * c * 6 and b0["codes"] == 10 * c * 6
+    # more sinks than tokens: everything is fp16, nothing negative
+    b = storage_bits(parse_method("nuq3:sink5"), 3, c)
+    assert b["codes"] == 0 and b["sinks"] == 2 * 3 * c * 16
+
+
+def test_actual_outlier_counts_override_the_nominal_fraction():
+    spec = parse_method("nuq3-1%")
+    nominal = storage_bits(spec, 1000, 64)
+    actual = storage_bits(spec, 1000, 64, k_outliers=10, v_outliers=0)
+    assert actual["outlier_values"] == 16 * 10 and actual["outlier_indices"] == 16 * 10
+    assert nominal["outlier_values"] == pytest.approx(16 * 2 * 0.01 * 999 * 64)
+
+
+def test_group_scales_per_group_per_token():
+    b = storage_bits(parse_method("group3:g64"), 100, 192)
+    assert b["scales"] == 2 * 32 * 100 * 3  # K and V, 3 groups of 64 per token
+    assert b["sinks"] == 0 and b["codebook"] == 0
