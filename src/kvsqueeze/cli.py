@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+from .cache.config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METHOD
 from .calibrate.fit import CalibrationConfig
 from .integrations.models import DEFAULT_MODEL
 from .eval.texts import DEFAULT_TEXT
@@ -23,10 +24,36 @@ def _int_list(text: str, what: str) -> list[int]:
     try:
         vals = [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise SystemExit(f"error: {what} must be comma-separated integers, got {text!r}")
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}")
     if not vals:
-        raise SystemExit(f"error: {what} is empty")
+        raise ValueError(f"{what} is empty")
     return vals
+
+
+def _recipe_for(specs, path: str | None):
+    """Load the recipe, or fail before any work when a method needs one and none was given."""
+    from .recipe import Recipe, RecipeError
+
+    need = [s.name for s in specs if s.needs_recipe]
+    if need and not path:
+        raise RecipeError(
+            f"methods {', '.join(need)} use offline calibration statistics: pass --recipe DIR "
+            "(create one with `kvsqueeze calibrate --out DIR`)"
+        )
+    return Recipe.load(path) if path else None
+
+
+def _check_methods(model, specs, recipe) -> None:
+    """Build every method's quantizers once up front so a bad combination fails before minutes of work."""
+    from .integrations.models import kv_shape
+    from .schemes import build_quantizers
+
+    if recipe is not None:
+        recipe.check_model(model)
+    shape = kv_shape(model.config)
+    for s in specs:
+        for layer in range(shape.layers):
+            build_quantizers(s, recipe, layer, shape.channels)
 
 
 def _write_json(path: str | None, payload: dict) -> None:
@@ -45,7 +72,7 @@ def cmd_calibrate(args) -> None:
     bits = tuple(_int_list(args.bits, "--bits"))
     for b in bits:
         if b not in (2, 3, 4):
-            raise SystemExit(f"error: --bits {b} is not supported; use 2, 3 and/or 4")
+            raise ValueError(f"--bits {b} is not supported; use 2, 3 and/or 4")
     fractions = tuple(float(f) / 100 for f in args.outliers.split(","))
     cfg = CalibrationConfig(samples=args.samples, seqlen=args.seqlen, bits=bits,
                             fractions=tuple(sorted({0.0, *fractions})), sinks=args.sinks)
@@ -82,8 +109,9 @@ def cmd_eval(args) -> None:
 
     specs = parse_methods(args.methods)
     seqlens = _int_list(args.seqlen, "--seqlen")
-    recipe = Recipe.load(args.recipe) if args.recipe else None
+    recipe = _recipe_for(specs, args.recipe)
     model, tok = load_model(args.model)
+    _check_methods(model, specs, recipe)
     text = load_text(args.text)
     payloads = []
     for seqlen in seqlens:
@@ -116,6 +144,56 @@ def cmd_memory(args) -> None:
 
     run_memory_command(args.model, args.context, args.methods, batch=args.batch, gpus=args.gpus,
                        gpu_mem=args.gpu_mem, json_out=args.json)
+
+
+def cmd_passkey(args) -> None:
+    from .eval.longctx import passkey_eval
+    from .eval.passkey import format_passkey_table
+    from .integrations.models import load_model
+    from .methods import parse_methods
+    from .recipe import Recipe
+
+    specs = parse_methods(args.methods)
+    lengths = _int_list(args.lengths, "--lengths")
+    if args.trials < 1:
+        raise ValueError("--trials must be at least 1")
+    recipe = _recipe_for(specs, args.recipe)
+    model, tok = load_model(args.model)
+    _check_methods(model, specs, recipe)
+    results = passkey_eval(model, tok, specs, lengths, args.trials, recipe, seed=args.seed)
+    print(format_passkey_table(results))
+    _write_json(args.json, {
+        "model": args.model, "trials": args.trials, "seed": args.seed,
+        "passkey": [{"method": r.method, "length": r.length, "accuracy": r.accuracy, "trials": r.trials}
+                    for r in results],
+    })
+
+
+def cmd_generate(args) -> None:
+    import torch
+
+    from .cache.constructor import cache_for, check_supported
+    from .integrations.models import load_model
+    from .methods import parse_method
+    from .recipe import Recipe
+
+    spec = parse_method(args.method)
+    check_supported(spec)  # before any loading
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    if not args.prompt.strip():
+        raise ValueError("--prompt is empty; give some text to continue")
+    recipe = Recipe.load(args.recipe) if args.recipe else None
+    model, tok = load_model(args.model)
+    enc = tok(args.prompt, return_tensors="pt")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    with cache_for(model, recipe, spec) as cache, torch.no_grad():
+        out = model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], cache=cache,
+                             max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad)
+        report = cache.memory_report()
+    print(args.prompt + tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
+    print()
+    print(report.format())
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -152,6 +230,16 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--seqlen", type=int, default=512)
     i.set_defaults(fn=cmd_inspect)
 
+    k = sub.add_parser("passkey", help="passkey retrieval accuracy per method and prompt length")
+    k.add_argument("--model", default=DEFAULT_MODEL)
+    k.add_argument("--recipe")
+    k.add_argument("--methods", default="fp16,nuq4-1%,nuq3-1%,nuq2-1%,kivi2,int3")
+    k.add_argument("--lengths", default="1024,2048,4096,8192")
+    k.add_argument("--trials", type=int, default=10)
+    k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--json")
+    k.set_defaults(fn=cmd_passkey)
+
     m = sub.add_parser("memory", help="KV-cache memory planner")
     m.add_argument("--model", default="llama-7b", help="built-in shape name or a config.json path")
     m.add_argument("--context", default="32K,128K,1M,10M")
@@ -161,6 +249,14 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--gpu-mem", default="80GB")
     m.add_argument("--json")
     m.set_defaults(fn=cmd_memory)
+
+    g = sub.add_parser("generate", help="greedy generation through the compressed KV cache, with its memory report")
+    g.add_argument("--model", default=DEFAULT_MODEL)
+    g.add_argument("--recipe", help="recipe directory (needed by nuq and per-channel int/nf methods)")
+    g.add_argument("--method", default=DEFAULT_METHOD, help="fp16 or a KVQuant-style method, e.g. nuq3-1%%")
+    g.add_argument("--prompt", required=True, help="text to continue")
+    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    g.set_defaults(fn=cmd_generate)
     return p
 
 

@@ -1,0 +1,90 @@
+"""Growable token-major tensors: the one allocation policy of the compressed cache.
+
+Every array of the cache grows along its first axis, one row per token (or per
+outlier). Appending into spare capacity is a slice assignment; when capacity
+runs out it doubles, so appending n rows costs amortized O(n) and a decode step
+never copies the whole cache. `nbytes` counts the rows in use, `capacity_nbytes`
+what is allocated (the slack is at most the size in use, plus a small minimum).
+"""
+
+from __future__ import annotations
+
+import torch
+
+MIN_ROWS = 16  # first allocation; small enough that an empty cache costs nothing worth reporting
+
+
+class GrowableTensor:
+    """A tensor [rows, *row_shape] whose first axis grows by capacity doubling.
+
+    Args:
+        row_shape: shape of one row (may be empty for a 1-D array).
+        dtype, device: of the storage.
+    """
+
+    def __init__(self, row_shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu"):
+        self.row_shape = tuple(row_shape)
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self._data = torch.empty((0, *self.row_shape), dtype=dtype, device=self.device)
+        self.length = 0
+
+    def __len__(self) -> int:
+        return self.length
+
+    def view(self) -> torch.Tensor:
+        """The rows in use, [length, *row_shape] (a view: do not keep it across appends)."""
+        return self._data[: self.length]
+
+    def append(self, rows: torch.Tensor) -> None:
+        """Append rows [n, *row_shape] (cast to this buffer's dtype)."""
+        if tuple(rows.shape[1:]) != self.row_shape:
+            raise ValueError(f"rows of shape {tuple(rows.shape[1:])} appended to a buffer of rows {self.row_shape}")
+        n = rows.shape[0]
+        need = self.length + n
+        if need > self._data.shape[0]:
+            grown = torch.empty((max(need, 2 * self._data.shape[0], MIN_ROWS), *self.row_shape),
+                                dtype=self.dtype, device=self.device)
+            grown[: self.length] = self._data[: self.length]
+            self._data = grown
+        self._data[self.length : need] = rows
+        self.length = need
+
+    def truncate(self, length: int) -> None:
+        """Keep the first `length` rows (capacity is kept for the next appends)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate {self.length} rows to {length}")
+        self.length = length
+
+    def replace(self, rows: torch.Tensor) -> None:
+        """Make `rows` [n, *row_shape'] the whole content (after a batch gather, the row shape may change)."""
+        self.row_shape = tuple(rows.shape[1:])
+        self._data = rows.to(self.dtype).contiguous()
+        self.length = rows.shape[0]
+
+    def astype(self, dtype: torch.dtype) -> None:
+        """Convert the storage to a wider dtype (pointer arrays outgrowing int32)."""
+        self.dtype = dtype
+        self._data = self._data.to(dtype)
+
+    def clear(self) -> None:
+        """Drop everything, capacity included."""
+        self._data = torch.empty((0, *self.row_shape), dtype=self.dtype, device=self.device)
+        self.length = 0
+
+    @property
+    def row_nbytes(self) -> int:
+        n = 1
+        for s in self.row_shape:
+            n *= s
+        return n * self._data.element_size()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the rows in use."""
+        return self.length * self.row_nbytes
+
+    @property
+    def capacity_nbytes(self) -> int:
+        """Bytes allocated, spare capacity included."""
+        return self._data.shape[0] * self.row_nbytes

@@ -1,0 +1,117 @@
+"""Forward hooks that hand the compressed cache what `Cache.update` does not receive.
+
+In transformers 5.24, `cache.update(key_states, value_states, layer_idx,
+kwargs=...)` gets keys *after* RoPE, `position_ids` and nothing about padding.
+KVQuant stores keys *before* RoPE, and the cache needs to know which tokens are
+padding so that sinks are each row's first real tokens. One `ForwardCapture`
+per model (shared by every cache built on it, reference-counted) installs:
+
+* a forward hook on each attention module's `k_proj`: it stashes the output,
+  the exact pre-RoPE keys [B, T, C], for that layer's `update` to take;
+* a forward pre-hook on the decoder stack (`model.base_model`): it notes the
+  2-D `attention_mask` [B, past + T] of the forward in progress and whether the
+  forward uses a kvsqueeze cache at all (otherwise `k_proj` outputs are not
+  kept); a forward hook (always called, errors included) clears the stash.
+
+The stash only lives for the duration of one forward, and only the layer being
+updated takes its own layer's keys, so two caches on one model never see each
+other's tensors: whichever cache the forward was given is the one updated.
+Hooks are removed when the last cache using them is closed or collected.
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+
+import torch
+
+from ..integrations.modules import attention_modules
+
+_CAPTURES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> ForwardCapture
+
+
+class ForwardCapture:
+    """Pre-RoPE keys and the padding mask of the forward in progress; see the module docstring."""
+
+    def __init__(self, model):
+        # No reference to the model or its modules is kept (the registry is keyed weakly by the model).
+        self._signature = inspect.signature(model.base_model.forward)
+        self._users = 0
+        self._handles: list = []
+        self.active = False  # inside a forward that was given a kvsqueeze cache
+        self.mask: torch.Tensor | None = None  # 2-D attention mask of that forward, or None
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> k_proj output [B, T, C]
+
+    # ---- lifetime ------------------------------------------------------------------------
+    @classmethod
+    def acquire(cls, model) -> "ForwardCapture":
+        """The model's capture (created and hooked on first use), with one more user counted."""
+        cap = _CAPTURES.get(model)
+        if cap is None:
+            cap = _CAPTURES[model] = cls(model)
+        if cap._users == 0:
+            cap._install(model)
+        cap._users += 1
+        return cap
+
+    def release(self) -> None:
+        """One user fewer; the hooks go when none is left."""
+        self._users = max(0, self._users - 1)
+        if self._users == 0:
+            for h in self._handles:
+                h.remove()
+            self._handles.clear()
+            self._clear()
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._handles)
+
+    def _install(self, model) -> None:
+        from .layer import CompressedLayerBase  # a cache of ours is what turns the capture on
+
+        def before(module, args, kwargs):
+            bound = self._signature.bind_partial(*args, **kwargs).arguments
+            extra = bound.get("kwargs", {})
+            cache = bound.get("cache", extra.get("cache", extra.get("past_key_values")))
+            layers = getattr(cache, "layers", None) or []
+            self.active = any(isinstance(layer, CompressedLayerBase) for layer in layers)
+            mask = bound.get("attention_mask")
+            self.mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+            self.keys = {}
+
+        def after(module, args, kwargs, output):
+            self._clear()
+
+        decoder = model.base_model
+        self._handles.append(decoder.register_forward_pre_hook(before, with_kwargs=True))
+        self._handles.append(decoder.register_forward_hook(after, with_kwargs=True, always_call=True))
+        for i, attn in enumerate(attention_modules(model)):
+            self._handles.append(attn.k_proj.register_forward_hook(self._key_hook(i)))
+
+    def _key_hook(self, layer: int):
+        def hook(module, inputs, output):
+            if self.active:
+                self.keys[layer] = output
+        return hook
+
+    def _clear(self) -> None:
+        self.active = False
+        self.mask = None
+        self.keys = {}
+
+    # ---- what a cache layer reads --------------------------------------------------------
+    def take_keys(self, layer: int, batch: int, tokens: int) -> torch.Tensor | None:
+        """This forward's pre-RoPE keys of `layer` [B, T, C], once; None if there are none of that shape."""
+        keys = self.keys.pop(layer, None)
+        if keys is None or keys.dim() != 3 or tuple(keys.shape[:2]) != (batch, tokens):
+            return None
+        return keys
+
+    def real_tokens(self, batch: int, tokens: int) -> torch.Tensor | None:
+        """bool [B, T]: False at the padding tokens among this forward's T new ones (None: no 2-D mask)."""
+        mask = self.mask
+        if mask is None or mask.shape[0] != batch or mask.shape[1] < tokens:
+            return None
+        return mask[:, -tokens:] != 0

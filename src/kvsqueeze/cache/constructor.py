@@ -1,0 +1,174 @@
+"""`cache_for(model, recipe, method)`: the compressed KV cache as a transformers `Cache`.
+
+Usage::
+
+    cache = kvsqueeze.cache_for(model, "recipe-dir", "nuq3-1%")
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
+    print(cache.memory_report().format())
+    cache.close()  # or `with kvsqueeze.cache_for(...) as cache:`; dropping the cache also works
+
+Supported: `fp16` and the KVQuant-style methods, i.e. the int / nf / nuq
+families with keys per channel before RoPE and values per token, outliers per
+vector or per matrix, and sinks (Hooper et al., arXiv 2401.18079). Methods
+that quantize keys after RoPE or per token, and KIVI / grouped methods, are
+evaluated with the simulated path (`SimulatedQuantization`, `kvsqueeze eval`).
+
+The cache installs forward hooks on the model (`capture.py`), shared by all
+caches of that model and removed when the last one is closed or collected.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+from transformers.cache_utils import Cache
+
+from ..integrations.models import KVShape, kv_shape
+from ..integrations.modules import attention_modules, rotary_module
+from ..methods import MethodError, MethodSpec, parse_method
+from ..recipe import Recipe
+from ..schemes import VectorQuantizer, build_quantizers
+from .capture import ForwardCapture
+from .config import DEFAULT_METHOD
+from .layer import Fp16Layer, KVQuantLayer, PositionLog
+from .report import COMPONENTS, MemoryReport
+from .storage import QuantizedKV
+
+SUPPORTED = ("fp16, and int / nf / nuq with keys per channel before RoPE and values per token, outliers per "
+             "vector or per matrix, any sinks: e.g. 'nuq3-1%', 'nuq4', 'nuq2-1%:pm', 'nf3-1%:kchan:pre', "
+             "'int4:kchan:pre:sink1'")
+
+
+def check_supported(spec: MethodSpec) -> None:
+    """Raise MethodError unless the compressed cache can store `spec`."""
+    if spec.family == "fp16":
+        return
+    why = None
+    if spec.family in ("kivi", "group"):
+        why = f"{spec.family} quantizes in groups with an fp16 window, which this cache does not store"
+    elif spec.key_rope != "pre" or spec.key_axis != "channel":
+        why = f"its keys are quantized per {spec.key_axis} {spec.key_rope}-RoPE"
+    elif spec.value_axis != "token":
+        why = f"its values are quantized per {spec.value_axis}"
+    if why:
+        raise MethodError(
+            f"method {spec.name!r} has no compressed cache: {why}. Supported: {SUPPORTED}. Evaluate other methods "
+            "with the simulated path (`kvsqueeze eval --methods ...` or `SimulatedQuantization`)"
+        )
+
+
+def _to_device(q: VectorQuantizer, device: torch.device) -> VectorQuantizer:
+    moved = {k: getattr(q, k).to(device) for k in ("levels", "lo", "hi") if getattr(q, k) is not None}
+    return replace(q, **moved)
+
+
+class KVQuantCache(Cache):
+    """A transformers `Cache` of kvsqueeze layers, plus the positions they share and the memory report.
+
+    Build it with `cache_for`. Use one cache per batch of sequences; `reset()`
+    empties it for the next batch.
+    """
+
+    def __init__(self, layers: list, spec: MethodSpec, shape: KVShape, log: PositionLog | None,
+                 capture: ForwardCapture | None):
+        super().__init__(layers=layers)
+        self.spec, self.shape, self.log = spec, shape, log
+        self._release = weakref.finalize(self, capture.release) if capture is not None else None
+
+    # ---- lifetime ------------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove this cache's claim on the model hooks (idempotent); the cache cannot be updated afterwards."""
+        if self._release is not None:
+            self._release()
+        for layer in self.layers:
+            layer.closed = True
+
+    def __enter__(self) -> "KVQuantCache":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ---- operations that also touch the shared positions ---------------------------------
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if self.log is not None:
+            self.log.truncate(self.get_seq_length())
+
+    def reset(self) -> None:
+        super().reset()
+        if self.log is not None:
+            self.log.clear()
+
+    def _gather_log(self, index: torch.Tensor) -> None:
+        if self.log is not None and len(self.log):
+            self.log.gather_rows(index)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self._gather_log(beam_idx)
+        super().reorder_cache(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._gather_log(indices.nonzero().view(-1) if indices.dtype == torch.bool else indices)
+        super().batch_select_indices(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._gather_log(torch.arange(self.layers[0].batch_size).repeat_interleave(repeats))
+        super().batch_repeat_interleave(repeats)
+
+    # ---- accounting ----------------------------------------------------------------------
+    def memory_report(self) -> MemoryReport:
+        """Exact bytes held, by component (see `kvsqueeze.cache.report`)."""
+        comps = dict.fromkeys(COMPONENTS, 0)
+        capacity = 0
+        for layer in self.layers:
+            for name, n in layer.memory().items():
+                comps[name] += n
+            capacity += layer.capacity_nbytes()
+        if self.log is not None:
+            comps["positions"] = self.log.nbytes
+            capacity += self.log.capacity_nbytes
+        return MemoryReport(self.spec.name, self.shape.layers, self.layers[0].batch_size, self.get_seq_length(),
+                            self.shape.channels, comps, capacity)
+
+
+def cache_for(model, recipe: Recipe | str | Path | None = None,
+              method: str | MethodSpec = DEFAULT_METHOD) -> KVQuantCache:
+    """A compressed KV cache for `model` that `model.generate(..., past_key_values=cache)` fills.
+
+    Args:
+        model: a LLaMA-style transformers decoder (LLaMA, Mistral, Qwen2, SmolLM, ...).
+        recipe: the model's calibration recipe (a `Recipe` or its directory);
+            required by nuq and by per-channel int/nf keys.
+        method: a method name (see `kvsqueeze.methods`) or a parsed `MethodSpec`.
+
+    Raises:
+        MethodError: the method is not one the cache stores (the message lists those it does).
+        RecipeError: no recipe, a recipe of another model, or one lacking this method's statistics.
+    """
+    spec = parse_method(method) if isinstance(method, str) else method
+    check_supported(spec)
+    shape = kv_shape(model.config)
+    if isinstance(recipe, (str, Path)):
+        recipe = Recipe.load(recipe)
+    if recipe is not None:
+        recipe.check_model(model)
+    if spec.family == "fp16":
+        return KVQuantCache([Fp16Layer() for _ in range(shape.layers)], spec, shape, None, None)
+    attn = attention_modules(model)
+    if len(attn) != shape.layers:
+        raise ValueError(f"{type(model).__name__} has {len(attn)} attention modules for {shape.layers} layers; "
+                         "kvsqueeze caches need one self-attention per layer")
+    rotary = rotary_module(model)
+    device = next(model.parameters()).device
+    stores = []
+    for i in range(shape.layers):
+        kq, vq = build_quantizers(spec, recipe, i, shape.channels)
+        stores.append(QuantizedKV(_to_device(kq, device), _to_device(vq, device), shape.channels, spec.sinks, device))
+    capture = ForwardCapture.acquire(model)  # last, so that a failure above leaves no hooks behind
+    log = PositionLog(device)
+    layers = [KVQuantLayer(s, i, shape.kv_heads, shape.head_dim, rotary, log, capture) for i, s in enumerate(stores)]
+    return KVQuantCache(layers, spec, shape, log, capture)

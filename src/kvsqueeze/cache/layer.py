@@ -1,0 +1,301 @@
+"""transformers cache layers over the compressed store: pre-RoPE keys in, RoPE re-applied on read.
+
+`KVQuantLayer` implements transformers' `CacheLayerMixin` contract on top of
+`QuantizedKV` (one per model layer); `Fp16Layer` is the fp16 baseline with the
+same memory accounting. No model code is forked.
+
+Why hooks rather than un-rotating: `update` receives post-RoPE keys. Undoing
+RoPE with cos/sin recomputed from the positions is exact only up to float
+rounding, and a key that lands on a quantization boundary would then get a
+different code than the simulated path gives it; capturing the `k_proj` output
+(`capture.py`) stores exactly what KVQuant quantizes, so cache and simulation
+agree bit for bit. Each captured tensor is checked against the post-RoPE keys
+the model passed (re-rotating it must reproduce them); without a capture (the
+layer fed by hand, or a model whose keys were not seen) keys are un-rotated as
+a fallback, dividing by cos² + sin² so scaled RoPE variants invert too.
+
+Positions: RoPE is re-applied at read time with the positions the model used,
+taken from the `position_ids` that reach `update` (with left padding,
+generate() shifts each row so its first real token is position 0). They are
+kept once per cache in a `PositionLog` shared by all layers, int32 per token
+and row, and counted in the memory report.
+
+Padding: pad tokens are stored like any token (attention masks them, keys use
+offline statistics and values per-token ones, so they cannot disturb real
+tokens), but never become sinks: sinks are each row's first real tokens, read
+from the 2-D attention mask of the forward (no mask: every token is real).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..integrations.modules import apply_rope, unapply_rope
+from .buffers import GrowableTensor
+from .capture import ForwardCapture
+from .storage import QuantizedKV
+
+
+class PositionLog:
+    """The RoPE position of every cached token, int32 [T, B], written by the first layer of each forward."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.buf = GrowableTensor((0,), torch.int32, device)
+
+    def __len__(self) -> int:
+        return len(self.buf)
+
+    def view(self) -> torch.Tensor:
+        return self.buf.view()
+
+    def write(self, start: int, positions: torch.Tensor) -> None:
+        """Positions [B, T] of the tokens at slots start..start+T (a no-op when another layer wrote them)."""
+        rows = positions.t().to(torch.int32)  # [T, B]
+        t = rows.shape[0]
+        if start + t <= len(self.buf) and torch.equal(self.buf.view()[start : start + t], rows):
+            return
+        if start > len(self.buf):
+            raise RuntimeError(f"positions written at slot {start} of a log of {len(self.buf)}: layers out of step")
+        if self.buf.row_shape != tuple(rows.shape[1:]):
+            if start:
+                raise RuntimeError(f"batch of {rows.shape[1]} rows written into a cache of {self.buf.row_shape[0]}; "
+                                   "change the batch with reorder_cache / batch_select_indices")
+            self.buf = GrowableTensor(tuple(rows.shape[1:]), torch.int32, self.buf.device)
+        self.buf.truncate(start)
+        self.buf.append(rows)
+
+    def truncate(self, tokens: int) -> None:
+        self.buf.truncate(min(tokens, len(self.buf)))
+
+    def gather_rows(self, index: torch.Tensor) -> None:
+        self.buf.replace(self.buf.view().index_select(1, index.to(self.buf.device).long()))
+
+    def clear(self) -> None:
+        self.buf.clear()
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.nbytes
+
+    @property
+    def capacity_nbytes(self) -> int:
+        return self.buf.capacity_nbytes
+
+
+class CompressedLayerBase(CacheLayerMixin):
+    """What both kvsqueeze layers share: length bookkeeping and the batch-row operations generate() uses."""
+
+    is_croppable = True  # crop leaves exactly the state the cache had at that length
+    is_sliding = False  # the whole history is kept; a sliding-window mask still applies on top
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last -tokens_to_remove tokens (transformers' convention: a negative count)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        self._crop(max(self.get_seq_length() + tokens_to_remove, 0))
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        if self.is_initialized:
+            self._gather_rows(beam_idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        if self.is_initialized:
+            self._gather_rows(indices.nonzero().view(-1) if indices.dtype == torch.bool else indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        if self.is_initialized:
+            self._gather_rows(torch.arange(self.batch_size).repeat_interleave(repeats))
+
+    def offload(self):  # the base implementation moves self.keys / self.values, which we do not hold
+        raise NotImplementedError("kvsqueeze caches do not support offloading; the compressed cache is small enough")
+
+    prefetch = offload
+
+    def _crop(self, tokens: int) -> None:
+        raise NotImplementedError
+
+    def _gather_rows(self, index: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+def _positions(position_ids, batch: int, tokens: int, start: int, device) -> torch.Tensor:
+    """The position of each new token [B, T] (int64), from the model's `position_ids` or counted from `start`."""
+    if position_ids is None:
+        return torch.arange(start, start + tokens, device=device).expand(batch, tokens)
+    if position_ids.dim() != 2 or position_ids.shape[-1] != tokens:
+        raise ValueError(f"expected position_ids [B, {tokens}], got {tuple(position_ids.shape)}: kvsqueeze "
+                         "re-applies 1-D RoPE and does not support multi-axis position ids")
+    return position_ids.to(device).long().expand(batch, tokens)
+
+
+class KVQuantLayer(CompressedLayerBase):
+    """One layer of the KVQuant cache; see the module docstring.
+
+    Args:
+        store: the layer's compressed storage.
+        layer_idx: index of the attention module (its `k_proj` is hooked).
+        heads, head_dim: KV heads and their width.
+        rotary: the model's rotary-embedding module (forward(x, position_ids) -> cos, sin).
+        log: positions shared by all layers of the cache.
+        capture: the model's forward capture (None: always un-rotate).
+    """
+
+    def __init__(self, store: QuantizedKV, layer_idx: int, heads: int, head_dim: int, rotary,
+                 log: PositionLog, capture: ForwardCapture | None):
+        super().__init__()
+        self.store, self.layer_idx = store, layer_idx
+        self.heads, self.head_dim = heads, head_dim
+        self.rotary, self.log, self.capture = rotary, log, capture
+        self.closed = False
+
+    @property
+    def batch_size(self) -> int:
+        return self.store.batch
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        return self.store.tokens
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Compress the new tokens [B, H, T, D] (keys post-RoPE) and return every cached K and V [B, H, T', D]."""
+        if self.closed:
+            raise RuntimeError("this kvsqueeze cache was closed (its hooks are gone): build a new one with cache_for")
+        extra = kwargs.get("kwargs") or {}  # transformers passes the attention kwargs through as `kwargs=`
+        b, h, t, d = key_states.shape
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start = self.get_seq_length()
+        positions = _positions(extra.get("position_ids", kwargs.get("position_ids")), b, t, start, key_states.device)
+        cos, sin = self._cos_sin(positions, key_states.dtype)  # [B, 1, T, D]
+        keys = self._pre_rope_keys(key_states, cos, sin)  # [B, T, C]
+        values = value_states.transpose(1, 2).reshape(b, t, h * d)  # [B, T, C]
+        real = self.capture.real_tokens(b, t) if self.capture is not None else None
+        self.append_pre_rope(keys, values, positions, real)
+        return self.read(key_states.dtype)
+
+    def append_pre_rope(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                        real: torch.Tensor | None = None) -> None:
+        """Append tokens given before RoPE (`update` does this; also for filling a cache from captured activations).
+
+        Args:
+            keys: the `k_proj` output [B, T, C]; values: the `v_proj` output [B, T, C].
+            positions: RoPE position of each token [B, T] (int).
+            real: bool [B, T], False at padding tokens (None: all real).
+        """
+        if not self.is_initialized:
+            self.device, self.dtype = keys.device, keys.dtype
+            self.is_initialized = True
+        self.log.write(self.get_seq_length(), positions)
+        self.store.append(keys, values, real)
+
+    def read(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every cached key (RoPE applied) and value, [B, H, T, D] in `dtype` (default: the model's)."""
+        dtype = dtype or self.dtype
+        k, v = self.store.dequantize()  # [T, B, C] float32, keys pre-RoPE
+        t, b = k.shape[:2]
+        k = k.view(t, b, self.heads, self.head_dim).permute(1, 2, 0, 3).to(dtype)  # [B, H, T, D]
+        v = v.view(t, b, self.heads, self.head_dim).permute(1, 2, 0, 3).to(dtype)
+        cos, sin = self._cos_sin(self.log.view()[:t].t(), dtype)
+        return apply_rope(k, cos, sin), v
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [B, 1, T, D] from the model's own rotary module, as its attention gets them."""
+        probe = torch.zeros(1, dtype=dtype, device=positions.device)
+        cos, sin = self.rotary(probe, positions.long())
+        return cos.unsqueeze(1), sin.unsqueeze(1)
+
+    def _pre_rope_keys(self, key_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        b, h, t, d = key_states.shape
+        keys = self.capture.take_keys(self.layer_idx, b, t) if self.capture is not None else None
+        if keys is not None:
+            rotated = apply_rope(keys.view(b, t, h, d).transpose(1, 2), cos, sin)
+            tol = 1e-3 * float(key_states.abs().max().clamp_min(1e-6))
+            if torch.allclose(rotated, key_states, rtol=1e-3, atol=tol):
+                return keys
+            warnings.warn(f"layer {self.layer_idx}: the captured k_proj output does not rotate into the keys "
+                          "given to the cache; un-rotating them instead", RuntimeWarning, stacklevel=3)
+        norm = (cos * cos + sin * sin).clamp_min(1e-12)
+        pre = unapply_rope(key_states.float(), cos.float(), sin.float()) / norm.float()
+        return pre.to(key_states.dtype).transpose(1, 2).reshape(b, t, h * d)
+
+    def _crop(self, tokens: int) -> None:
+        self.store.crop(tokens)
+
+    def _gather_rows(self, index: torch.Tensor) -> None:
+        self.store.gather_rows(index)
+
+    def reset(self) -> None:
+        self.store.reset()
+        self.is_initialized = False
+
+    def memory(self) -> dict[str, int]:
+        return self.store.memory()
+
+    def capacity_nbytes(self) -> int:
+        return self.store.capacity_nbytes()
+
+
+class Fp16Layer(CompressedLayerBase):
+    """The fp16 baseline: post-RoPE keys and values rounded to fp16, [T, B, H, D] growable buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.k = self.v = None
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.row_shape[0] if self.k is not None else 0
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        row = (key_states.shape[0], key_states.shape[1], key_states.shape[3])
+        self.k = GrowableTensor(row, torch.float16, self.device)
+        self.v = GrowableTensor(row, torch.float16, self.device)
+        self.is_initialized = True
+
+    def get_seq_length(self) -> int:
+        return len(self.k) if self.k is not None else 0
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.k.append(key_states.permute(2, 0, 1, 3))  # [T, B, H, D]
+        self.v.append(value_states.permute(2, 0, 1, 3))
+        return self.read(key_states.dtype)
+
+    def read(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        dtype = dtype or self.dtype
+        return self.k.view().permute(1, 2, 0, 3).to(dtype), self.v.view().permute(1, 2, 0, 3).to(dtype)
+
+    def _crop(self, tokens: int) -> None:
+        self.k.truncate(tokens)
+        self.v.truncate(tokens)
+
+    def _gather_rows(self, index: torch.Tensor) -> None:
+        index = index.to(self.device).long()
+        self.k.replace(self.k.view().index_select(1, index))
+        self.v.replace(self.v.view().index_select(1, index))
+
+    def reset(self) -> None:
+        self.k = self.v = None
+        self.is_initialized = False
+
+    def memory(self) -> dict[str, int]:
+        return {"codes": (self.k.nbytes + self.v.nbytes) if self.k is not None else 0}
+
+    def capacity_nbytes(self) -> int:
+        return (self.k.capacity_nbytes + self.v.capacity_nbytes) if self.k is not None else 0

@@ -1,0 +1,94 @@
+"""What a compressed cache really occupies: exact bytes by component, against an fp16 DynamicCache.
+
+Components (bytes in use, summed over layers; growth slack is reported apart
+as `capacity_bytes`). The first seven are those of `methods.storage_bits`, and
+for a single unpadded sequence with C a multiple of 32 they equal its figures
+(divided by 8), all but `codebook`:
+
+* codes: packed K and V codes of the quantized tokens.
+* scales: fp16 (scale, zero-point) of every key channel and every value token.
+* outlier_values: fp16 values of the sparse K and V outliers.
+* outlier_indices: their 16-bit channel indices.
+* pointers: CSC (keys) and CSR (values) pointers, one per quantized token plus one.
+* sinks: fp16 keys and values of the attention-sink tokens.
+* codebook: the levels decoding reads (float32, bit-exact with the recipe,
+  where `storage_bits` assumes fp16 nuq levels and none for int/nf) and the
+  per-channel key thresholds encoding reads (float32 lo/hi).
+
+and two that `storage_bits` does not model:
+
+* sink_slots: what sink tokens leave in the rectangular grids (zero codes,
+  zero value scales, repeated pointers) plus each sink's slot index.
+* positions: the RoPE position of each token (int32 per token and row, once
+  for all layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+COMPONENTS = ("codes", "scales", "outlier_values", "outlier_indices", "pointers", "sinks", "codebook",
+              "sink_slots", "positions")
+FP16_BYTES = 2
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Bytes held by one cache; see the module docstring."""
+
+    method: str
+    layers: int
+    batch: int
+    tokens: int  # sequence length (per row, padding included)
+    channels: int  # K (= V) channels per token and layer
+    components: dict[str, int] = field(default_factory=dict)
+    capacity_bytes: int = 0  # allocated, growth slack included
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.components.values())
+
+    @property
+    def token_rows(self) -> int:
+        return self.batch * self.tokens
+
+    @property
+    def bytes_per_token(self) -> float:
+        """Total bytes per cached token (of one row), all layers."""
+        return self.total_bytes / max(self.token_rows, 1)
+
+    @property
+    def fp16_bytes(self) -> int:
+        """What transformers' DynamicCache holds for the same tokens in fp16: K and V, every layer."""
+        return 2 * self.layers * self.token_rows * self.channels * FP16_BYTES
+
+    @property
+    def compression(self) -> float:
+        """fp16 bytes / bytes held (inf for an empty cache)."""
+        return self.fp16_bytes / self.total_bytes if self.total_bytes else float("inf")
+
+    @property
+    def avg_bits(self) -> float:
+        """Bits held per cached K/V element."""
+        return 8 * self.total_bytes / max(2 * self.layers * self.token_rows * self.channels, 1)
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out.update(total_bytes=self.total_bytes, bytes_per_token=self.bytes_per_token, fp16_bytes=self.fp16_bytes,
+                   compression_vs_fp16=self.compression, avg_bits=self.avg_bits)
+        return out
+
+    def format(self) -> str:
+        """A small table for the terminal."""
+        lines = [f"KV cache {self.method}: {self.layers} layers, batch {self.batch} x {self.tokens} tokens, "
+                 f"{self.channels} channels"]
+        width = max(len(k) for k in COMPONENTS)
+        total = max(self.total_bytes, 1)
+        for name in COMPONENTS:
+            n = self.components.get(name, 0)
+            if n:
+                lines.append(f"  {name:<{width}}  {n:>12,} B  {100 * n / total:5.1f}%")
+        lines.append(f"  {'total':<{width}}  {self.total_bytes:>12,} B  ({self.bytes_per_token:,.1f} B/token, "
+                     f"{self.avg_bits:.2f} bits/element; allocated {self.capacity_bytes:,} B)")
+        lines.append(f"  {'fp16 cache':<{width}}  {self.fp16_bytes:>12,} B  ({self.compression:.2f}x smaller)")
+        return "\n".join(lines)

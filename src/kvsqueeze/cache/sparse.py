@@ -1,0 +1,168 @@
+"""Sparse outliers compressed along the token axis: KVQuant's CSC keys and CSR values.
+
+KVQuant (Hooper et al., arXiv 2401.18079, Section 3.7) keeps the dense-and-sparse
+outliers of keys in CSC form (keys are stored [channels, tokens], so a new token
+is a new column) and those of values in CSR form (values are [tokens, channels],
+a new token is a new row). Both are the same structure seen from the token: per
+token, a run of (channel index, fp16 value) pairs, located by a pointer array
+with one entry per token. `TokenOutliers` is that structure; the cache holds
+one for keys (read as CSC of K^T) and one for values (CSR of V).
+
+Layout (all three arrays grow by capacity doubling, see `buffers.py`):
+
+* ``pointers`` int32 [tokens + 1], ``pointers[0] = 0``: the outliers of token n
+  are entries ``pointers[n] : pointers[n + 1]``. 32 bits as in
+  `methods.storage_bits`; promoted to int64 if one array ever passes 2^31 - 1
+  outliers.
+* ``channels`` int16 [nnz]: channel index in [0, C). Indices 32,768..65,535 are
+  kept as their 16-bit pattern (read back with ``& 0xFFFF``).
+* ``values`` fp16 [nnz].
+
+Entries of one token are in increasing channel order, so a structure built by
+appends is identical to one built at once (`from_dense`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .buffers import GrowableTensor
+
+MAX_CHANNELS = 1 << 16  # channel indices are 16 bits
+_INT32_MAX = (1 << 31) - 1
+
+
+def _to_int16_pattern(channels: torch.Tensor) -> torch.Tensor:
+    return torch.where(channels >= 1 << 15, channels - (1 << 16), channels).to(torch.int16)
+
+
+class TokenOutliers:
+    """Outliers of a stream of tokens, C channels each; see the module docstring.
+
+    Args:
+        channels: C, the width of one token's vector (at most 65,536).
+        device: where the arrays live.
+    """
+
+    def __init__(self, channels: int, device: torch.device | str = "cpu"):
+        if not 0 < channels <= MAX_CHANNELS:
+            raise ValueError(f"outlier channel indices are 16 bits: vectors of 1..{MAX_CHANNELS} channels, "
+                             f"got {channels}")
+        self.width = channels
+        self.device = torch.device(device)
+        self.pointers = GrowableTensor((), torch.int32, self.device)
+        self.channels = GrowableTensor((), torch.int16, self.device)
+        self.values = GrowableTensor((), torch.float16, self.device)
+        self.pointers.append(torch.zeros(1, dtype=torch.int32, device=self.device))
+
+    # ---- building ------------------------------------------------------------------------
+    @classmethod
+    def from_dense(cls, mask: torch.Tensor, x: torch.Tensor) -> "TokenOutliers":
+        """Build at once from mask [N, C] (bool, True = outlier) and values x [N, C]."""
+        out = cls(mask.shape[1], mask.device)
+        out.append(mask, x)
+        return out
+
+    def append(self, mask: torch.Tensor, x: torch.Tensor) -> None:
+        """Append N tokens: mask [N, C] bool marks the outliers, x [N, C] holds their exact values."""
+        if mask.dim() != 2 or mask.shape[1] != self.width or x.shape != mask.shape:
+            raise ValueError(f"expected mask and values of shape [N, {self.width}], got {tuple(mask.shape)} "
+                             f"and {tuple(x.shape)}")
+        rows, cols = mask.nonzero(as_tuple=True)  # row-major: token by token, channels ascending
+        counts = mask.sum(dim=1, dtype=torch.int64)
+        ends = self.nnz + counts.cumsum(0)
+        if ends.numel() and int(ends[-1]) > _INT32_MAX and self.pointers.dtype == torch.int32:
+            self.pointers.astype(torch.int64)
+        self.pointers.append(ends.to(self.pointers.dtype))
+        self.channels.append(_to_int16_pattern(cols))
+        self.values.append(x[rows, cols].to(torch.float16))
+
+    # ---- size ----------------------------------------------------------------------------
+    @property
+    def tokens(self) -> int:
+        return len(self.pointers) - 1
+
+    @property
+    def nnz(self) -> int:
+        return len(self.values)
+
+    def counts(self) -> torch.Tensor:
+        """Outliers per token, int64 [tokens]."""
+        return self.pointers.view().long().diff()
+
+    # ---- editing -------------------------------------------------------------------------
+    def truncate(self, tokens: int) -> None:
+        """Keep the first `tokens` tokens."""
+        if not 0 <= tokens <= self.tokens:
+            raise ValueError(f"cannot keep {tokens} of {self.tokens} tokens")
+        nnz = int(self.pointers.view()[tokens])
+        self.pointers.truncate(tokens + 1)
+        self.channels.truncate(nnz)
+        self.values.truncate(nnz)
+
+    def select(self, order: torch.Tensor) -> None:
+        """Keep tokens `order` [N'] (int64 indices into the current tokens, repeats allowed), in that order."""
+        ptr = self.pointers.view().long()
+        counts = ptr.diff()[order]
+        starts = ptr[:-1][order]
+        total = int(counts.sum())
+        new_starts = counts.cumsum(0) - counts
+        within = torch.arange(total, device=self.device) - new_starts.repeat_interleave(counts)
+        entries = starts.repeat_interleave(counts) + within
+        self.channels.replace(self.channels.view()[entries])
+        self.values.replace(self.values.view()[entries])
+        head = torch.zeros(1, dtype=torch.int64, device=self.device)
+        dtype = torch.int64 if total > _INT32_MAX else torch.int32
+        self.pointers.dtype = dtype
+        self.pointers.replace(torch.cat([head, counts.cumsum(0)]).to(dtype))
+
+    def clear(self) -> None:
+        for buf in (self.pointers, self.channels, self.values):
+            buf.clear()
+        self.pointers.append(torch.zeros(1, dtype=self.pointers.dtype, device=self.device))
+
+    # ---- reading -------------------------------------------------------------------------
+    def token_index(self) -> torch.Tensor:
+        """Token of each stored outlier, int64 [nnz]."""
+        counts = self.counts()
+        return torch.arange(counts.numel(), device=self.device).repeat_interleave(counts)
+
+    def channel_index(self) -> torch.Tensor:
+        """Channel of each stored outlier, int64 [nnz]."""
+        return self.channels.view().long() & 0xFFFF
+
+    def scatter_into(self, dense: torch.Tensor) -> torch.Tensor:
+        """Overwrite dense [tokens, C] at the outliers with their fp16 values (in dense's dtype); returns dense."""
+        if self.nnz:
+            dense[self.token_index(), self.channel_index()] = self.values.view().to(dense.dtype)
+        return dense
+
+    def to_dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(mask [tokens, C] bool, values [tokens, C] fp16, zero off the outliers), for tests and debugging."""
+        mask = torch.zeros(self.tokens, self.width, dtype=torch.bool, device=self.device)
+        vals = torch.zeros(self.tokens, self.width, dtype=torch.float16, device=self.device)
+        rows, cols = self.token_index(), self.channel_index()
+        mask[rows, cols] = True
+        vals[rows, cols] = self.values.view()
+        return mask, vals
+
+    # ---- bytes ---------------------------------------------------------------------------
+    @property
+    def value_nbytes(self) -> int:
+        return self.values.nbytes
+
+    @property
+    def index_nbytes(self) -> int:
+        return self.channels.nbytes
+
+    @property
+    def pointer_nbytes(self) -> int:
+        return self.pointers.nbytes
+
+    @property
+    def pointer_itemsize(self) -> int:
+        return self.pointers.row_nbytes
+
+    @property
+    def capacity_nbytes(self) -> int:
+        return self.pointers.capacity_nbytes + self.channels.capacity_nbytes + self.values.capacity_nbytes

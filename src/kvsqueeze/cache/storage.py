@@ -1,0 +1,231 @@
+"""One layer's compressed K/V store: packed codes, CSC/CSR outliers, fp16 sinks (pure torch).
+
+This is the storage half of KVQuant's cache (Hooper et al., arXiv 2401.18079):
+keys are quantized per channel before RoPE with the recipe's offline scales,
+zero-points, thresholds and codebook; values per token, with the scale,
+zero-point and top-k outliers of each new token computed online. Encoding is
+`schemes.VectorQuantizer.encode`, decoding is `quantizer.dequantize`: the very
+functions of the simulated path, so the store reproduces it exactly.
+
+Layout, token-major (a slot is one token of one batch row; slot n = t * B + b):
+
+* ``k_codes``, ``v_codes`` int32 [T, B, W]: each slot's C = kv_heads * head_dim
+  codes packed along channels as one bit stream (`packing.py`, W =
+  ceil(C / 32) * bits). With head_dim a multiple of 32, every head starts on a
+  word boundary, so a per-head kernel can read its slice directly; otherwise
+  only the token's last group is padded.
+* ``k_scale``, ``k_zero`` fp16 [C]: offline, per channel. ``v_scale_zero`` fp16
+  [T, B, 2]: online, per slot.
+* ``k_outliers`` / ``v_outliers``: `TokenOutliers` over slots (CSC of K^T,
+  CSR of V), exact fp16 values with 16-bit channel indices.
+* sinks: the first ``sinks`` *real* (non-padding) tokens of each row, fp16
+  pre-RoPE keys and values [B, S, C] plus their slot [B, S] (int32, -1 empty).
+  A sink keeps a slot in the dense grids (zero codes, zero scales, no outliers)
+  so the grids stay rectangular; `memory` reports those bytes apart.
+
+Everything grows by capacity doubling (`buffers.py`); crop and batch gathers
+edit the arrays in place of rebuilding them from the model.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..packing import pack_codes, unpack_codes, words_per_vector
+from ..quantizer import choose_qparams, dequantize
+from ..schemes import VectorQuantizer
+from .buffers import GrowableTensor
+from .sparse import TokenOutliers
+
+
+class QuantizedKV:
+    """Compressed keys (pre-RoPE) and values of one layer; see the module docstring.
+
+    Args:
+        k_quant: per-channel key quantizer (offline range, `axis="channel"`).
+        v_quant: per-token value quantizer (`axis="token"`, no channel groups).
+        channels: C = kv_heads * head_dim.
+        sinks: leading real tokens of each row kept exactly in fp16.
+    """
+
+    def __init__(self, k_quant: VectorQuantizer, v_quant: VectorQuantizer, channels: int, sinks: int,
+                 device: torch.device | str = "cpu"):
+        if k_quant.axis != "channel" or v_quant.axis != "token" or v_quant.group:
+            raise ValueError("QuantizedKV stores per-channel keys and per-token values (KVQuant's axes)")
+        self.kq, self.vq = k_quant, v_quant
+        self.channels = channels
+        self.sinks = sinks
+        self.device = torch.device(device)
+        self.k_bits, self.v_bits = k_quant.bits, v_quant.bits
+        scale, zero = choose_qparams(k_quant.lo.view(1, -1), k_quant.hi.view(1, -1))  # fp16-exact float32 [1, C]
+        self.k_scale, self.k_zero = scale.view(-1).half().to(self.device), zero.view(-1).half().to(self.device)
+        self.batch = 0
+        self._allocate(0)
+
+    def _allocate(self, batch: int) -> None:
+        c, dev = self.channels, self.device
+        self.batch = batch
+        self.k_codes = GrowableTensor((batch, words_per_vector(c, self.k_bits)), torch.int32, dev)
+        self.v_codes = GrowableTensor((batch, words_per_vector(c, self.v_bits)), torch.int32, dev)
+        self.v_scale_zero = GrowableTensor((batch, 2), torch.float16, dev)
+        # methods without outliers store no sparse arrays at all (storage_bits counts no pointers then)
+        self.k_outliers = TokenOutliers(c, dev) if self.kq.fraction > 0 else None
+        self.v_outliers = TokenOutliers(c, dev) if self.vq.fraction > 0 else None
+        self.sink_k = torch.zeros(batch, self.sinks, c, dtype=torch.float16, device=dev)
+        self.sink_v = torch.zeros_like(self.sink_k)
+        self.sink_slot = torch.full((batch, self.sinks), -1, dtype=torch.int32, device=dev)
+
+    # ---- size ----------------------------------------------------------------------------
+    @property
+    def tokens(self) -> int:
+        """Slots per row (sequence length, padding and sinks included)."""
+        return len(self.k_codes)
+
+    @property
+    def sink_count(self) -> torch.Tensor:
+        """Sinks stored per row, int64 [B]."""
+        return (self.sink_slot >= 0).sum(dim=1)
+
+    # ---- writing -------------------------------------------------------------------------
+    def append(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> None:
+        """Quantize and append T tokens of every row.
+
+        Args:
+            keys: pre-RoPE keys [B, T, C] (the `k_proj` output), any float dtype.
+            values: values [B, T, C].
+            real: bool [B, T], False at padding tokens (they are stored like any
+                token, since attention masks them, but never become sinks).
+                None: every token is real.
+        """
+        b, t, c = keys.shape
+        if self.batch == 0 and self.tokens == 0:
+            self._allocate(b)
+        if b != self.batch or c != self.channels:
+            raise ValueError(f"appending [B={b}, C={c}] to a cache of batch {self.batch} and {self.channels} channels")
+        sink = self._take_sinks(keys, values, real)  # [B, T]
+        xk = keys.transpose(0, 1).reshape(t * b, c).float()  # [T*B, C], slot order
+        xv = values.transpose(0, 1).reshape(t * b, c).float()
+        flat_sink = sink.t().reshape(-1, 1)  # [T*B, 1]
+        enc_k, enc_v = self.kq.encode(xk), self.vq.encode(xv)
+        k_codes = enc_k.codes.masked_fill(flat_sink, 0)
+        v_codes = enc_v.codes.masked_fill(flat_sink, 0)
+        self.k_codes.append(pack_codes(k_codes, self.k_bits).view(t, b, -1))
+        self.v_codes.append(pack_codes(v_codes, self.v_bits).view(t, b, -1))
+        sz = torch.cat([enc_v.scale, enc_v.zero], dim=1).masked_fill(flat_sink, 0)  # [T*B, 2], fp16-exact
+        self.v_scale_zero.append(sz.half().view(t, b, 2))
+        if self.k_outliers is not None:
+            self.k_outliers.append(enc_k.outliers & ~flat_sink, xk)
+        if self.v_outliers is not None:
+            self.v_outliers.append(enc_v.outliers & ~flat_sink, xv)
+
+    def _take_sinks(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
+        """Mark the new tokens that are sinks [B, T] and store them in fp16."""
+        b, t, _ = keys.shape
+        real = torch.ones(b, t, dtype=torch.bool, device=keys.device) if real is None else real.to(torch.bool)
+        if self.sinks == 0:
+            return torch.zeros_like(real)
+        rank = self.sink_count.to(keys.device).view(-1, 1) + real.long().cumsum(dim=1) - 1  # [B, T]
+        sink = real & (rank < self.sinks)
+        rows, cols = sink.nonzero(as_tuple=True)
+        if rows.numel():
+            ranks = rank[rows, cols]
+            self.sink_k[rows, ranks] = keys[rows, cols].half()
+            self.sink_v[rows, ranks] = values[rows, cols].half()
+            self.sink_slot[rows, ranks] = (cols + self.tokens).to(torch.int32)
+        return sink
+
+    # ---- reading -------------------------------------------------------------------------
+    def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (pre-RoPE) and values of every slot, float32 [T, B, C] each."""
+        t, b, c = self.tokens, self.batch, self.channels
+        k_codes = unpack_codes(self.k_codes.view(), self.k_bits, c).view(t * b, c)
+        v_codes = unpack_codes(self.v_codes.view(), self.v_bits, c).view(t * b, c)
+        sz = self.v_scale_zero.view().float().view(t * b, 2)
+        k = dequantize(k_codes, self.k_scale.float().view(1, c), self.k_zero.float().view(1, c), self.kq.levels)
+        v = dequantize(v_codes, sz[:, :1], sz[:, 1:], self.vq.levels)
+        for sparse, dense in ((self.k_outliers, k), (self.v_outliers, v)):
+            if sparse is not None:
+                sparse.scatter_into(dense)
+        k, v = k.view(t, b, c), v.view(t, b, c)
+        rows, ranks = (self.sink_slot >= 0).nonzero(as_tuple=True)
+        if rows.numel():
+            slots = self.sink_slot[rows, ranks].long()
+            k[slots, rows] = self.sink_k[rows, ranks].float()
+            v[slots, rows] = self.sink_v[rows, ranks].float()
+        return k, v
+
+    # ---- editing -------------------------------------------------------------------------
+    def crop(self, tokens: int) -> None:
+        """Keep the first `tokens` slots of every row."""
+        for buf in (self.k_codes, self.v_codes, self.v_scale_zero):
+            buf.truncate(tokens)
+        for sparse in self._sparse():
+            sparse.truncate(tokens * self.batch)
+        gone = self.sink_slot >= tokens
+        self.sink_slot[gone] = -1
+        self.sink_k[gone] = 0
+        self.sink_v[gone] = 0
+
+    def gather_rows(self, index: torch.Tensor) -> None:
+        """Make row i the old row index[i] (beam reorder, batch select, repeat-interleave)."""
+        index = index.to(self.device).long()
+        t, b = self.tokens, self.batch
+        for buf in (self.k_codes, self.v_codes, self.v_scale_zero):
+            buf.replace(buf.view().index_select(1, index))
+        order = (torch.arange(t, device=self.device).view(-1, 1) * b + index.view(1, -1)).reshape(-1)
+        for sparse in self._sparse():
+            sparse.select(order)
+        self.sink_k, self.sink_v = self.sink_k[index], self.sink_v[index]
+        self.sink_slot = self.sink_slot[index]
+        self.batch = index.numel()
+
+    def reset(self) -> None:
+        self._allocate(0)
+
+    def _sparse(self) -> list[TokenOutliers]:
+        return [s for s in (self.k_outliers, self.v_outliers) if s is not None]
+
+    # ---- bytes ---------------------------------------------------------------------------
+    def memory(self) -> dict[str, int]:
+        """Bytes in use by component (see `report.py` for what each one holds)."""
+        n_sinks = int(self.sink_count.sum())
+        slots = self.tokens * self.batch
+        c = self.channels
+        slot_code_bytes = 4 * (words_per_vector(c, self.k_bits) + words_per_vector(c, self.v_bits))  # int32 words
+        sparse = self._sparse()
+        ptr = sum(s.pointer_itemsize for s in sparse)
+        return {
+            "codes": (slots - n_sinks) * slot_code_bytes,
+            "scales": self.k_scale.nbytes + self.k_zero.nbytes + (slots - n_sinks) * 4,  # + fp16 (s, z) per slot
+            "outlier_values": sum(s.value_nbytes for s in sparse),
+            "outlier_indices": sum(s.index_nbytes for s in sparse),
+            "pointers": sum(s.pointer_nbytes for s in sparse) - n_sinks * ptr,
+            "sinks": n_sinks * c * 2 * 2,  # K and V, fp16
+            "codebook": self._quantizer_nbytes(),
+            "sink_slots": n_sinks * (slot_code_bytes + 4 + ptr) + self.sink_slot.nbytes,
+        }
+
+    def capacity_nbytes(self) -> int:
+        """Bytes allocated, growth slack and empty sink rows included."""
+        grids = sum(buf.capacity_nbytes for buf in (self.k_codes, self.v_codes, self.v_scale_zero))
+        sparse = sum(s.capacity_nbytes for s in self._sparse())
+        fixed = sum(x.nbytes for x in (self.k_scale, self.k_zero, self.sink_k, self.sink_v, self.sink_slot))
+        return grids + sparse + fixed + self._quantizer_nbytes()
+
+    def _quantizer_nbytes(self) -> int:
+        """Codebooks (float32 levels, exactly what decoding reads) and the key thresholds encoding reads."""
+        held = [self.kq.levels, self.vq.levels, self.kq.lo, self.kq.hi]
+        n = sum(x.nbytes for x in held)
+        if self.vq.mat_lo is not None:
+            n += 8  # per-matrix value thresholds, two float32
+        return n
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Every tensor in use (views of the used rows), for an independent byte count in the tests."""
+        out = [buf.view() for buf in (self.k_codes, self.v_codes, self.v_scale_zero)]
+        for sp in self._sparse():
+            out += [sp.pointers.view(), sp.channels.view(), sp.values.view()]
+        out += [self.k_scale, self.k_zero, self.sink_slot]
+        filled = self.sink_slot >= 0
+        out += [self.sink_k[filled], self.sink_v[filled]]
+        return out

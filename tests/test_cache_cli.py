@@ -1,0 +1,46 @@
+"""`kvsqueeze generate`: greedy text through the compressed cache plus its memory report; errors exit 2."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvsqueeze.cli import main
+
+
+def test_generate_prints_text_and_memory_report(tiny_model_dir, tiny_recipe_dir, capsys):
+    rc = main(["generate", "--model", str(tiny_model_dir), "--recipe", str(tiny_recipe_dir),
+               "--method", "nuq3-1%", "--prompt", "the cache key", "--max-new-tokens", "12"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert out.startswith("the cache key")
+    assert "KV cache nuq3-1%: 2 layers, batch 1" in out and "fp16 cache" in out and "outlier_values" in out
+
+
+def test_generate_fp16_needs_no_recipe(tiny_model_dir, capsys):
+    assert main(["generate", "--model", str(tiny_model_dir), "--method", "fp16", "--prompt", "hello",
+                 "--max-new-tokens", "3"]) == 0
+    assert "KV cache fp16" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--method", "kivi2"], "Supported: fp16"),
+    (["--method", "nuq3-1%"], "pass --recipe"),
+    (["--method", "nuq9"], "bit width 9"),
+])
+def test_generate_errors_exit_2(tiny_model_dir, capsys, argv, match):
+    rc = main(["generate", "--model", str(tiny_model_dir), "--prompt", "hi", *argv])
+    assert rc == 2
+    assert match in capsys.readouterr().err
+
+
+def test_generate_recipe_of_another_model(tiny_mistral, tiny_model_dir, tmp_path, capsys):
+    from kvsqueeze.calibrate.collect import collect
+    from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
+    from conftest import random_ids
+
+    cfg = CalibrationConfig(samples=1, seqlen=32, bits=(3,), fractions=(0.0, 0.01), fits=("fs2",))
+    acts = collect(tiny_mistral, random_ids(1, 32, seed=1), sinks=1, progress=False)
+    fit_recipe(tiny_mistral, acts, cfg, "tiny-mistral", "random", progress=False).save(tmp_path / "r")
+    rc = main(["generate", "--model", str(tiny_model_dir), "--recipe", str(tmp_path / "r"), "--prompt", "hi"])
+    assert rc == 2
+    assert "calibrated on model 'tiny-mistral'" in capsys.readouterr().err

@@ -1,0 +1,243 @@
+"""Tests for kvsqueeze.cache storage (pure torch): growable buffers, CSC/CSR outliers, the per-layer store.
+
+The reference for the store is the simulated quantization of the whole
+sequence at once: `VectorQuantizer.fake` on every non-sink token (keys per
+channel and values per token are computed independently for each element /
+token, so chunking must not matter) and fp16 for each row's first real tokens.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvsqueeze.cache import sparse as sparse_mod
+from kvsqueeze.cache.buffers import GrowableTensor
+from kvsqueeze.cache.sparse import TokenOutliers
+from kvsqueeze.cache.storage import QuantizedKV
+from kvsqueeze.datatypes import normal_float_levels, uniform_levels
+from kvsqueeze.methods import parse_method, storage_bits
+from kvsqueeze.schemes import VectorQuantizer
+
+FAST = settings(max_examples=40, deadline=None)
+
+
+# ---- growable buffers -----------------------------------------------------------------------
+def test_growable_appends_are_amortized():
+    buf = GrowableTensor((3,), torch.float32)
+    reallocations, last = 0, None
+    for i in range(1000):
+        buf.append(torch.full((1, 3), float(i)))
+        if buf._data.data_ptr() != last:
+            reallocations, last = reallocations + 1, buf._data.data_ptr()
+    assert reallocations <= 11  # 16, 32, ..., 1024: capacity doubles, never one copy per token
+    assert buf.capacity_nbytes < 2 * buf.nbytes + 16 * buf.row_nbytes
+    assert torch.equal(buf.view()[:, 0], torch.arange(1000, dtype=torch.float32))
+    buf.truncate(10)
+    assert buf.nbytes == 10 * 12 and len(buf.view()) == 10
+    with pytest.raises(ValueError, match="rows of shape"):
+        buf.append(torch.zeros(1, 4))
+
+
+# ---- CSC / CSR outliers ---------------------------------------------------------------------
+def _random_outliers(n: int, c: int, density: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.rand(n, c, generator=g) < density, torch.randn(n, c, generator=g) * 10
+
+
+def _arrays(s: TokenOutliers) -> tuple[torch.Tensor, ...]:
+    return s.pointers.view().long(), s.channels.view(), s.values.view()
+
+
+def _same(a: TokenOutliers, b: TokenOutliers) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(_arrays(a), _arrays(b)))
+
+
+@FAST
+@given(
+    chunks=st.lists(st.integers(0, 5), min_size=1, max_size=6),
+    c=st.sampled_from([1, 7, 32, 100]),
+    density=st.sampled_from([0.0, 0.05, 0.5, 1.0]),
+    seed=st.integers(0, 10_000),
+)
+def test_outliers_built_by_appends_equal_built_at_once(chunks, c, density, seed):
+    n = sum(chunks)
+    mask, x = _random_outliers(n, c, density, seed)
+    at_once = TokenOutliers.from_dense(mask, x)
+    appended = TokenOutliers(c)
+    start = 0
+    for k in chunks:
+        appended.append(mask[start : start + k], x[start : start + k])
+        start += k
+    assert _same(appended, at_once)
+    assert appended.tokens == n and appended.nnz == int(mask.sum())
+    dense_mask, vals = appended.to_dense()
+    assert torch.equal(dense_mask, mask) and torch.equal(vals[mask], x[mask].half())
+
+
+@FAST
+@given(n=st.integers(0, 12), keep=st.integers(0, 12), seed=st.integers(0, 10_000),
+       order=st.lists(st.integers(0, 11), max_size=15))
+def test_outliers_truncate_and_select_match_a_fresh_build(n, keep, seed, order):
+    mask, x = _random_outliers(n, 9, 0.3, seed)
+    s = TokenOutliers.from_dense(mask, x)
+    keep = min(keep, n)
+    s.truncate(keep)
+    assert _same(s, TokenOutliers.from_dense(mask[:keep], x[:keep]))
+    idx = torch.tensor([i for i in order if i < keep], dtype=torch.long)
+    s.select(idx)
+    assert _same(s, TokenOutliers.from_dense(mask[:keep][idx], x[:keep][idx]))
+
+
+def test_outlier_channel_indices_use_all_16_bits():
+    c = 65_536
+    mask = torch.zeros(2, c, dtype=torch.bool)
+    mask[0, [0, 32_767, 32_768]] = True
+    mask[1, c - 1] = True
+    x = torch.randn(2, c)
+    s = TokenOutliers.from_dense(mask, x)
+    assert s.channels.dtype == torch.int16
+    assert s.channel_index().tolist() == [0, 32_767, 32_768, c - 1]
+    dense = s.scatter_into(torch.zeros(2, c))
+    assert torch.equal(dense[mask], x[mask].half().float())
+    with pytest.raises(ValueError, match="16 bits"):
+        TokenOutliers(c + 1)
+
+
+def test_outlier_pointers_widen_instead_of_overflowing(monkeypatch):
+    monkeypatch.setattr(sparse_mod, "_INT32_MAX", 5)
+    mask, x = _random_outliers(6, 4, 1.0, 0)  # 24 outliers > the patched limit
+    s = TokenOutliers(4)
+    s.append(mask[:1], x[:1])
+    assert s.pointers.dtype == torch.int32
+    s.append(mask[1:], x[1:])
+    assert s.pointers.dtype == torch.int64
+    assert s.pointers.view().tolist() == [0, 4, 8, 12, 16, 20, 24]
+
+
+# ---- the per-layer store --------------------------------------------------------------------
+def _quantizers(c: int, bits: int, fraction: float, scope: str, family: str = "nuq"):
+    g = torch.Generator().manual_seed(c * 10 + bits)
+    if family == "nuq":
+        levels = torch.sort(torch.rand(2**bits, generator=g) * 2 - 1).values
+        levels[0], levels[-1] = -1.0, 1.0
+    else:
+        levels = normal_float_levels(bits) if family == "nf" else uniform_levels(bits)
+    lo = -1.5 - torch.rand(c, generator=g)
+    hi = 1.0 + torch.rand(c, generator=g)
+    kq = VectorQuantizer(levels=levels, axis="channel", fraction=fraction, scope=scope, lo=lo, hi=hi)
+    mat = dict(mat_lo=-2.0, mat_hi=2.0) if scope == "matrix" else {}
+    vq = VectorQuantizer(levels=levels, axis="token", fraction=fraction, scope=scope, **mat)
+    return kq, vq
+
+
+def _reference(kq, vq, keys, values, real, sinks):
+    """Simulated quantization of whole sequences [B, T, C]: the first `sinks` real tokens of a row stay fp16."""
+    b, t, c = keys.shape
+    rank = real.long().cumsum(1) - 1
+    sink = real & (rank < sinks)
+    k_hat = kq.fake(keys.reshape(-1, c))[0].view(b, t, c)
+    v_hat = vq.fake(values.reshape(-1, c))[0].view(b, t, c)
+    k_hat = torch.where(sink[..., None], keys.half().float(), k_hat)
+    v_hat = torch.where(sink[..., None], values.half().float(), v_hat)
+    return k_hat, v_hat
+
+
+def _tokens(b: int, t: int, c: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(b, t, c, generator=g) * 1.2 - 0.2
+    v = torch.randn(b, t, c, generator=g)
+    spikes = torch.rand(b, t, c, generator=g) < 0.03  # outliers on both sides
+    return k + spikes * 6 * torch.randn(b, t, c, generator=g), v + spikes * 8
+
+
+ops = st.lists(st.tuples(st.sampled_from(["append", "append", "crop", "reorder"]), st.integers(1, 5)),
+               min_size=1, max_size=8)
+
+
+@FAST
+@given(
+    ops=ops,
+    batch=st.integers(1, 3),
+    c=st.sampled_from([32, 40]),
+    bits=st.sampled_from([2, 3, 4]),
+    outliers=st.sampled_from([(0.0, "vector"), (0.05, "vector"), (0.05, "matrix")]),
+    sinks=st.integers(0, 3),
+    seed=st.integers(0, 10_000),
+)
+def test_store_holds_exactly_the_simulated_quantization_of_the_sequence(ops, batch, c, bits, outliers, sinks, seed):
+    """Random prefills, appends, crops and row reorders never lose, duplicate or reorder a token."""
+    kq, vq = _quantizers(c, bits, *outliers)
+    store = QuantizedKV(kq, vq, c, sinks)
+    g = torch.Generator().manual_seed(seed)
+    pads = torch.randint(0, 3, (batch,), generator=g)  # left padding: leading tokens that are not real
+    keys = torch.zeros(batch, 0, c)
+    values, real = torch.zeros(batch, 0, c), torch.zeros(batch, 0, dtype=torch.bool)
+    for step, (op, n) in enumerate(ops):
+        if op == "append":
+            k, v = _tokens(batch, n, c, seed + step)
+            slots = torch.arange(keys.shape[1], keys.shape[1] + n).view(1, -1)
+            r = slots >= pads.view(-1, 1)
+            store.append(k, v, r)
+            keys, values, real = torch.cat([keys, k], 1), torch.cat([values, v], 1), torch.cat([real, r], 1)
+        elif op == "crop":
+            keep = max(keys.shape[1] - n, 0)
+            store.crop(keep)
+            keys, values, real = keys[:, :keep], values[:, :keep], real[:, :keep]
+        elif keys.shape[1]:
+            idx = torch.randint(0, batch, (batch,), generator=g)  # beams may duplicate rows
+            store.gather_rows(idx)
+            keys, values, real, pads = keys[idx], values[idx], real[idx], pads[idx]
+        assert store.tokens == keys.shape[1]
+        if store.tokens:
+            k_got, v_got = store.dequantize()
+            k_ref, v_ref = _reference(kq, vq, keys, values, real, sinks)
+            assert torch.equal(k_got.transpose(0, 1), k_ref)
+            assert torch.equal(v_got.transpose(0, 1), v_ref)
+
+
+def test_store_reset_empties_it():
+    kq, vq = _quantizers(32, 3, 0.05, "vector")
+    store = QuantizedKV(kq, vq, 32, sinks=1)
+    store.append(*_tokens(2, 5, 32, 0))
+    store.reset()
+    assert store.tokens == 0 and store.batch == 0
+    k, v = _tokens(3, 4, 32, 1)
+    store.append(k, v)  # a new batch size after a reset
+    k_ref, _ = _reference(kq, vq, k, v, torch.ones(3, 4, dtype=torch.bool), 1)
+    assert torch.equal(store.dequantize()[0].transpose(0, 1), k_ref)
+
+
+@pytest.mark.parametrize("method", ["nuq3-1%", "nuq2-1%", "nuq4", "nuq3-1%:pm", "nf3-1%:kchan:pre:sink2"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_store_memory_is_exact_and_matches_storage_bits(method, padded):
+    spec = parse_method(method)
+    c, t = 64, 37
+    kq, vq = _quantizers(c, spec.k_bits, spec.outlier_fraction, spec.outlier_scope, spec.family)
+    store = QuantizedKV(kq, vq, c, spec.sinks)
+    k, v = _tokens(1, t, c, 3)
+    real = (torch.arange(t) >= 4).view(1, -1) if padded else None
+    store.append(k[:, :20], v[:, :20], None if real is None else real[:, :20])
+    store.append(k[:, 20:], v[:, 20:], None if real is None else real[:, 20:])
+    mem = store.memory()
+    in_tensors = sum(x.nbytes for x in store.tensors())
+    assert sum(mem.values()) - mem["codebook"] == in_tensors  # every byte in use is counted, once
+    assert store.capacity_nbytes() >= sum(mem.values())
+    n_k = store.k_outliers.nnz if store.k_outliers is not None else 0
+    n_v = store.v_outliers.nnz if store.v_outliers is not None else 0
+    # storage_bits counts padding tokens like any other: the first real token is the sink either way
+    bits = storage_bits(spec, t, c, k_outliers=n_k, v_outliers=n_v)
+    for name in ("codes", "scales", "outlier_values", "outlier_indices", "pointers", "sinks"):
+        assert mem[name] * 8 == bits[name], name
+    levels = 4 * (2**spec.k_bits + 2**spec.v_bits)
+    assert mem["codebook"] == levels + 8 * c + (8 if spec.outlier_scope == "matrix" and spec.outlier_fraction else 0)
+    per_sink = 4 * (c * (spec.k_bits + spec.v_bits) // 32) + 4 + (8 if spec.outlier_fraction else 0)
+    assert mem["sink_slots"] == spec.sinks * per_sink + 4 * spec.sinks
+
+
+def test_store_rejects_other_axes():
+    kq, vq = _quantizers(32, 3, 0.0, "vector")
+    with pytest.raises(ValueError, match="per-channel keys and per-token values"):
+        QuantizedKV(vq, kq, 32, 1)
