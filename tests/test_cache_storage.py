@@ -226,14 +226,16 @@ def test_store_memory_is_exact_and_matches_storage_bits(method, padded):
     assert sum(mem.values()) - mem["codebook"] == in_tensors  # every byte in use is counted, once
     assert store.capacity_nbytes() >= sum(mem.values())
     n_k = store.k_outliers.nnz if store.k_outliers is not None else 0
-    n_v = store.v_outliers.nnz if store.v_outliers is not None else 0
+    fixed = store.v_fixed or 0  # per-token top-k value outliers: implicit row pointers, sinks padded
+    n_v = store.v_outliers.nnz - spec.sinks * fixed if store.v_outliers is not None else 0
     # storage_bits counts padding tokens like any other: the first real token is the sink either way
     bits = storage_bits(spec, t, c, k_outliers=n_k, v_outliers=n_v)
     for name in ("codes", "scales", "outlier_values", "outlier_indices", "pointers", "sinks"):
         assert mem[name] * 8 == bits[name], name
     levels = 4 * (2**spec.k_bits + 2**spec.v_bits)
     assert mem["codebook"] == levels + 8 * c + (8 if spec.outlier_scope == "matrix" and spec.outlier_fraction else 0)
-    per_sink = 4 * (c * (spec.k_bits + spec.v_bits) // 32) + 4 + (8 if spec.outlier_fraction else 0)
+    pointers = (4 if spec.outlier_fraction else 0) + (4 if spec.outlier_fraction and store.v_fixed is None else 0)
+    per_sink = 4 * (c * (spec.k_bits + spec.v_bits) // 32) + 4 + pointers + 4 * fixed
     assert mem["sink_slots"] == spec.sinks * per_sink + 4 * spec.sinks
 
 

@@ -174,7 +174,7 @@ def test_nuq3_1pct_matches_hand_count():
         q * c * (3 + 3)  # codes
         + 32 * (c + q)  # per-channel key (s, z) + per-token value (s, z), fp16 each
         + 2 * p * q * c * (16 + 16)  # K and V outliers: fp16 value + 16-bit index
-        + 2 * 32 * (q + 1)  # CSC / CSR pointers
+        + 32 * (q + 1)  # CSC key pointers (value rows hold exactly k outliers each: implicit CSR pointers)
         + 16 * (8 + 8)  # two 3-bit codebooks in fp16
         + 2 * 1 * c * 16  # the sink token's K and V in fp16
     )

@@ -318,7 +318,10 @@ def storage_bits(
             vo = nominal if v_outliers is None else v_outliers
             out["outlier_values"] = FP16_BITS * (ko + vo)
             out["outlier_indices"] = 16.0 * (ko + vo)
-            out["pointers"] = 2.0 * POINTER_BITS * (q + 1)  # CSC for K, CSR for V: one pointer per token each
+            # CSC for K, CSR for V: one pointer per token each, except where every token keeps the same
+            # number of outliers (per-token top-k), whose row pointers are implicit
+            fixed = [axis == "token" and spec.outlier_scope == "vector" for axis in (spec.key_axis, spec.value_axis)]
+            out["pointers"] = float(POINTER_BITS * (q + 1) * fixed.count(False))
     out["total"] = sum(v for k, v in out.items())
     out["elements"] = elements
     return out

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from .datatypes import check_codebook, fixed_levels, uniform_levels
-from .methods import MethodError, MethodSpec
+from .methods import MethodError, MethodSpec, max_outliers_per_side
 from .outliers import clamp_range, online_thresholds, outlier_mask
 from .quantizer import choose_qparams, dequantize, quantize
 from .recipe import Recipe, RecipeError
@@ -50,6 +50,10 @@ class VectorQuantizer:
     def bits(self) -> int:
         return int(self.levels.numel()).bit_length() - 1
 
+    def outliers_per_side(self, channels: int) -> int:
+        """Per-token top-k: outliers kept above (and below) each token's range."""
+        return min(max_outliers_per_side(self.fraction, channels), (channels - 1) // 2)
+
     def ranges(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Clipping range [lo, hi] for x [N, C] (shapes [1, C] or [N, 1])."""
         if self.axis == "channel":
@@ -62,10 +66,25 @@ class VectorQuantizer:
         """Quantize x [N, C] (float) into codes, scales, zero-points and an outlier mask."""
         if self.group:
             return self._encode_grouped(x)
-        lo, hi = self.ranges(x)
+        if self.axis == "token" and self.scope == "vector" and self.fraction > 0:
+            lo, hi, mask = self._top_k(x)
+        else:
+            lo, hi = self.ranges(x)
+            mask = outlier_mask(x, lo, hi) if self.fraction > 0 else None
         scale, zero = choose_qparams(lo, hi)
-        mask = outlier_mask(x, lo, hi) if self.fraction > 0 else None
         return Encoded(quantize(x, scale, zero, self.levels), scale, zero, mask)
+
+    def _top_k(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Exactly k outliers above and k below per token (ties broken by position), and the range between."""
+        k = self.outliers_per_side(x.shape[1])
+        if k == 0:
+            return x.amin(1, keepdim=True), x.amax(1, keepdim=True), torch.zeros_like(x, dtype=torch.bool)
+        top = x.topk(k + 1, dim=1)
+        bottom = x.topk(k + 1, dim=1, largest=False)
+        mask = torch.zeros_like(x, dtype=torch.bool)
+        mask.scatter_(1, top.indices[:, :k], True)
+        mask.scatter_(1, bottom.indices[:, :k], True)
+        return bottom.values[:, k:], top.values[:, k:], mask
 
     def _encode_grouped(self, x: torch.Tensor) -> Encoded:
         n, c = x.shape

@@ -20,6 +20,12 @@ Layout (all three arrays grow by capacity doubling, see `buffers.py`):
 
 Entries of one token are in increasing channel order, so a structure built by
 appends is identical to one built at once (`from_dense`).
+
+Fixed-count rows (``fixed=k``): per-token value outliers are the exact top-k
+above and below, so every token has the same number of entries and the row
+pointers are implicit (``pointers[n] = n * k``) instead of stored. A token with
+fewer outliers (a sink slot) is padded with exact values of its first
+non-outlier channels; storing a value exactly never changes what a sink reads.
 """
 
 from __future__ import annotations
@@ -44,12 +50,14 @@ class TokenOutliers:
         device: where the arrays live.
     """
 
-    def __init__(self, channels: int, device: torch.device | str = "cpu"):
+    def __init__(self, channels: int, device: torch.device | str = "cpu", fixed: int | None = None):
         if not 0 < channels <= MAX_CHANNELS:
             raise ValueError(f"outlier channel indices are 16 bits: vectors of 1..{MAX_CHANNELS} channels, "
                              f"got {channels}")
         self.width = channels
         self.device = torch.device(device)
+        self.fixed = fixed  # entries per token when row pointers are implicit
+        self._tokens = 0
         self.pointers = GrowableTensor((), torch.int32, self.device)
         self.channels = GrowableTensor((), torch.int16, self.device)
         self.values = GrowableTensor((), torch.float16, self.device)
@@ -68,8 +76,15 @@ class TokenOutliers:
         if mask.dim() != 2 or mask.shape[1] != self.width or x.shape != mask.shape:
             raise ValueError(f"expected mask and values of shape [N, {self.width}], got {tuple(mask.shape)} "
                              f"and {tuple(x.shape)}")
+        if self.fixed is not None:
+            mask = self._pad_rows(mask)
         rows, cols = mask.nonzero(as_tuple=True)  # row-major: token by token, channels ascending
         counts = mask.sum(dim=1, dtype=torch.int64)
+        self._tokens += mask.shape[0]
+        if self.fixed is not None:
+            self.channels.append(_to_int16_pattern(cols))
+            self.values.append(x[rows, cols].to(torch.float16))
+            return
         ends = self.nnz + counts.cumsum(0)
         if ends.numel() and int(ends[-1]) > _INT32_MAX and self.pointers.dtype == torch.int32:
             self.pointers.astype(torch.int64)
@@ -77,10 +92,29 @@ class TokenOutliers:
         self.channels.append(_to_int16_pattern(cols))
         self.values.append(x[rows, cols].to(torch.float16))
 
+    def _pad_rows(self, mask: torch.Tensor) -> torch.Tensor:
+        """Give every row exactly `fixed` entries (extra entries store exact values: harmless)."""
+        counts = mask.sum(dim=1)
+        if (counts > self.fixed).any():
+            raise ValueError(f"a token has {int(counts.max())} outliers, more than the fixed {self.fixed} per token")
+        short = (counts < self.fixed).nonzero().flatten()
+        if short.numel():
+            mask = mask.clone()
+            for r in short.tolist():  # rare: sink slots and ties
+                free = (~mask[r]).nonzero().flatten()[: self.fixed - int(counts[r])]
+                mask[r, free] = True
+        return mask
+
+    def pointer_view(self) -> torch.Tensor:
+        """Row pointers [tokens + 1] (int64 when implicit)."""
+        if self.fixed is not None:
+            return torch.arange(self._tokens + 1, device=self.device, dtype=torch.int64) * self.fixed
+        return self.pointers.view()
+
     # ---- size ----------------------------------------------------------------------------
     @property
     def tokens(self) -> int:
-        return len(self.pointers) - 1
+        return self._tokens if self.fixed is not None else len(self.pointers) - 1
 
     @property
     def nnz(self) -> int:
@@ -88,21 +122,23 @@ class TokenOutliers:
 
     def counts(self) -> torch.Tensor:
         """Outliers per token, int64 [tokens]."""
-        return self.pointers.view().long().diff()
+        return self.pointer_view().long().diff()
 
     # ---- editing -------------------------------------------------------------------------
     def truncate(self, tokens: int) -> None:
         """Keep the first `tokens` tokens."""
         if not 0 <= tokens <= self.tokens:
             raise ValueError(f"cannot keep {tokens} of {self.tokens} tokens")
-        nnz = int(self.pointers.view()[tokens])
-        self.pointers.truncate(tokens + 1)
+        nnz = int(self.pointer_view()[tokens])
+        if self.fixed is None:
+            self.pointers.truncate(tokens + 1)
+        self._tokens = tokens
         self.channels.truncate(nnz)
         self.values.truncate(nnz)
 
     def select(self, order: torch.Tensor) -> None:
         """Keep tokens `order` [N'] (int64 indices into the current tokens, repeats allowed), in that order."""
-        ptr = self.pointers.view().long()
+        ptr = self.pointer_view().long()
         counts = ptr.diff()[order]
         starts = ptr[:-1][order]
         total = int(counts.sum())
@@ -111,12 +147,16 @@ class TokenOutliers:
         entries = starts.repeat_interleave(counts) + within
         self.channels.replace(self.channels.view()[entries])
         self.values.replace(self.values.view()[entries])
+        self._tokens = order.numel()
+        if self.fixed is not None:
+            return
         head = torch.zeros(1, dtype=torch.int64, device=self.device)
         dtype = torch.int64 if total > _INT32_MAX else torch.int32
         self.pointers.dtype = dtype
         self.pointers.replace(torch.cat([head, counts.cumsum(0)]).to(dtype))
 
     def clear(self) -> None:
+        self._tokens = 0
         for buf in (self.pointers, self.channels, self.values):
             buf.clear()
         self.pointers.append(torch.zeros(1, dtype=self.pointers.dtype, device=self.device))
@@ -157,11 +197,11 @@ class TokenOutliers:
 
     @property
     def pointer_nbytes(self) -> int:
-        return self.pointers.nbytes
+        return 0 if self.fixed is not None else self.pointers.nbytes
 
     @property
     def pointer_itemsize(self) -> int:
-        return self.pointers.row_nbytes
+        return 0 if self.fixed is not None else self.pointers.row_nbytes
 
     @property
     def capacity_nbytes(self) -> int:

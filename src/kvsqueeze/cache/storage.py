@@ -38,6 +38,13 @@ from .buffers import GrowableTensor
 from .sparse import TokenOutliers
 
 
+def _fixed_outliers(q: VectorQuantizer, channels: int) -> int | None:
+    """Outliers every token has under per-token top-k thresholds (None when the count varies)."""
+    if q.axis != "token" or q.scope != "vector" or q.fraction <= 0:
+        return None
+    return 2 * q.outliers_per_side(channels)
+
+
 class QuantizedKV:
     """Compressed keys (pre-RoPE) and values of one layer; see the module docstring.
 
@@ -70,7 +77,9 @@ class QuantizedKV:
         self.v_scale_zero = GrowableTensor((batch, 2), torch.float16, dev)
         # methods without outliers store no sparse arrays at all (storage_bits counts no pointers then)
         self.k_outliers = TokenOutliers(c, dev) if self.kq.fraction > 0 else None
-        self.v_outliers = TokenOutliers(c, dev) if self.vq.fraction > 0 else None
+        # per-token top-k value outliers: the same count every token, so CSR row pointers are implicit
+        self.v_fixed = _fixed_outliers(self.vq, c)
+        self.v_outliers = TokenOutliers(c, dev, fixed=self.v_fixed) if self.vq.fraction > 0 else None
         self.sink_k = torch.zeros(batch, self.sinks, c, dtype=torch.float16, device=dev)
         self.sink_v = torch.zeros_like(self.sink_k)
         self.sink_slot = torch.full((batch, self.sinks), -1, dtype=torch.int32, device=dev)
@@ -194,15 +203,16 @@ class QuantizedKV:
         slot_code_bytes = 4 * (words_per_vector(c, self.k_bits) + words_per_vector(c, self.v_bits))  # int32 words
         sparse = self._sparse()
         ptr = sum(s.pointer_itemsize for s in sparse)
+        pad = n_sinks * (self.v_fixed or 0) * 2 if self.v_outliers is not None else 0  # fixed-row padding of sinks
         return {
             "codes": (slots - n_sinks) * slot_code_bytes,
             "scales": self.k_scale.nbytes + self.k_zero.nbytes + (slots - n_sinks) * 4,  # + fp16 (s, z) per slot
-            "outlier_values": sum(s.value_nbytes for s in sparse),
-            "outlier_indices": sum(s.index_nbytes for s in sparse),
+            "outlier_values": sum(s.value_nbytes for s in sparse) - pad,
+            "outlier_indices": sum(s.index_nbytes for s in sparse) - pad,
             "pointers": sum(s.pointer_nbytes for s in sparse) - n_sinks * ptr,
             "sinks": n_sinks * c * 2 * 2,  # K and V, fp16
             "codebook": self._quantizer_nbytes(),
-            "sink_slots": n_sinks * (slot_code_bytes + 4 + ptr) + self.sink_slot.nbytes,
+            "sink_slots": n_sinks * (slot_code_bytes + 4 + ptr) + 2 * pad + self.sink_slot.nbytes,
         }
 
     def capacity_nbytes(self) -> int:
@@ -224,7 +234,7 @@ class QuantizedKV:
         """Every tensor in use (views of the used rows), for an independent byte count in the tests."""
         out = [buf.view() for buf in (self.k_codes, self.v_codes, self.v_scale_zero)]
         for sp in self._sparse():
-            out += [sp.pointers.view(), sp.channels.view(), sp.values.view()]
+            out += [sp.channels.view(), sp.values.view()] + ([] if sp.fixed is not None else [sp.pointers.view()])
         out += [self.k_scale, self.k_zero, self.sink_slot]
         filled = self.sink_slot >= 0
         out += [self.sink_k[filled], self.sink_v[filled]]
