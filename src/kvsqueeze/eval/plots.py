@@ -80,13 +80,18 @@ def inspect_activations(model_name: str, text_name: str, out_dir: str, layer: in
     plt.close(fig)
 
     fig, axes = plt.subplots(2, 1, figsize=(max(8, n_layers * 0.4), 7), sharex=True)
+    pos = list(range(n_layers))
     for ax, name in zip(axes, ("k_pre", "v")):
-        data = [acts[name][i].flatten().abs().numpy() for i in range(n_layers)]
-        ax.boxplot(data, whis=(0.1, 99.9), showfliers=True, flierprops={"markersize": 1})
-        ax.set_yscale("log")
-        ax.set_ylabel(f"|{titles[name]}|")
-    axes[1].set_xlabel("layer (+1)")
-    axes[0].set_title(f"{model_name}: element magnitudes per layer (whiskers 0.1-99.9 percentile, outliers as dots)")
+        data = [acts[name][i].flatten().numpy() for i in pos]
+        # the box and whiskers hold 99% of the elements; the dots are the extremes the 1% outliers reach
+        ax.boxplot(data, positions=pos, whis=(0.5, 99.5), showfliers=False)
+        ax.scatter(pos, [d.max() for d in data], s=8, color="tab:red", label="max / min")
+        ax.scatter(pos, [d.min() for d in data], s=8, color="tab:red")
+        ax.set_ylabel(titles[name])
+        ax.legend(loc="upper left")
+    axes[1].set_xlabel("layer")
+    axes[0].set_title(f"{model_name}: element distribution per layer (box: quartiles, whiskers: 0.5-99.5 percentile) "
+                      "- the 1% tails stretch the range several times")
     fig.tight_layout()
     p2 = out / "magnitude_distribution_per_layer.png"
     fig.savefig(p2, dpi=110)
