@@ -160,7 +160,7 @@ def cmd_passkey(args) -> None:
     recipe = _recipe_for(specs, args.recipe)
     model, tok = load_model(args.model)
     _check_methods(model, specs, recipe)
-    results = passkey_eval(model, tok, specs, lengths, args.trials, recipe, seed=args.seed)
+    results = passkey_eval(model, tok, specs, lengths, args.trials, recipe, seed=args.seed, engine=args.engine)
     print(format_passkey_table(results))
     _write_json(args.json, {
         "model": args.model, "trials": args.trials, "seed": args.seed,
@@ -237,6 +237,8 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--lengths", default="1024,2048,4096,8192")
     k.add_argument("--trials", type=int, default=10)
     k.add_argument("--seed", type=int, default=0)
+    k.add_argument("--engine", choices=("sim", "cache"), default="sim",
+                   help="simulated quantization, or the compressed cache where the method has one")
     k.add_argument("--json")
     k.set_defaults(fn=cmd_passkey)
 

@@ -298,6 +298,8 @@ class WeightedHistogram:
 @numba.njit(cache=True)
 def _run_cost(p0, p1, p2, i, j):
     s0 = p0[j] - p0[i]
+    if s0 <= 0.0:  # atoms far lighter than the running total vanish in the prefix sum: they cost nothing
+        return 0.0
     s1 = p1[j] - p1[i]
     v = (p2[j] - p2[i]) - s1 * s1 / s0
     return v if v > 0.0 else 0.0

