@@ -45,19 +45,22 @@ def fake_quantize_channel_groups(v: torch.Tensor, group: int, bits: int) -> torc
 
 
 def kivi_attention(module, query, key, value, attention_mask, scaling, spec: MethodSpec):
-    """Attention over [B, H, T, D] tensors where old tokens are KIVI-quantized and recent ones exact."""
-    bq, hq, tq, d = query.shape
-    hk, tk = key.shape[1], key.shape[2]
+    """Attention over [B, H, T, D] tensors where old tokens are KIVI-quantized and recent ones exact.
+
+    The mixed softmax is one SDPA call over 2T keys: the quantized copy of every
+    token, visible to queries at least `window` positions later, followed by the
+    exact copy, visible to the others (the causal mask applies to both).
+    """
+    tq, tk = query.shape[2], key.shape[2]
     kq = fake_quantize_token_groups(key, spec.group_size, spec.k_bits)
     vq = fake_quantize_channel_groups(value, spec.group_size, spec.v_bits)
-    rep = hq // hk
-    expand = lambda x: x.repeat_interleave(rep, dim=1) if rep > 1 else x  # noqa: E731  [B, Hq, T, D]
-    key, value, kq, vq = map(expand, (key, value, kq, vq))
-    scaling = scaling if scaling is not None else d**-0.5
     qpos = torch.arange(tk - tq, tk, device=query.device)
     recent = (qpos[:, None] - torch.arange(tk, device=query.device)[None, :]) < spec.window  # [Tq, Tk]
-    scores = torch.where(recent, query @ key.transpose(-1, -2), query @ kq.transpose(-1, -2)) * scaling
-    mask = causal_bool_mask(attention_mask, tq, tk, query.device)
-    probs = scores.float().masked_fill(~mask, float("-inf")).softmax(-1).to(query.dtype)
-    out = (probs * recent) @ value + (probs * ~recent) @ vq
+    causal = causal_bool_mask(attention_mask, tq, tk, query.device)  # [B|1, 1, Tq, Tk]
+    mask = torch.cat([causal & ~recent, causal & recent], dim=-1)  # [B|1, 1, Tq, 2 Tk]
+    keys = torch.cat([kq, key], dim=2)
+    values = torch.cat([vq, value], dim=2)
+    gqa = query.shape[1] != key.shape[1]
+    out = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
     return out.transpose(1, 2).contiguous(), None
