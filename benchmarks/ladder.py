@@ -82,7 +82,7 @@ def main() -> None:
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"| method | what | avg bits | PPL | vs fp16 |\n|---|---|---|---|---|")
+    print("| method | what | avg bits | PPL | vs fp16 |\n|---|---|---|---|---|")
     for r in rows:
         print(f"| `{r.method}` | {steps[r.method]} | {r.avg_bits:.2f} | {r.ppl:.3f} | {(r.ppl / base - 1) * 100:+.2f}% |")
     print(f"wrote {args.json}")

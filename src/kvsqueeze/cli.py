@@ -105,7 +105,6 @@ def cmd_eval(args) -> None:
     from .eval.texts import load_text, token_windows
     from .integrations.models import load_model
     from .methods import parse_methods
-    from .recipe import Recipe
 
     specs = parse_methods(args.methods)
     seqlens = _int_list(args.seqlen, "--seqlen")
@@ -151,7 +150,6 @@ def cmd_passkey(args) -> None:
     from .eval.passkey import format_passkey_table
     from .integrations.models import load_model
     from .methods import parse_methods
-    from .recipe import Recipe
 
     specs = parse_methods(args.methods)
     lengths = _int_list(args.lengths, "--lengths")
