@@ -2,7 +2,10 @@
 
 Modules without kvsqueeze state fall through to transformers' SDPA attention,
 so registering it changes nothing for them. A module tagged with
-`kvsqueeze_kivi` runs KIVI's mixed fp16-window / quantized attention.
+`kvsqueeze_fused` (see `fused.py`) whose decode step received a fused-decode
+marker from its cache layer runs the fused kernel over the compressed cache;
+a module tagged with `kvsqueeze_kivi` runs KIVI's mixed fp16-window /
+quantized attention.
 """
 
 from __future__ import annotations
@@ -27,7 +30,13 @@ def causal_bool_mask(attention_mask, q_len: int, k_len: int, device) -> torch.Te
 
 
 def kvsqueeze_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Attention dispatch: KIVI simulation where the module asks for it, else SDPA."""
+    """Attention dispatch: fused decode over the compressed cache, KIVI simulation, or SDPA."""
+    if getattr(module, "kvsqueeze_fused", None) is not None:
+        from .fused import fused_decode_attention, fused_layer_of
+
+        layer = fused_layer_of(key)
+        if layer is not None:  # a decode step (query length 1) of a FusedDecodeLayer
+            return fused_decode_attention(layer, query, attention_mask, scaling)
     spec = getattr(module, "kvsqueeze_kivi", None)
     if spec is not None:
         from .kivi import kivi_attention

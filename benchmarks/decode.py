@@ -1,0 +1,250 @@
+"""Decode-step attention speed: the fused kernel over the compressed cache against dense SDPA.
+
+Kernel rows: one decode step of attention (one query token) for one layer of
+the default model's shape (9 query heads over 3 KV heads, head_dim 64) at each
+context length: `kvsqueeze.kernels.decode_attention` over a compressed store
+(numba backend, and the pure-torch reference backend) for each method, against
+torch SDPA (`enable_gqa=True`, the fastest dense call) over fp32 and bf16
+caches of the same shape. Every variant is timed once per round, round after
+round, so a change of machine load hits them all alike; medians are reported.
+
+The stores hold synthetic pre-RoPE keys and values with heavy tails (Student
+t, 5 degrees of freedom) whose per-channel key ranges come from the recipe's
+calibrated thresholds (`--recipe`, a middle layer; without one, a synthetic
+per-channel quantizer on NormalFloat levels), so about 1% of the elements are
+outliers as in real caches. Speed does not depend on the values otherwise.
+
+`--e2e`: greedy decoding on the default model after a `--prompt`-token BBC
+prompt, decode tokens/s (prefill timed apart) for the compressed cache with
+fused decode, `DynamicCache` and transformers' `QuantizedCache` (quanto).
+
+    python benchmarks/decode.py --contexts 2048,8192,32768,131072 --threads 2 [--e2e]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numba
+import torch
+import torch.nn.functional as F
+
+from kvsqueeze.cache.storage import QuantizedKV
+from kvsqueeze.datatypes import normal_float_levels
+from kvsqueeze.kernels import CompressedKV, Rope, decode_attention
+from kvsqueeze.methods import parse_method
+from kvsqueeze.schemes import VectorQuantizer, build_quantizers
+
+DEFAULT_RECIPE = "/tmp/run/recipe2"  # the calibration of the default model made for this project's figures
+TAIL_DF = 5.0  # Student-t degrees of freedom of the synthetic activations
+TAIL_Q99 = 4.032  # |t_5| exceeds this with probability 1%: scaled by it, 1% of a channel leaves its range
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--contexts", default="2048,8192,32768,131072", help="cached tokens, comma-separated")
+    p.add_argument("--methods", default="nuq4-1%,nuq3-1%,nuq2-1%")
+    p.add_argument("--heads", type=int, default=9, help="query heads (default: the default model's)")
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2, help="torch and numba threads")
+    p.add_argument("--rounds", type=int, default=15, help="timing rounds (the reference backend: a third)")
+    p.add_argument("--recipe", default=DEFAULT_RECIPE if Path(DEFAULT_RECIPE).exists() else None)
+    p.add_argument("--no-reference", action="store_true", help="skip the (slow) reference backend")
+    p.add_argument("--e2e", action="store_true", help="also time greedy decoding on the default model")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--prompt", type=int, default=8192, help="e2e prompt tokens")
+    p.add_argument("--new", type=int, default=32, help="e2e decoded tokens")
+    p.add_argument("--e2e-methods", default="nuq3-1%,nuq4-1%")
+    p.add_argument("--quantized-cache-bits", default="4,2", help="transformers QuantizedCache widths ('' to skip)")
+    p.add_argument("--json", default=str(Path(__file__).parent / "results" / "decode.json"))
+    return p.parse_args(argv)
+
+
+# ---- the machine -------------------------------------------------------------------------------------
+def machine() -> dict:
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "numba_threads": numba.get_num_threads(), "numba_threading_layer": numba.threading_layer(),
+            "torch": torch.__version__, "numba": numba.__version__, "platform": platform.platform(),
+            "load_average_start": os.getloadavg()}
+
+
+# ---- synthetic stores --------------------------------------------------------------------------------
+def quantizers(method: str, recipe, channels: int, seed: int = 0) -> tuple[VectorQuantizer, VectorQuantizer]:
+    """Key and value quantizers: the recipe's (a middle layer) or synthetic ones with per-channel ranges."""
+    spec = parse_method(method)
+    if recipe is not None:
+        layer = recipe.meta["model"]["fingerprint"]["layers"] // 2
+        return build_quantizers(spec, recipe, layer, channels)
+    g = torch.Generator().manual_seed(seed)
+    center, half = torch.randn(channels, generator=g) * 2, torch.rand(channels, generator=g) * 3 + 0.5
+    kq = VectorQuantizer(normal_float_levels(spec.k_bits), "channel", spec.outlier_fraction,
+                         lo=center - half, hi=center + half)
+    return kq, VectorQuantizer(normal_float_levels(spec.v_bits), "token", spec.outlier_fraction)
+
+
+def fill_store(kq: VectorQuantizer, vq: VectorQuantizer, tokens: int, channels: int, sinks: int,
+               seed: int = 0, chunk: int = 8192) -> QuantizedKV:
+    """A one-row store of `tokens` heavy-tailed tokens whose keys fit the key quantizer's channel ranges."""
+    g = torch.Generator().manual_seed(seed)
+    center, half = (kq.hi + kq.lo) / 2, (kq.hi - kq.lo) / 2
+    tdist = torch.distributions.StudentT(TAIL_DF)
+    store = QuantizedKV(kq, vq, channels, sinks)
+    for start in range(0, tokens, chunk):
+        n = min(chunk, tokens - start)
+        torch.manual_seed(seed + start)
+        keys = center + half * tdist.sample((1, n, channels)) / TAIL_Q99
+        values = tdist.sample((1, n, channels)) * (0.5 + torch.rand(channels, generator=g))
+        store.append(keys.float(), values.float())
+    return store
+
+
+# ---- kernel timing -----------------------------------------------------------------------------------
+def kernel_rows(args, recipe) -> list[dict]:
+    h, d, hq = args.kv_heads, args.head_dim, args.heads
+    c = h * d
+    rope, scaling = Rope.default(d), d**-0.5
+    rows = []
+    for tokens in (int(x) for x in args.contexts.split(",")):
+        positions = torch.arange(tokens, dtype=torch.int32).view(-1, 1)
+        q = torch.randn(1, hq, d)
+        variants = {}
+        for i, method in enumerate(args.methods.split(",")):
+            kq, vq = quantizers(method, recipe, c, seed=i)
+            store = fill_store(kq, vq, tokens, c, parse_method(method).sinks, seed=i)
+
+            def fused(store=store, q=q, positions=positions, backend="numba"):
+                decode_attention(q, CompressedKV.from_store(store, positions, h, d), rope, scaling, backend=backend)
+
+            variants[(method, "numba")] = fused
+            if not args.no_reference:
+                variants[(method, "reference")] = lambda fused=fused: fused(backend="reference")
+        for dtype in (torch.float32, torch.bfloat16):
+            qd = q.view(1, hq, 1, d).to(dtype)
+            k, v = (torch.randn(1, h, tokens, d).to(dtype) for _ in range(2))
+            variants[(f"dense-{str(dtype).split('.')[-1]}", "torch-sdpa")] = (
+                lambda qd=qd, k=k, v=v: F.scaled_dot_product_attention(qd, k, v, scale=scaling, enable_gqa=True))
+        times = {key: [] for key in variants}
+        for f in variants.values():
+            f()  # warm-up (and numba compilation / cache load)
+        for r in range(args.rounds):
+            for key, f in variants.items():
+                if key[1] == "reference" and r % 3:
+                    continue
+                t0 = time.perf_counter()
+                f()
+                times[key].append(time.perf_counter() - t0)
+        for (method, backend), ts in times.items():
+            rows.append({"context": tokens, "method": method, "backend": backend,
+                         "median_ms": round(1e3 * statistics.median(ts), 3), "min_ms": round(1e3 * min(ts), 3),
+                         "repeats": len(ts)})
+            print(f"{tokens:>7} {method:>16} {backend:>10} {rows[-1]['median_ms']:>10.3f} ms")
+    return rows
+
+
+def ratios(rows: list[dict]) -> dict:
+    """Median dense fp32 / bf16 SDPA time over each fused method's, per context."""
+    out = {}
+    for ctx in sorted({r["context"] for r in rows}):
+        at = {(r["method"], r["backend"]): r["median_ms"] for r in rows if r["context"] == ctx}
+        for (method, backend), ms in at.items():
+            if backend == "numba":
+                for dense in ("dense-float32", "dense-bfloat16"):
+                    out[f"{ctx}: {dense} sdpa / fused {method}"] = round(at[(dense, "torch-sdpa")] / ms, 3)
+    return out
+
+
+# ---- end to end --------------------------------------------------------------------------------------
+def greedy(model, ids: torch.Tensor, cache, new: int) -> tuple[float, float, list[int]]:
+    """(prefill seconds, decode tokens/s, tokens) of greedy decoding with `cache`."""
+    with torch.no_grad():
+        t0 = time.perf_counter()
+        nxt = model(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        prefill = time.perf_counter() - t0
+        tokens = [int(nxt)]
+        t0 = time.perf_counter()
+        for _ in range(new):
+            nxt = model(nxt, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            tokens.append(int(nxt))
+        return prefill, new / (time.perf_counter() - t0), tokens
+
+
+def e2e_rows(args, recipe) -> list[dict]:
+    from transformers import DynamicCache
+
+    import kvsqueeze
+    from kvsqueeze.eval.texts import load_text, token_windows
+    from kvsqueeze.integrations.fused import enable_fused_decode
+    from kvsqueeze.integrations.models import load_model
+
+    model, tok = load_model(args.model)
+    ids = token_windows(tok, load_text().evaluation, args.prompt, 1)
+    runs = {"DynamicCache": lambda: (DynamicCache(config=model.config), None)}
+    for method in args.e2e_methods.split(","):
+        def ours(method=method):
+            cache = kvsqueeze.cache_for(model, recipe, method)
+            return cache, enable_fused_decode(model, cache)
+        runs[f"kvsqueeze {method} (fused)"] = ours
+    for bits in (int(b) for b in args.quantized_cache_bits.split(",") if b):
+        def quantized(bits=bits):
+            from transformers import QuantizedCache
+
+            return QuantizedCache(backend="quanto", config=model.config, nbits=bits), None
+        runs[f"QuantizedCache quanto int{bits}"] = quantized
+    rows, reference = [], None
+    for name, make in runs.items():
+        try:
+            cache, handle = make()
+        except (ImportError, ValueError, RuntimeError) as exc:  # e.g. the quanto backend missing
+            rows.append({"cache": name, "unavailable": f"{type(exc).__name__}: {exc}"})
+            continue
+        try:
+            prefill, tps, tokens = greedy(model, ids, cache, args.new)
+        finally:
+            if handle is not None:
+                handle.close()
+        reference = reference or tokens
+        same = sum(a == b for a, b in zip(tokens, reference))
+        rows.append({"cache": name, "prompt_tokens": args.prompt, "new_tokens": args.new,
+                     "prefill_s": round(prefill, 2), "decode_tokens_per_s": round(tps, 3),
+                     "tokens_equal_to_dynamic_cache": f"{same}/{len(tokens)}"})
+        print(rows[-1])
+    return rows
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    numba.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    recipe = None
+    if args.recipe:
+        from kvsqueeze.recipe import Recipe
+
+        recipe = Recipe.load(args.recipe)
+    info = machine()
+    rows = kernel_rows(args, recipe)
+    payload = {"rows": rows, "ratios": ratios(rows), "machine": info,
+               "shape": {"query_heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "batch": 1},
+               "quantizers": f"recipe {args.recipe} (middle layer)" if recipe else "synthetic, NormalFloat levels",
+               "timing": f"median of {args.rounds} interleaved rounds (reference: a third of them)"}
+    if args.e2e:
+        payload["e2e"] = e2e_rows(args, recipe)
+    payload["machine"]["load_average_end"] = os.getloadavg()
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+    for key, value in payload["ratios"].items():
+        print(f"{key}: {value}x")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,94 @@
+"""Pieces shared by the numba decode kernels: token blocks, RoPE blocks, word transposition, code decoding.
+
+Layout conventions (see `numba_cpu.py` for the passes):
+
+* work runs over blocks of `BLOCK` consecutive tokens of one batch row; vector
+  lanes are 16 consecutive tokens (`simd.LANES`);
+* a block's packed words are transposed into wb [words, width] (uint32) so that
+  one channel's codes of 16 tokens are a vector shift away;
+* lookup tables are rows of 16 float32 (2**bits levels, zero-padded): keys have
+  one row per channel (scale and zero-point folded in), values one row.
+
+Small helpers are inlined into their callers (`inline="always"`): a call would
+count references to the arrays it is passed on every invocation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+from .rope import BLOCK
+from .simd import LANES, vadd, vcode, vcode2, vgather, vload, vlookup, vmul, vsplat, vstore, vsub
+
+SPAN = 4 * BLOCK  # tokens per value sub-block: their transposed words and weights stay in L1
+TILE = 4  # query heads whose accumulators stay in registers together
+ZERO = np.float32(0.0)
+
+
+@njit(cache=True, inline="always")  # no call: a call would count references to its arrays
+def cos_sin_at(p, j, cos_hi, sin_hi, cos_lo, sin_lo):
+    hi = p // BLOCK
+    lo = p - hi * BLOCK
+    return (cos_hi[hi, j] * cos_lo[j, lo] - sin_hi[hi, j] * sin_lo[j, lo],
+            sin_hi[hi, j] * cos_lo[j, lo] + cos_hi[hi, j] * sin_lo[j, lo])
+
+
+@njit(cache=True, inline="always")
+def rope_block(positions, b, t0, n, cos_hi, sin_hi, cos_lo, sin_lo, cs, sn):
+    """cs, sn [D/2, BLOCK]: cos/sin of tokens t0..t0+n of row b at every pair (garbage past n)."""
+    half = cs.shape[0]
+    p0 = positions[t0, b]
+    for t in range(1, n):
+        if positions[t0 + t, b] != p0 + t:  # not consecutive (padding): one token at a time
+            for u in range(n):
+                for j in range(half):
+                    cs[j, u], sn[j, u] = cos_sin_at(positions[t0 + u, b], j, cos_hi, sin_hi, cos_lo, sin_lo)
+            return
+    for j in range(half):  # angle(p0 + t) = angle(p0) + angle(t), t < BLOCK
+        c0, s0 = cos_sin_at(p0, j, cos_hi, sin_hi, cos_lo, sin_lo)
+        vc, vs = vsplat(c0), vsplat(s0)
+        for k in range(0, BLOCK, LANES):
+            cl, sl = vload(cos_lo, j * BLOCK + k), vload(sin_lo, j * BLOCK + k)
+            vstore(cs, j * BLOCK + k, vsub(vmul(vc, cl), vmul(vs, sl)))
+            vstore(sn, j * BLOCK + k, vadd(vmul(vs, cl), vmul(vc, sl)))
+
+
+@njit(cache=True, inline="always")
+def gather_words(codes, b, t0, n, w0, nw, wb, width):
+    """wb[i, t] = word w0 + i of token t0 + t in row b, for i < nw and t < n; zero for n <= t < width.
+
+    codes uint32 [T, B, W] (token-major) -> wb uint32 [*, width] (token-contiguous rows, for 16-token lanes).
+    """
+    n_rows, n_words = codes.shape[1], codes.shape[2]
+    stride = n_rows * n_words
+    for k in range(0, width, LANES):
+        base = ((t0 + k) * n_rows + b) * n_words + w0
+        valid = max(0, min(LANES, n - k))
+        for i in range(nw):
+            vstore(wb, i * width + k, vgather(codes, base + i, stride, valid))
+
+
+@njit(cache=True, inline="always")
+def decode(wb, width, w0, c, bits, lut, row, k):
+    """Lanes k..k+15 (tokens) of channel c: lut[row, code], codes from the transposed words wb [*, width]."""
+    off = c * bits
+    wi = (off >> 5) - w0
+    sh = off & 31
+    lo = vload(wb, wi * width + k)
+    if sh + bits <= 32:
+        code = vcode(lo, sh, (1 << bits) - 1)
+    else:  # a 3-bit code straddling two words
+        code = vcode2(lo, vload(wb, (wi + 1) * width + k), sh, (1 << bits) - 1)
+    return vlookup(vload(lut, row * LANES), code)
+
+
+@njit(cache=True, inline="always")
+def code_at(codes, t, b, c, bits):
+    off = c * bits
+    wi = off >> 5
+    sh = off & 31
+    v = np.int64(codes[t, b, wi]) >> sh
+    if sh + bits > 32:
+        v |= np.int64(codes[t, b, wi + 1]) << (32 - sh)
+    return v & ((1 << bits) - 1)

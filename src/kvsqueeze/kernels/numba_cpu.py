@@ -1,0 +1,158 @@
+"""Fused CPU backend of `decode_attention`, compiled with numba.
+
+Why numba rather than a C++ extension: it needs no compiler toolchain at install
+time and the same pure-Python wheel runs everywhere, while LLVM still compiles
+the loops for the machine at hand (`cache=True` keeps the machine code between
+runs). `fastmath=False`: no reassociation, so every sum is added in the order
+written here and results are reproducible; the vector work goes through
+`simd.py` (16 float32 lanes across tokens, exact IEEE operations).
+
+Passes over one layer (KVQuant, Hooper et al., arXiv 2401.18079, Section 3.7):
+
+1. keys, one pass over the packed codes (`numba_keys.key_scores`): per block of
+   64 tokens and KV head, each channel's codes are unpacked 16 tokens at a
+   time, dequantized by a lookup in that channel's table LUT[c] = level *
+   scale[c] + zero[c], rotated (RoPE at each token's position) and dotted with
+   every query head of the GQA group in registers: a head's codes are read
+   once for all of its G query heads;
+2. key outliers (CSC), a load-balanced sparse pass (`numba_sparse`): each
+   worker takes a range of tokens holding an equal share of the non-zeros, not
+   of the tokens; an outlier replaces its element before RoPE, so it adds
+   q . RoPE(exact - dequantized);
+3. sinks: their scores are recomputed from the exact fp16 keys;
+4. masking and softmax over each (row, query head);
+5. values, fused over the packed codes (`numba_values.value_sums`):
+   sum_t p_t (level[code] s_t + z_t) = sum_t (p_t s_t) level[code] + sum_t p_t z_t;
+   value outliers (CSR, equal non-zeros per worker) and sinks add
+   p_t (exact - stored).
+
+All passes run inside one compiled call (`_attend`): one dispatch from Python,
+and no multi-threaded torch op in between, so torch's thread pool and
+numba's never wait on each other.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import numba
+import numpy as np
+import torch
+from numba import njit
+
+from .api import CompressedKV, Outliers
+from .numba_keys import key_scores, sink_scores, softmax_rows
+from .numba_sparse import key_outliers, value_outliers
+from .numba_values import sink_values, value_sums
+from .rope import BLOCK, Rope, RopeTables, build_tables
+from .simd import LANES
+
+_NO_BIAS = np.zeros((0, 0), np.float32)
+_NO_OUTLIERS = (np.zeros(0, np.uint32), np.zeros(0, np.uint16), np.zeros(0, np.uint16))
+_TABLES: dict[tuple, RopeTables] = {}
+
+
+def _tables(rope: Rope, max_position: int) -> RopeTables:
+    """RoPE tables for `rope`, cached per frequency set and grown by doubling."""
+    key = (rope.inv_freq.numpy().tobytes(), rope.scaling)
+    tab = _TABLES.get(key)
+    if tab is None or tab.max_position < max_position:
+        if len(_TABLES) > 16:
+            _TABLES.clear()
+        tab = _TABLES[key] = build_tables(rope, max_position)
+    return tab
+
+
+def _np(x: torch.Tensor) -> np.ndarray:
+    return x.detach().contiguous().numpy()
+
+
+def _half_bits(x: torch.Tensor) -> np.ndarray:
+    """fp16 (or int16) tensor -> its 16-bit patterns, uint16 (numba has no float16; kernels read them with `f16`)."""
+    return _np(x.view(torch.int16)).view(np.uint16)
+
+
+def _padded(table: torch.Tensor) -> np.ndarray:
+    """[rows, 2**bits] -> [rows, 16] float32 (codes never reach the padding): one vector per row."""
+    out = np.zeros((table.shape[0], LANES), np.float32)
+    out[:, : table.shape[1]] = _np(table.float())
+    return out
+
+
+def _sparse(s: Outliers | None):
+    """(pointers as uint32, channels as uint16, fp16 values as uint16 bits), or None without outliers."""
+    if s is None or s.nnz == 0:
+        return None
+    if s.nnz >= 1 << 32:
+        raise ValueError(f"{s.nnz} outliers in one layer: the numba backend indexes at most 2**32 - 1")
+    return _np(s.pointers.to(torch.int32)).view(np.uint32), _half_bits(s.channels), _half_bits(s.values)
+
+
+@functools.cache
+def _channel_maps(heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
+    """Head and offset in the head of every channel, uint32 [C] each (the sparse passes look them up)."""
+    c = np.arange(heads * head_dim, dtype=np.uint32)
+    return c // head_dim, c % head_dim
+
+
+def _starts(tokens: int, per_row: int) -> np.ndarray:
+    """Token ranges [items + 1] of the dense passes: enough work items to keep every thread busy."""
+    items = max(1, min(-(-8 * numba.get_num_threads() // per_row), -(-tokens // BLOCK)))
+    return np.array([tokens * i // items for i in range(items + 1)], np.int64)
+
+
+@njit(cache=True)
+def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo,
+            scaling, key_starts, value_starts, k_ptr, k_chan, k_val, v_ptr, v_chan, v_val, chan_head, chan_pos,
+            sink_k, sink_v, sink_slot, scale_zero, bias, workers):
+    """All passes in order, one dispatch from Python; returns float32 [B, Hq, D]. Arguments: see the passes."""
+    bsz, hq, d = q.shape
+    n_tok = k_codes.shape[0]
+    scores = np.empty((bsz, hq, n_tok), np.float32)
+    key_scores(q, k_codes, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, key_starts,
+               scores)
+    if k_ptr.shape[0]:
+        key_outliers(q, k_codes, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling,
+                     k_ptr, k_chan, k_val, chan_head, chan_pos, workers, scores)
+    has_sinks = (sink_slot >= 0).any()
+    if has_sinks:
+        sink_scores(q, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, sink_k, sink_slot, scores)
+    softmax_rows(scores, bias)  # scores are probabilities from here on
+    items = value_starts.shape[0] - 1
+    partial = np.empty((bsz, heads, items, hq // heads, d), np.float32)
+    value_sums(scores, v_codes, vlut, v_bits, heads, scale_zero, value_starts, partial)
+    out = np.zeros((bsz, hq, d), np.float32)
+    for b in range(bsz):
+        for h in range(heads):
+            for i in range(items):  # work items in a fixed order
+                out[b, h * (hq // heads):(h + 1) * (hq // heads)] += partial[b, h, i]
+    if v_ptr.shape[0]:
+        parts = np.zeros((workers, bsz, hq, d), np.float32)
+        value_outliers(scores, v_codes, vlut, v_bits, heads, scale_zero, v_ptr, v_chan, v_val, chan_head, chan_pos,
+                       parts)
+        for w in range(workers):
+            out += parts[w]
+    if has_sinks:
+        sink_values(scores, v_codes, vlut, v_bits, heads, scale_zero, v_ptr, v_chan, v_val, sink_v, sink_slot, out)
+    return out
+
+
+def decode_attention(q: torch.Tensor, kv: CompressedKV, rope: Rope, scaling: float,
+                     key_mask: torch.Tensor | None) -> torch.Tensor:
+    """See `kvsqueeze.kernels.decode_attention`; q float32 [B, Hq, D] on the CPU -> float32 [B, Hq, D]."""
+    bsz, _, d = q.shape
+    t, h = kv.tokens, kv.heads
+    positions = _np(kv.positions)
+    if positions.min() < 0:
+        raise ValueError(f"RoPE positions must be >= 0, got {positions.min()}")
+    tab = _tables(rope, int(positions.max()))
+    klut = _padded(kv.k_levels.float()[None, :] * kv.k_scale.float()[:, None] + kv.k_zero.float()[:, None])
+    bias = _NO_BIAS if key_mask is None else np.where(_np(key_mask), np.float32(0), np.float32(-np.inf))
+    out = _attend(
+        _np(q), _np(kv.k_codes).view(np.uint32), _np(kv.v_codes).view(np.uint32), klut,
+        _padded(kv.v_levels[None, :]), kv.k_bits, kv.v_bits, h, positions,
+        tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling), _starts(t, bsz), _starts(t, bsz * h),
+        *(_sparse(kv.k_outliers) or _NO_OUTLIERS), *(_sparse(kv.v_outliers) or _NO_OUTLIERS), *_channel_maps(h, d),
+        _half_bits(kv.sink_k), _half_bits(kv.sink_v), _np(kv.sink_slot), _half_bits(kv.v_scale_zero),
+        bias.astype(np.float32), 4 * numba.get_num_threads())  # sparse workers: an equal share of non-zeros each
+    return torch.from_numpy(out)

@@ -1,0 +1,369 @@
+"""Sixteen-lane vectors for the numba kernels: LLVM vector types exposed as numba intrinsics.
+
+numba's auto-vectorizer leaves table lookups scalar and keeps loop-carried sums
+in memory; these intrinsics let the kernels hold accumulators in vector
+registers and look codes up with a variable permute. They emit portable LLVM
+IR (no target intrinsic): on AVX-512 a lookup lowers to one `vpermps` and a
+vector to one register, on AVX2 or NEON LLVM splits the vectors and lowers
+the lookup to a slower but equally exact sequence.
+
+Every operation is exact IEEE float32 arithmetic: `vfma` is the correctly
+rounded fused multiply-add (`llvm.fma`), `vhsum` sums lanes in index order,
+so results do not depend on the machine's vector width.
+
+Types: `F32x16` (float32 lanes), `U32x16` (uint32 lanes). Memory operands are
+C-contiguous numpy arrays addressed by flat element index. `f16` reads an fp16
+bit pattern (numba has no float16 type) as float32.
+"""
+
+from __future__ import annotations
+
+import llvmlite.binding
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic, models, register_model
+
+if llvmlite.binding.llvm_version_info < (17,):
+    # the masked-memory intrinsics below are named for opaque pointers, LLVM's only kind from 17 on
+    raise ImportError(f"kvsqueeze's numba kernels need llvmlite built on LLVM >= 17 (numba >= 0.62), found "
+                      f"LLVM {'.'.join(map(str, llvmlite.binding.llvm_version_info))}; upgrade numba, or use "
+                      "the reference backend")
+
+LANES = 16
+_I32 = ir.IntType(32)
+_VF = ir.VectorType(ir.FloatType(), LANES)
+_VI = ir.VectorType(_I32, LANES)
+_VB = ir.VectorType(ir.IntType(1), LANES)
+
+
+class F32x16(types.Type):
+    def __init__(self):
+        super().__init__(name="F32x16")
+
+
+class U32x16(types.Type):
+    def __init__(self):
+        super().__init__(name="U32x16")
+
+
+f32x16, u32x16 = F32x16(), U32x16()
+
+
+@register_model(F32x16)
+class _F32x16Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VF)
+
+
+@register_model(U32x16)
+class _U32x16Model(models.PrimitiveModel):
+    def __init__(self, dmm, fe_type):
+        super().__init__(dmm, fe_type, _VI)
+
+
+# ---- helpers (code generation) ------------------------------------------------------------------
+def _vec_of(dtype):
+    return {types.float32: (f32x16, _VF), types.uint32: (u32x16, _VI)}.get(dtype, (None, None))
+
+
+def _address(context, builder, aryty, ary, index, vecty):
+    data = context.make_array(aryty)(context, builder, ary).data
+    return builder.bitcast(builder.gep(data, [index]), vecty.as_pointer())
+
+
+def _splat(builder, scalar, vecty):
+    v = builder.insert_element(ir.Constant(vecty, ir.Undefined), scalar, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(v, ir.Constant(vecty, ir.Undefined), ir.Constant(_VI, [0] * LANES))
+
+
+def _to_i32(builder, value):
+    width = value.type.width
+    return builder.trunc(value, _I32) if width > 32 else builder.zext(value, _I32) if width < 32 else value
+
+
+def _lane_mask(builder, valid):
+    """Lanes 0..valid-1 true."""
+    lanes = ir.Constant(_VI, list(range(LANES)))
+    return builder.icmp_signed("<", lanes, _splat(builder, _to_i32(builder, valid), _VI))
+
+
+def _is_c_array(arr) -> bool:
+    return isinstance(arr, types.Array) and arr.layout == "C"
+
+
+# ---- memory --------------------------------------------------------------------------------------
+@intrinsic
+def vload(typingctx, arr, index):
+    """Lanes arr.flat[index : index + 16] (float32 or uint32 array)."""
+    vt, ll = _vec_of(getattr(arr, "dtype", None))
+    if vt is None or not _is_c_array(arr) or not isinstance(index, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.load(_address(context, builder, sig.args[0], args[0], args[1], ll), align=4)
+
+    return vt(arr, index), codegen
+
+
+@intrinsic
+def vload_first(typingctx, arr, index, valid):
+    """Like `vload`, reading only lanes < valid (the others are zero): safe at an array's end."""
+    vt, ll = _vec_of(getattr(arr, "dtype", None))
+    if vt is None or not _is_c_array(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ll, [ll.as_pointer(), _I32, _VB, ll]),
+            f"llvm.masked.load.v16{'f32' if ll is _VF else 'i32'}.p0")
+        ptr = _address(context, builder, sig.args[0], args[0], args[1], ll)
+        return builder.call(fn, [ptr, ir.Constant(_I32, 4), _lane_mask(builder, args[2]), ir.Constant(ll, None)])
+
+    return vt(arr, index, valid), codegen
+
+
+@intrinsic
+def vgather(typingctx, arr, index, stride, valid):
+    """Lanes arr.flat[index + i * stride] for i < valid, zero for the others (uint32 array)."""
+    vt, ll = _vec_of(getattr(arr, "dtype", None))
+    if vt is None or not _is_c_array(arr):
+        return None
+
+    def codegen(context, builder, sig, args):
+        i64 = ir.IntType(64)
+        vi64 = ir.VectorType(i64, LANES)
+        data = context.make_array(sig.args[0])(context, builder, args[0]).data
+        base = builder.ptrtoint(builder.gep(data, [args[1]]), i64)
+        step = builder.mul(context.cast(builder, args[2], sig.args[2], types.int64), ir.Constant(i64, 4))
+        offsets = builder.mul(ir.Constant(vi64, list(range(LANES))), _splat(builder, step, vi64))
+        ptrs = builder.inttoptr(builder.add(_splat(builder, base, vi64), offsets), ir.VectorType(data.type, LANES))
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ll, [ptrs.type, _I32, _VB, ll]),
+            f"llvm.masked.gather.v16{'f32' if ll is _VF else 'i32'}.v16p0")
+        return builder.call(fn, [ptrs, ir.Constant(_I32, 4), _lane_mask(builder, args[3]), ir.Constant(ll, None)])
+
+    return vt(arr, index, stride, valid), codegen
+
+
+@intrinsic
+def vstore(typingctx, arr, index, value):
+    """arr.flat[index : index + 16] = value (float32 or uint32 array, matching the vector)."""
+    vt, ll = _vec_of(getattr(arr, "dtype", None))
+    if vt is None or not _is_c_array(arr) or value != vt:
+        return None
+
+    def codegen(context, builder, sig, args):
+        builder.store(args[2], _address(context, builder, sig.args[0], args[0], args[1], ll), align=4)
+        return context.get_dummy_value()
+
+    return types.void(arr, index, value), codegen
+
+
+@intrinsic
+def vstore_first(typingctx, arr, index, value, valid):
+    """Like `vstore`, writing only lanes < valid."""
+    if not _is_c_array(arr) or arr.dtype != types.float32 or value != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [_VF, _VF.as_pointer(), _I32, _VB]),
+            "llvm.masked.store.v16f32.p0")
+        ptr = _address(context, builder, sig.args[0], args[0], args[1], _VF)
+        builder.call(fn, [args[2], ptr, ir.Constant(_I32, 4), _lane_mask(builder, args[3])])
+        return context.get_dummy_value()
+
+    return types.void(arr, index, value, valid), codegen
+
+
+# ---- float arithmetic ----------------------------------------------------------------------------
+@intrinsic
+def vsplat(typingctx, x):
+    """All lanes = x (converted to float32)."""
+    if not isinstance(x, (types.Float, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return _splat(builder, context.cast(builder, args[0], sig.args[0], types.float32), _VF)
+
+    return f32x16(x), codegen
+
+
+def _float_binop(name: str):
+    @intrinsic
+    def op(typingctx, a, b):
+        if a != f32x16 or b != f32x16:
+            return None
+
+        def codegen(context, builder, sig, args):
+            return getattr(builder, name)(args[0], args[1])
+
+        return f32x16(a, b), codegen
+
+    op.__doc__ = f"Lane-wise IEEE float32 {name[1:]}."
+    return op
+
+
+vadd, vsub, vmul = _float_binop("fadd"), _float_binop("fsub"), _float_binop("fmul")
+
+
+@intrinsic
+def vfma(typingctx, a, b, c):
+    """a * b + c, rounded once (IEEE fusedMultiplyAdd)."""
+    if not (a == b == c == f32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VF, _VF]), "llvm.fma.v16f32")
+        return builder.call(fn, args)
+
+    return f32x16(a, b, c), codegen
+
+
+@intrinsic
+def vhsum(typingctx, v):
+    """Sum of the lanes, added in lane order: a float32 scalar."""
+    if v != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        acc = builder.extract_element(args[0], ir.Constant(_I32, 0))
+        for i in range(1, LANES):
+            acc = builder.fadd(acc, builder.extract_element(args[0], ir.Constant(_I32, i)))
+        return acc
+
+    return types.float32(v), codegen
+
+
+@intrinsic
+def vdiv(typingctx, a, b):
+    """Lane-wise IEEE float32 division."""
+    if a != f32x16 or b != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fdiv(args[0], args[1])
+
+    return f32x16(a, b), codegen
+
+
+@intrinsic
+def vmax(typingctx, a, b):
+    """Lane-wise maximum (b where a is NaN)."""
+    if a != f32x16 or b != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.select(builder.fcmp_ordered(">", args[0], args[1]), args[0], args[1])
+
+    return f32x16(a, b), codegen
+
+
+@intrinsic
+def vhmax(typingctx, v):
+    """Largest lane, a float32 scalar."""
+    if v != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        acc = builder.extract_element(args[0], ir.Constant(_I32, 0))
+        for i in range(1, LANES):
+            x = builder.extract_element(args[0], ir.Constant(_I32, i))
+            acc = builder.select(builder.fcmp_ordered(">", x, acc), x, acc)
+        return acc
+
+    return types.float32(v), codegen
+
+
+# exp: Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, and the Cephes expf polynomial (about 1 ulp)
+_EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
+
+
+@intrinsic
+def vexp(typingctx, x):
+    """e**x per lane (about 1 ulp) for x <= 88; -inf, and anything below -87.3 (whose e**x is subnormal), give 0."""
+    if x != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        def const(v):
+            return ir.Constant(_VF, [float(v)] * LANES)
+
+        x = args[0]
+        low = builder.fcmp_ordered("<", x, const(-87.33654))
+        x = builder.select(low, const(-87.33654), builder.select(builder.fcmp_ordered(">", x, const(88.0)),
+                                                                const(88.0), x))
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF]), "llvm.floor.v16f32")
+        n = builder.call(fn, [builder.fadd(builder.fmul(x, const(1.44269504088896341)), const(0.5))])
+        r = builder.fsub(builder.fsub(x, builder.fmul(n, const(0.693359375))), builder.fmul(n, const(-2.12194440e-4)))
+        y = const(_EXP_POLY[0])
+        for c in _EXP_POLY[1:]:
+            y = builder.fadd(builder.fmul(y, r), const(c))
+        y = builder.fadd(builder.fadd(builder.fmul(y, builder.fmul(r, r)), r), const(1.0))
+        scale = builder.shl(builder.add(builder.fptosi(n, _VI), ir.Constant(_VI, [127] * LANES)),
+                            ir.Constant(_VI, [23] * LANES))  # 2**n as float bits; n in [-126, 128)
+        y = builder.fmul(y, builder.bitcast(scale, _VF))
+        return builder.select(low, ir.Constant(_VF, None), y)
+
+    return f32x16(x), codegen
+
+
+@intrinsic
+def f16(typingctx, bits16):
+    """The float32 value of an IEEE half given by its 16-bit pattern (uint16); exact."""
+    if not isinstance(bits16, types.Integer) or bits16.bitwidth != 16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(bits16), codegen
+
+
+# ---- codes ---------------------------------------------------------------------------------------
+@intrinsic
+def vcode(typingctx, words, shift, mask):
+    """(words >> shift) & mask per lane: a code that lies inside one word."""
+    if words != u32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        w, sh, m = args
+        return builder.and_(builder.lshr(w, _splat(builder, _to_i32(builder, sh), _VI)),
+                            _splat(builder, _to_i32(builder, m), _VI))
+
+    return u32x16(words, shift, mask), codegen
+
+
+@intrinsic
+def vcode2(typingctx, lo, hi, shift, mask):
+    """((lo >> shift) | (hi << (32 - shift))) & mask per lane: a code straddling two words (0 < shift < 32)."""
+    if lo != u32x16 or hi != u32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        lo, hi, sh, m = args
+        s = _to_i32(builder, sh)
+        low = builder.lshr(lo, _splat(builder, s, _VI))
+        high = builder.shl(hi, _splat(builder, builder.sub(ir.Constant(_I32, 32), s), _VI))
+        return builder.and_(builder.or_(low, high), _splat(builder, _to_i32(builder, m), _VI))
+
+    return u32x16(lo, hi, shift, mask), codegen
+
+
+@intrinsic
+def vlookup(typingctx, table, index):
+    """table[index] per lane, for a 16-entry table vector and indices in 0..15 (a variable permute)."""
+    if table != f32x16 or index != u32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        tab, idx = args
+        out = ir.Constant(_VF, ir.Undefined)
+        for i in range(LANES):
+            lane = ir.Constant(_I32, i)
+            out = builder.insert_element(out, builder.extract_element(tab, builder.extract_element(idx, lane)), lane)
+        return out
+
+    return f32x16(table, index), codegen

@@ -1,0 +1,228 @@
+"""Tests for kvsqueeze.kernels: fused decode attention over the compressed cache.
+
+Oracles, innermost first: the reference backend equals plain softmax attention
+over what the cache layer itself reads back (`KVQuantLayer.read()`, RoPE by the
+model's rotary module); every other backend equals the reference across bit
+widths, head widths, GQA ratios, batch, lengths, outliers and sinks; and
+`generate()` through the fused path equals the dense path token for token.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsqueeze.cache.layer import KVQuantLayer, PositionLog
+from kvsqueeze.cache.storage import QuantizedKV
+from kvsqueeze.datatypes import normal_float_levels, uniform_levels
+from kvsqueeze.kernels import Backend, CompressedKV, Rope, available_backends, decode_attention, resolve_backend
+from kvsqueeze.schemes import VectorQuantizer
+
+FAST_BACKENDS = [b for b in available_backends("cpu") if b is not Backend.REFERENCE]
+
+
+def make_quantizers(sample_keys: torch.Tensor, bits: int, fraction: float, v_bits: int | None = None):
+    """Per-channel key quantizer with thresholds from sample keys [N, C]; per-token value quantizer."""
+    lo, hi = (torch.quantile(sample_keys[:4096], q, dim=0) for q in (fraction / 2, 1 - fraction / 2))
+    return (VectorQuantizer(normal_float_levels(bits), "channel", fraction, lo=lo, hi=hi),
+            VectorQuantizer(uniform_levels(v_bits or bits), "token", fraction))
+
+
+def random_kv(batch: int, tokens: int, channels: int, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys whose channels have their own scale and offset (some all-positive), as real keys do; values."""
+    scale = torch.rand(channels, generator=g) * 2 + 0.2
+    offset = 2 * torch.randn(channels, generator=g)
+    keys = torch.randn(batch, tokens, channels, generator=g) * scale + offset
+    return keys, torch.randn(batch, tokens, channels, generator=g)
+
+
+def make_store(tokens: int, batch: int, heads: int, head_dim: int, bits: int, fraction: float, sinks: int,
+               v_bits: int | None = None, real: torch.Tensor | None = None, seed: int = 0) -> QuantizedKV:
+    c = heads * head_dim
+    keys, values = random_kv(batch, tokens, c, torch.Generator().manual_seed(seed))
+    store = QuantizedKV(*make_quantizers(keys.reshape(-1, c), bits, fraction, v_bits), c, sinks)
+    store.append(keys, values, real)
+    return store
+
+
+def positions_for(tokens: int, batch: int, real: torch.Tensor | None = None) -> torch.Tensor:
+    """int32 [T, B]: generate()'s convention, each row counting from its first real token (padding at 1)."""
+    if real is None:
+        return torch.arange(tokens, dtype=torch.int32).view(-1, 1).expand(tokens, batch).contiguous()
+    pos = (real.long().cumsum(dim=1) - 1).masked_fill(~real, 1)
+    return pos.t().to(torch.int32).contiguous()
+
+
+CASES = [  # tokens, batch, kv heads, head_dim, G (query heads per KV head), bits, outlier fraction, sinks
+    (1, 1, 2, 64, 3, 3, 0.01, 1),  # a single token, which is a sink
+    (1, 2, 1, 128, 1, 4, 0.0, 0),
+    (17, 1, 2, 64, 3, 2, 0.01, 0),
+    (17, 2, 3, 64, 7, 3, 0.01, 2),
+    (17, 2, 1, 256, 1, 4, 0.0, 1),
+    (100, 1, 2, 128, 3, 3, 0.05, 0),
+    (130, 2, 2, 256, 7, 2, 0.01, 5),
+    (300, 2, 3, 64, 1, 4, 0.01, 1),
+    (257, 1, 2, 16, 3, 3, 0.02, 2),  # head_dim 16: heads do not start on a word boundary at 3 bits
+]
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "T{}-B{}-H{}-D{}-G{}-b{}-p{}-s{}".format(*c))
+def test_backend_equals_reference(backend, case):
+    tokens, batch, heads, head_dim, group, bits, fraction, sinks = case
+    store = make_store(tokens, batch, heads, head_dim, bits, fraction, sinks, seed=tokens)
+    kv = CompressedKV.from_store(store, positions_for(tokens, batch), heads, head_dim)
+    q = torch.randn(batch, heads * group, head_dim, generator=torch.Generator().manual_seed(1))
+    rope = Rope.default(head_dim)
+    ref = decode_attention(q, kv, rope, head_dim**-0.5, backend=Backend.REFERENCE)
+    got = decode_attention(q, kv, rope, head_dim**-0.5, backend=backend)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_backend_equals_reference_mixed_bits_padding_and_long_positions(backend):
+    batch, tokens, heads, head_dim = 2, 150, 2, 64
+    real = torch.ones(batch, tokens, dtype=torch.bool)
+    real[1, :37] = False  # left padding: not sinks, masked, positions restart after it
+    store = make_store(tokens, batch, heads, head_dim, 4, 0.01, 2, v_bits=2, real=real)
+    pos = positions_for(tokens, batch, real) + 70_000  # past the first table rows
+    kv = CompressedKV.from_store(store, pos, heads, head_dim)
+    q = torch.randn(batch, heads * 3, head_dim, generator=torch.Generator().manual_seed(2))
+    rope = Rope(Rope.default(head_dim, theta=500_000.0).inv_freq, scaling=1.2)
+    ref = decode_attention(q, kv, rope, 0.1, key_mask=real, backend=Backend.REFERENCE)
+    got = decode_attention(q, kv, rope, 0.1, key_mask=real, backend=backend)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_backend_equals_reference_beyond_65536_tokens(backend):
+    tokens, heads, head_dim = 65_600, 1, 64
+    store = make_store(tokens, 1, heads, head_dim, 3, 0.01, 1)
+    kv = CompressedKV.from_store(store, positions_for(tokens, 1), heads, head_dim)
+    q = torch.randn(1, 3, head_dim, generator=torch.Generator().manual_seed(3)) * 3  # peaked attention
+    rope = Rope.default(head_dim)
+    ref = decode_attention(q, kv, rope, head_dim**-0.5, backend=Backend.REFERENCE)
+    got = decode_attention(q, kv, rope, head_dim**-0.5, backend=backend)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def test_reference_equals_attention_over_the_layer_read(tiny_llama):
+    """RoPE from the model's rotary module, dequantization by the store: the reference must agree."""
+    from kvsqueeze.integrations.modules import rotary_module
+
+    heads, head_dim, group, batch, tokens = 2, 16, 2, 2, 90
+    c = heads * head_dim
+    g = torch.Generator().manual_seed(4)
+    keys, values = random_kv(batch, tokens, c, g)
+    store = QuantizedKV(*make_quantizers(keys.reshape(-1, c), 3, 0.01), c, sinks=2)
+    log = PositionLog()
+    layer = KVQuantLayer(store, 0, heads, head_dim, rotary_module(tiny_llama), log, None)
+    for start, stop in ((0, 60), (60, 61), (61, tokens)):  # a prefill, a decode step, more tokens
+        layer.append_pre_rope(keys[:, start:stop], values[:, start:stop],
+                              torch.arange(start, stop).expand(batch, stop - start))
+    k, v = layer.read(torch.float32)  # [B, H, T, D], RoPE applied by the model's rotary module
+    q = torch.randn(batch, heads * group, head_dim, generator=g)
+    scores = torch.einsum("bhgd,bhtd->bhgt", q.view(batch, heads, group, head_dim), k) * 0.25
+    expected = torch.einsum("bhgt,bhtd->bhgd", scores.softmax(-1), v).reshape(batch, heads * group, head_dim)
+    kv = CompressedKV.from_store(store, log.view(), heads, head_dim)
+    got = decode_attention(q, kv, Rope.from_rotary(rotary_module(tiny_llama)), 0.25, backend=Backend.REFERENCE)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
+
+
+# ---- the backend choice ---------------------------------------------------------------------------
+def test_backends_are_explicit():
+    assert Backend.REFERENCE in available_backends("cpu")
+    assert available_backends("cpu")[-1] is Backend.REFERENCE  # fastest first, the reference last
+    assert resolve_backend("auto", "cpu") is available_backends("cpu")[0]
+    assert resolve_backend("auto", "meta") is Backend.REFERENCE  # only the reference runs off the CPU
+    with pytest.raises(ValueError, match="unknown backend"):
+        resolve_backend("cuda-magic")
+    if Backend.NUMBA in available_backends("cpu"):
+        with pytest.raises(ValueError, match="cannot run on meta"):
+            resolve_backend("numba", "meta")
+
+
+def test_bad_inputs_are_explained():
+    store = make_store(5, 1, 2, 16, 4, 0.0, 0)
+    kv = CompressedKV.from_store(store, positions_for(5, 1), 2, 16)
+    rope = Rope.default(16)
+    with pytest.raises(ValueError, match="not a multiple of 2 KV heads"):
+        decode_attention(torch.zeros(1, 3, 16), kv, rope, 1.0)
+    with pytest.raises(ValueError, match="q must be float32"):
+        decode_attention(torch.zeros(1, 4, 16, dtype=torch.float16), kv, rope, 1.0)
+    with pytest.raises(ValueError, match="key_mask must be bool"):
+        decode_attention(torch.zeros(1, 4, 16), kv, rope, 1.0, key_mask=torch.ones(1, 4, dtype=torch.bool))
+
+
+# ---- generate() through the fused path ------------------------------------------------------------
+def _counting(monkeypatch):
+    """Count the kernel calls the fused path makes."""
+    from kvsqueeze.integrations import fused
+
+    calls = []
+    real = fused.decode_attention
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(fused, "decode_attention", counted)
+    return calls
+
+
+@pytest.mark.parametrize("method", ["nuq3-1%", "nuq2-1%:sink3", "nuq4"])
+def test_generate_fused_equals_dense_path(tiny_llama, tiny_recipe, method, monkeypatch):
+    from conftest import LAYERS, random_ids
+
+    import kvsqueeze
+    from kvsqueeze.integrations.fused import FusedDecodeLayer, fused_decode
+
+    ids = random_ids(2, 14, seed=7)
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0  # left padding: the fused kernel must mask it like SDPA does
+    new = 24
+    kw = {"attention_mask": mask, "max_new_tokens": new, "min_new_tokens": new, "do_sample": False,
+          "pad_token_id": 0}
+    with torch.no_grad():
+        dense_cache = kvsqueeze.cache_for(tiny_llama, tiny_recipe, method)
+        expected = tiny_llama.generate(ids, cache=dense_cache, **kw)
+        cache = kvsqueeze.cache_for(tiny_llama, tiny_recipe, method)
+        calls = _counting(monkeypatch)
+        with fused_decode(tiny_llama, cache) as handle:
+            assert all(isinstance(layer, FusedDecodeLayer) for layer in cache.layers)
+            got = tiny_llama.generate(ids, cache=cache, **kw)
+    assert torch.equal(got, expected)
+    assert len(calls) == LAYERS * (new - 1)  # every decode step of every layer, never the prefill
+    assert handle.closed and tiny_llama.config._attn_implementation == "sdpa"
+    assert all(type(layer) is KVQuantLayer for layer in cache.layers)
+
+
+def test_fused_decode_logits_match_dense_step_by_step(tiny_llama, tiny_recipe):
+    from conftest import random_ids
+
+    import kvsqueeze
+    from kvsqueeze.integrations.fused import enable_fused_decode
+
+    ids = random_ids(1, 40, seed=9)
+    with torch.no_grad():
+        dense, fused = (kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq3-1%") for _ in range(2))
+        expected = [tiny_llama(ids[:, :20], cache=dense, use_cache=True).logits[:, -1]]
+        expected += [tiny_llama(ids[:, t : t + 1], cache=dense, use_cache=True).logits[:, -1] for t in range(20, 40)]
+        handle = enable_fused_decode(tiny_llama, fused, "reference")
+        try:
+            got = [tiny_llama(ids[:, :20], cache=fused, use_cache=True).logits[:, -1]]
+            got += [tiny_llama(ids[:, t : t + 1], cache=fused, use_cache=True).logits[:, -1] for t in range(20, 40)]
+        finally:
+            handle.close()
+    torch.testing.assert_close(torch.stack(got), torch.stack(expected), atol=1e-4, rtol=1e-4)
+
+
+def test_fused_decode_needs_a_compressed_cache(tiny_llama, tiny_recipe):
+    import kvsqueeze
+    from kvsqueeze.integrations.fused import enable_fused_decode
+
+    with pytest.raises(ValueError, match="compressed store"):
+        enable_fused_decode(tiny_llama, kvsqueeze.cache_for(tiny_llama, tiny_recipe, "fp16"))
+    with pytest.raises(ValueError, match="unknown backend"):
+        enable_fused_decode(tiny_llama, kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq3-1%"), "gpu-magic")
+    assert tiny_llama.config._attn_implementation == "sdpa"
