@@ -1,7 +1,8 @@
 """Long context on one model: passkey retrieval and perplexity against context length.
 
     python benchmarks/longctx.py --recipe out/recipe [--model smollm2-135m] [--text bbc]
-        [--methods fp16,nuq4-1%,nuq3-1%,nuq2-1%,kivi2,int3] [--lengths 1024,2048,4096,8192]
+        [--methods fp16,nuq4-1%,nuq3-1%,nuq2-1%,kivi2,int3] [--passkey-methods fp16,nuq3-1%,kivi2,int3]
+        [--lengths 1024,2048,4096,8192]
         [--trials 10] [--ppl-tokens 8192] [--json benchmarks/results/longctx.json]
         [--plot benchmarks/results/ppl_by_length.png]
 
@@ -37,6 +38,7 @@ def main() -> None:
     ap.add_argument("--text", default="bbc")
     ap.add_argument("--recipe", required=True)
     ap.add_argument("--methods", default="fp16,nuq4-1%,nuq3-1%,nuq2-1%,kivi2,int3")
+    ap.add_argument("--passkey-methods", default=None, help="methods for passkey (default: --methods)")
     ap.add_argument("--lengths", default="1024,2048,4096,8192")
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--ppl-tokens", type=int, default=8192)
@@ -51,20 +53,29 @@ def main() -> None:
     recipe = Recipe.load(args.recipe)
     text = load_text(args.text)
     t0 = time.perf_counter()
-    runs = []
+    runs: list[dict] = []
+    passkey: list[dict] = []
+    write = lambda: _write(args, text, runs, passkey, t0)  # noqa: E731
     for n in lengths:
         windows = token_windows(tok, text.evaluation, n, max(1, args.ppl_tokens // n))
         rows = evaluate(model, windows, specs, recipe)
         print(f"{n} tokens x {windows.shape[0]} windows\n{format_table(rows)}")
         runs.append({"model": args.model, "text": text.name, "seqlen": n, "windows": int(windows.shape[0]),
                      "rows": [{"method": r.method, "ppl": r.ppl, "avg_bits": r.avg_bits} for r in rows]})
-    plot_ppl_by_length(runs, args.plot)
-    passkey = []
+        write()  # each length is kept as soon as it is measured
+        plot_ppl_by_length(runs, args.plot)
     if not args.skip_passkey:
-        results = passkey_eval(model, tok, specs, lengths, args.trials, recipe)
-        print(format_passkey_table(results))
-        passkey = [{"method": r.method, "length": r.length, "accuracy": r.accuracy, "trials": r.trials}
-                   for r in results]
+        pk_specs = parse_methods(args.passkey_methods) if args.passkey_methods else specs
+        for n in lengths:  # one length at a time, written as it completes
+            results = passkey_eval(model, tok, pk_specs, [n], args.trials, recipe)
+            print(format_passkey_table(results))
+            passkey += [{"method": r.method, "length": r.length, "accuracy": r.accuracy, "trials": r.trials}
+                        for r in results]
+            write()
+    print(f"wrote {args.json} and {args.plot}")
+
+
+def _write(args, text, runs: list[dict], passkey: list[dict], t0: float) -> None:
     payload = {
         "model": args.model,
         "text": f"{text.name} (evaluation part)",
@@ -77,7 +88,6 @@ def main() -> None:
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {args.json} and {args.plot}")
 
 
 if __name__ == "__main__":

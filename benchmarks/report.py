@@ -1,0 +1,95 @@
+"""Render the benchmark JSON files in benchmarks/results/ as the Markdown tables of the README.
+
+    python benchmarks/report.py [--results benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def _load(d: Path, name: str) -> dict | None:
+    p = d / name
+    return json.loads(p.read_text()) if p.exists() else None
+
+
+def ladder(data: dict) -> str:
+    base = next(r["ppl"] for r in data["rows"] if r["method"] == "fp16")
+    out = [f"{data['model']}, {data['text']}, {data['windows']} windows of {data['seqlen']} tokens "
+           f"({data['machine']})\n", "| method | what | avg bits | PPL | vs fp16 |", "|---|---|---:|---:|---:|"]
+    for r in data["rows"]:
+        out.append(f"| `{r['method']}` | {r.get('step', '')} | {r['avg_bits']:.2f} | {r['ppl']:.3f} | "
+                   f"{(r['ppl'] / base - 1) * 100:+.2f}% |")
+    return "\n".join(out)
+
+
+def memory(data: dict) -> str:
+    out = [f"{data['model']}, {data['tokens']} tokens of {data['text']} ({data['machine']})\n",
+           "| cache | bytes / token (all layers) | vs fp16 | bits / element | measured from |", "|---|---:|---:|---:|---|"]
+    for r in data["rows"]:
+        out.append(f"| `{r['method']}` | {r['bytes_per_token']:,.0f} | {r['compression_vs_fp16']:.2f}× | "
+                   f"{r.get('avg_bits', float('nan')):.2f} | {r.get('source', '')} |")
+    return "\n".join(out)
+
+
+def longctx(data: dict) -> str:
+    out = []
+    rows = data["ppl_by_length"]
+    lengths = sorted({r["seqlen"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    ppl = {(r["method"], r["seqlen"]): r for r in rows}
+    base = {n: ppl[("fp16", n)]["ppl"] for n in lengths if ("fp16", n) in ppl}
+    out.append(f"Perplexity against context length ({data['model']}, {data['text']}; "
+               + ", ".join(f"{n}: {ppl[(methods[0], n)]['windows']} windows" for n in lengths) + ")\n")
+    out.append("| method | " + " | ".join(str(n) for n in lengths) + " |")
+    out.append("|---|" + "---:|" * len(lengths))
+    for m in methods:
+        cells = []
+        for n in lengths:
+            r = ppl.get((m, n))
+            cells.append("-" if r is None else f"{r['ppl']:.3f}" + (f" ({(r['ppl'] / base[n] - 1) * 100:+.1f}%)"
+                                                                    if m != "fp16" and n in base else ""))
+        out.append(f"| `{m}` | " + " | ".join(cells) + " |")
+    if data.get("passkey"):
+        pk = data["passkey"]
+        lengths = sorted({r["length"] for r in pk})
+        acc = {(r["method"], r["length"]): r for r in pk}
+        trials = sorted({r["trials"] for r in pk})
+        out.append(f"\nPasskey retrieval, exact match ({'/'.join(map(str, trials))} trials per cell, "
+                   "the same seeded prompts for every method)\n")
+        out.append("| method | " + " | ".join(str(n) for n in lengths) + " |")
+        out.append("|---|" + "---:|" * len(lengths))
+        for m in dict.fromkeys(r["method"] for r in pk):
+            out.append(f"| `{m}` | " + " | ".join(
+                f"{acc[(m, n)]['accuracy']:.2f}" if (m, n) in acc else "-" for n in lengths) + " |")
+    return "\n".join(out)
+
+
+def decode(data: dict) -> str:
+    rows = data["rows"]
+    contexts = sorted({r["context"] for r in rows})
+    keys = list(dict.fromkeys((r["method"], r["backend"]) for r in rows))
+    ms = {(r["method"], r["backend"], r["context"]): r["median_ms"] for r in rows}
+    out = ["| method | backend | " + " | ".join(f"{c // 1024}K" for c in contexts) + " |",
+           "|---|---|" + "---:|" * len(contexts)]
+    for m, b in keys:
+        out.append(f"| `{m}` | {b} | " + " | ".join(
+            f"{ms[(m, b, c)]:.2f}" if (m, b, c) in ms else "-" for c in contexts) + " |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--results", default=str(Path(__file__).parent / "results"))
+    d = Path(ap.parse_args().results)
+    for name, fn in (("ladder.json", ladder), ("memory.json", memory), ("longctx.json", longctx),
+                     ("decode.json", decode)):
+        data = _load(d, name)
+        if data is not None:
+            print(f"### {name}\n\n{fn(data)}\n")
+
+
+if __name__ == "__main__":
+    main()
