@@ -37,7 +37,7 @@ LADDER = [
     ("nuq3-1%", "+ 1 fp16 attention sink"),
 ]
 BITS = [
-    (f"{fam}{b}{suffix}", f"{b}-bit")
+    (f"{fam}{b}{suffix}", f"{b}-bit")  # described from the name by benchmarks/report.py
     for b in (4, 3, 2)
     for fam, suffix in (("int", ""), ("nf", ""), ("int", ":kchan:pre"), ("nf", ":kchan:pre"), ("nuq", ""), ("nuq", "-1%"))
 ]

@@ -15,12 +15,31 @@ def _load(d: Path, name: str) -> dict | None:
     return json.loads(p.read_text()) if p.exists() else None
 
 
+def describe(name: str) -> str:
+    """A short description of a method from its name (for rows outside the ablation ladder)."""
+    from kvsqueeze.methods import parse_method
+
+    spec = parse_method(name)
+    if spec.family in ("kivi", "group", "fp16"):
+        return {"kivi": f"KIVI, groups of {spec.group_size}, {spec.window} recent tokens fp16",
+                "group": f"uniform per token, groups of {spec.group_size} channels",
+                "fp16": "unquantized"}[spec.family]
+    dtype = {"int": "uniform", "nf": "NormalFloat", "nuq": "nuq"}[spec.family]
+    bits = f"K{spec.k_bits}V{spec.v_bits}, " if spec.k_bits != spec.v_bits else ""
+    keys = f"K per-{spec.key_axis} {spec.key_rope}-RoPE"
+    extra = f", {spec.pct_label} outliers" if spec.outlier_fraction else ""
+    extra += f", {spec.sinks} sink" if spec.sinks else ""
+    return f"{bits}{dtype}, {keys}{extra}"
+
+
 def ladder(data: dict) -> str:
     base = next(r["ppl"] for r in data["rows"] if r["method"] == "fp16")
     out = [f"{data['model']}, {data['text']}, {data['windows']} windows of {data['seqlen']} tokens "
-           f"({data['machine']})\n", "| method | what | avg bits | PPL | vs fp16 |", "|---|---|---:|---:|---:|"]
+           f"({data.get('machine', 'x86_64, 2 cores')})\n", "| method | what | avg bits | PPL | vs fp16 |", "|---|---|---:|---:|---:|"]
     for r in data["rows"]:
-        out.append(f"| `{r['method']}` | {r.get('step', '')} | {r['avg_bits']:.2f} | {r['ppl']:.3f} | "
+        step = r.get("step", "")
+        what = step if step and not step.endswith("-bit") else describe(r["method"])
+        out.append(f"| `{r['method']}` | {what} | {r['avg_bits']:.2f} | {r['ppl']:.3f} | "
                    f"{(r['ppl'] / base - 1) * 100:+.2f}% |")
     return "\n".join(out)
 
@@ -77,6 +96,12 @@ def decode(data: dict) -> str:
     for m, b in keys:
         out.append(f"| `{m}` | {b} | " + " | ".join(
             f"{ms[(m, b, c)]:.2f}" if (m, b, c) in ms else "-" for c in contexts) + " |")
+    if data.get("e2e"):
+        out += ["", "| cache | prompt | new tokens | prefill s | decode tokens/s | tokens equal to DynamicCache |",
+                "|---|---:|---:|---:|---:|---:|"]
+        for r in data["e2e"]:
+            out.append(f"| {r['cache']} | {r['prompt_tokens']} | {r['new_tokens']} | {r['prefill_s']:.1f} | "
+                       f"{r['decode_tokens_per_s']:.2f} | {r['tokens_equal_to_dynamic_cache']} |")
     return "\n".join(out)
 
 
@@ -84,8 +109,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=str(Path(__file__).parent / "results"))
     d = Path(ap.parse_args().results)
-    for name, fn in (("ladder.json", ladder), ("memory.json", memory), ("longctx.json", longctx),
-                     ("decode.json", decode)):
+    for name, fn in (("ladder.json", ladder), ("eval_mixed_bits.json", ladder), ("memory.json", memory),
+                     ("longctx.json", longctx), ("decode.json", decode)):
         data = _load(d, name)
         if data is not None:
             print(f"### {name}\n\n{fn(data)}\n")
