@@ -41,7 +41,7 @@ from kvsqueeze.kernels import CompressedKV, Rope, decode_attention
 from kvsqueeze.methods import parse_method
 from kvsqueeze.schemes import VectorQuantizer, build_quantizers
 
-DEFAULT_RECIPE = "/tmp/run/recipe2"  # the calibration of the default model made for this project's figures
+DEFAULT_RECIPE = "out/recipe"  # where `make demo` writes the default model's recipe
 TAIL_DF = 5.0  # Student-t degrees of freedom of the synthetic activations
 TAIL_Q99 = 4.032  # |t_5| exceeds this with probability 1%: scaled by it, 1% of a channel leaves its range
 

@@ -12,7 +12,7 @@ is filled with the same post-RoPE K/V in fp16, as an fp16 model would hand it,
 and measured from its quantized tensors. KIVI has no compressed storage here:
 its row is `methods.storage_bits`, marked analytic.
 
-    python benchmarks/memory.py --recipe /tmp/run/recipe
+    python benchmarks/memory.py --recipe out/recipe
 """
 
 from __future__ import annotations
