@@ -44,3 +44,13 @@ def test_generate_recipe_of_another_model(tiny_mistral, tiny_model_dir, tmp_path
     rc = main(["generate", "--model", str(tiny_model_dir), "--recipe", str(tmp_path / "r"), "--prompt", "hi"])
     assert rc == 2
     assert "calibrated on model 'tiny-mistral'" in capsys.readouterr().err
+
+
+def test_generate_fused_and_dense_decode_print_the_same(tiny_model_dir, tiny_recipe_dir, capsys):
+    outs = []
+    for decode in ("auto", "dense"):
+        assert main(["generate", "--model", str(tiny_model_dir), "--recipe", str(tiny_recipe_dir),
+                     "--method", "nuq3-1%", "--prompt", "the cache key", "--max-new-tokens", "16",
+                     "--decode", decode]) == 0
+        outs.append(capsys.readouterr().out.split("\n\nKV cache")[0])
+    assert outs[0] == outs[1]

@@ -186,8 +186,17 @@ def cmd_generate(args) -> None:
     enc = tok(args.prompt, return_tensors="pt")
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     with cache_for(model, recipe, spec) as cache, torch.no_grad():
-        out = model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], cache=cache,
-                             max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad)
+        fused = None
+        if args.decode != "dense" and spec.quantized:
+            from .integrations.fused import enable_fused_decode
+
+            fused = enable_fused_decode(model, cache, backend=args.decode)
+        try:
+            out = model.generate(enc["input_ids"], attention_mask=enc["attention_mask"], cache=cache,
+                                 max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=pad)
+        finally:
+            if fused is not None:
+                fused.close()
         report = cache.memory_report()
     print(args.prompt + tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True))
     print()
@@ -256,6 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--method", default=DEFAULT_METHOD, help="fp16 or a KVQuant-style method, e.g. nuq3-1%%")
     g.add_argument("--prompt", required=True, help="text to continue")
     g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
+    g.add_argument("--decode", choices=("auto", "numba", "reference", "dense"), default="auto",
+                   help="decode attention: the fused kernel over the compressed cache (auto picks the fastest "
+                        "backend) or dense attention over the dequantized cache")
     g.set_defaults(fn=cmd_generate)
     return p
 
@@ -269,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except (MethodError, RecipeError, TextError, ModelLoadError, FloatingPointError, ValueError) as exc:
+    except (MethodError, RecipeError, TextError, ModelLoadError, FloatingPointError, ValueError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
