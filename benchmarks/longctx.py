@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--ppl-tokens", type=int, default=8192)
     ap.add_argument("--skip-passkey", action="store_true")
+    ap.add_argument("--resume", action="store_true", help="keep the rows already in --json and measure the rest")
     ap.add_argument("--json", default="benchmarks/results/longctx.json")
     ap.add_argument("--plot", default="benchmarks/results/ppl_by_length.png")
     args = ap.parse_args()
@@ -55,8 +56,17 @@ def main() -> None:
     t0 = time.perf_counter()
     runs: list[dict] = []
     passkey: list[dict] = []
+    if args.resume and Path(args.json).exists():  # keep what an earlier, interrupted run measured
+        old = json.loads(Path(args.json).read_text())
+        passkey = old.get("passkey", [])
+        for n in sorted({r["seqlen"] for r in old.get("ppl_by_length", [])}):
+            rows = [r for r in old["ppl_by_length"] if r["seqlen"] == n]
+            runs.append({"model": args.model, "text": text.name, "seqlen": n, "windows": rows[0]["windows"],
+                         "rows": [{"method": r["method"], "ppl": r["ppl"], "avg_bits": r["avg_bits"]} for r in rows]})
     write = lambda: _write(args, text, runs, passkey, t0)  # noqa: E731
     for n in lengths:
+        if any(run["seqlen"] == n for run in runs):
+            continue
         windows = token_windows(tok, text.evaluation, n, max(1, args.ppl_tokens // n))
         rows = evaluate(model, windows, specs, recipe)
         print(f"{n} tokens x {windows.shape[0]} windows\n{format_table(rows)}")
@@ -66,12 +76,15 @@ def main() -> None:
         plot_ppl_by_length(runs, args.plot)
     if not args.skip_passkey:
         pk_specs = parse_methods(args.passkey_methods) if args.passkey_methods else specs
-        for n in lengths:  # one length at a time, written as it completes
-            results = passkey_eval(model, tok, pk_specs, [n], args.trials, recipe)
-            print(format_passkey_table(results))
-            passkey += [{"method": r.method, "length": r.length, "accuracy": r.accuracy, "trials": r.trials}
-                        for r in results]
-            write()
+        for n in lengths:  # one method and length at a time, written as it completes
+            for spec in pk_specs:
+                if any(r["method"] == spec.name and r["length"] == n for r in passkey):
+                    continue
+                results = passkey_eval(model, tok, [spec], [n], args.trials, recipe)
+                print(format_passkey_table(results))
+                passkey += [{"method": r.method, "length": r.length, "accuracy": r.accuracy, "trials": r.trials}
+                            for r in results]
+                write()
     print(f"wrote {args.json} and {args.plot}")
 
 
