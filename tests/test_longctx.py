@@ -61,3 +61,11 @@ def test_default_model_passkey_same_answers_through_cache_and_simulation(default
         with kvsqueeze.cache_for(model, default_recipe, spec) as cache:
             b = greedy_answer(model, tok, prompt.text, cache, max_new_tokens=16)
         assert a == b
+
+
+def test_full_context_length_leaves_room_for_the_answer(tiny_llama):
+    limit = tiny_llama.config.max_position_embeddings
+    res = passkey_eval(tiny_llama, _tiny_tokenizer(), parse_methods("fp16"), [limit], trials=1, progress=False)
+    assert res[0].length == limit and res[0].trials == 1
+    with pytest.raises(ValueError, match="exceeds the model's"):
+        passkey_eval(tiny_llama, _tiny_tokenizer(), parse_methods("fp16"), [limit + 1], trials=1, progress=False)

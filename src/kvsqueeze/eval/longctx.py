@@ -52,12 +52,10 @@ def passkey_eval(model, tok, specs: list[MethodSpec], lengths: list[int], trials
     for n in lengths:
         if n < 1:
             raise ValueError(f"passkey length must be positive, got {n}")
-        if limit and n + ANSWER_TOKENS > limit:
-            raise ValueError(
-                f"passkey length {n} plus {ANSWER_TOKENS} answer tokens exceeds the model's "
-                f"{limit}-token context; use lengths up to {limit - ANSWER_TOKENS}"
-            )
-    prompts = {n: build_passkey_prompts(tok, n - ANSWER_TOKENS if n == limit else n, trials, seed=seed)
+        if limit and n > limit:
+            raise ValueError(f"passkey length {n} exceeds the model's {limit}-token context; use lengths up to {limit}")
+    # at the model's full context the prompt leaves room for the answer
+    prompts = {n: build_passkey_prompts(tok, min(n, limit - ANSWER_TOKENS) if limit else n, trials, seed=seed)
                for n in lengths}
     by_name = {s.name: s for s in specs}
     sims: dict[str, SimulatedQuantization] = {}
