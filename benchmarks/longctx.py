@@ -73,7 +73,7 @@ def main() -> None:
         runs.append({"model": args.model, "text": text.name, "seqlen": n, "windows": int(windows.shape[0]),
                      "rows": [{"method": r.method, "ppl": r.ppl, "avg_bits": r.avg_bits} for r in rows]})
         write()  # each length is kept as soon as it is measured
-        plot_ppl_by_length(runs, args.plot)
+    plot_ppl_by_length(runs, args.plot)
     if not args.skip_passkey:
         pk_specs = parse_methods(args.passkey_methods) if args.passkey_methods else specs
         for n in lengths:  # one method and length at a time, written as it completes

@@ -108,7 +108,18 @@ def decode(data: dict) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=str(Path(__file__).parent / "results"))
-    d = Path(ap.parse_args().results)
+    ap.add_argument("--plot", action="store_true", help="also redraw ppl_by_length.png from longctx.json")
+    args = ap.parse_args()
+    d = Path(args.results)
+    if args.plot and (d / "longctx.json").exists():
+        from kvsqueeze.eval.plots import plot_ppl_by_length
+
+        data = json.loads((d / "longctx.json").read_text())
+        runs = {}
+        for r in data["ppl_by_length"]:
+            runs.setdefault(r["seqlen"], {"model": data["model"], "text": data["text"], "seqlen": r["seqlen"],
+                                          "rows": []})["rows"].append(r)
+        plot_ppl_by_length([runs[n] for n in sorted(runs)], str(d / "ppl_by_length.png"))
     for name, fn in (("ladder.json", ladder), ("eval_mixed_bits.json", ladder), ("memory.json", memory),
                      ("longctx.json", longctx), ("decode.json", decode)):
         data = _load(d, name)

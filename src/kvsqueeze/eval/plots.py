@@ -111,6 +111,7 @@ def plot_ppl_by_length(runs: list[dict], path: str) -> None:
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=method)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")  # baselines that fail by 5x would otherwise flatten the lines that matter
     ax.set_xlabel("context length (tokens)")
     ax.set_ylabel("perplexity")
     if runs:
