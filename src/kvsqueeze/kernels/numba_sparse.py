@@ -3,9 +3,11 @@
 Work split: the slots (tokens of a row, slot n = t * B + b) are cut into
 `parts` contiguous ranges holding equal numbers of non-zeros (`sparse_parts`),
 so a worker's share is counted in outliers, not in tokens, and no slot is split
-between two workers. Within a range, 16 consecutive slots go into the 16 lanes
-and their outliers are walked together (round r takes each slot's r-th
-outlier); lanes are distinct slots, so their writes never collide.
+between two workers. Within a range, slots and their outliers are walked in
+order, one outlier at a time in scalar code: an outlier touches a handful of
+scattered elements (a code, a LUT entry, four RoPE table entries, G scores), so
+16-lane gathers and scatters over slots cost more than they save, and lanes sit
+idle whenever slots hold unequal numbers of outliers.
 
 Replacement semantics, as the store reconstructs a cache: an outlier replaces
 its dequantized element, so it contributes (exact - dequantized):
@@ -19,24 +21,7 @@ import numpy as np
 from numba import njit, prange
 
 from .rope import BLOCK
-from .simd import LANES, vadd, vload, vlookup, vmul, vsplat, vsub
-from .simd_index import (
-    fselect,
-    gather,
-    iadd,
-    iand,
-    igather16,
-    ihmax,
-    ilanes,
-    ilt,
-    imul,
-    ior,
-    iselect,
-    ishl,
-    ishr,
-    isub,
-    scatter,
-)
+from .simd import f16
 
 
 @njit(cache=True)
@@ -58,31 +43,23 @@ def sparse_parts(pointers, parts):
     return out
 
 
-@njit(cache=True, inline="always")
-def _lanes(pointers, s0, s_end, n_rows, tb):
-    """Per lane (slot s0 + lane): slot, mask of real slots, first outlier, count, token and row (via tb [2, 16])."""
-    valid = ilt(ilanes(0), s_end - s0)
-    slot = ilanes(s0)
-    start = gather(pointers, slot, valid)
-    count = isub(gather(pointers, iadd(slot, 1), valid), start)
-    t, b = s0 // n_rows, s0 % n_rows
-    for lane in range(LANES):
-        tb[0, lane], tb[1, lane] = t, b
-        b += 1
-        if b == n_rows:
-            b, t = 0, t + 1
-    return slot, valid, start, count, vload(tb, 0), vload(tb, LANES)
+U = np.uint64  # inner-loop indices are unsigned: numba adds no negative-index wraparound to their loads
 
 
 @njit(cache=True, inline="always")
-def _codes(codes_flat, n_words, slot, c, bits, act):
-    """The code of channel c of each lane's slot (uint32 lanes)."""
-    off = imul(c, bits)
-    sh = iand(off, 31)
-    word = iadd(imul(slot, n_words), ishr(off, 5))
-    lo = gather(codes_flat, word, act)
-    hi = gather(codes_flat, iadd(word, 1), iand(act, ilt(32 - bits, sh)))  # straddling codes only
-    return iand(ior(ishr(lo, sh), ishl(hi, iand(isub(32, sh), 31))), (1 << bits) - 1)
+def _code(codes_flat, n_words, slot, c, bits):
+    """The code of channel c of a slot, branch-free: two adjacent words cover a straddling code (uint64)."""
+    off = c * bits
+    w = slot * n_words + (off >> U(5))
+    hi = codes_flat[min(w + U(1), U(codes_flat.shape[0] - 1))]  # clipped index: only read when a code straddles
+    pair = U(codes_flat[w]) | (U(hi) << U(32))
+    return (pair >> (off & U(31))) & ((U(1) << bits) - U(1))
+
+
+@njit(cache=True, inline="always")
+def _steps(slot0, n_rows):
+    """Token and row of the slot before slot0, the row modulo 2**64 (the loops step them: no division per slot)."""
+    return U(slot0 // n_rows), U(slot0 % n_rows) - U(1)
 
 
 @njit(parallel=True, cache=True)
@@ -93,44 +70,57 @@ def key_outliers(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo,
     q float32 [B, Hq, D]; codes uint32 [T, B, W]; klut float32 [C, 16]; positions uint32 [T, B];
     pointers uint32 [T*B + 1]; channels uint16 [nnz]; values fp16 bits, uint16 [nnz];
     chan_head, chan_pos uint32 [C]: head and offset of each channel; scores [B, Hq, T].
+    Per channel c (head h, offset j) and query head g of its group, the kernel first folds the scaling and the
+    pair's sign into qt [B, C, G, 2] = scaling * (q[hq, j], +-q[hq, partner]): an outlier then costs a code,
+    four RoPE table entries and G multiply-adds.
     """
     n_tok, n_rows, n_words = codes.shape
     hq_all, d = q.shape[1], q.shape[2]
-    g_size, half = hq_all // heads, d // 2
+    n_chan, g_size, half, width = chan_head.shape[0], hq_all // heads, d // 2, klut.shape[1]
     bounds = sparse_parts(pointers, parts)
-    codes_flat, lut, q_flat, out = codes.reshape(-1), klut.reshape(-1), q.reshape(-1), scores.reshape(-1)
+    qt = np.empty((n_rows, n_chan, g_size, 2), np.float32)
+    pair, c_out = np.empty(n_chan, np.uint64), np.empty(n_chan, np.uint64)  # pair of c; offset of hq = h * G in scores
+    for c in range(n_chan):
+        h, j = chan_head[c], chan_pos[c]
+        pair[c] = j % half
+        c_out[c] = h * g_size * n_tok
+        partner, sign = (j + half, scaling) if j < half else (j - half, -scaling)
+        for b in range(n_rows):
+            for g in range(g_size):
+                qt[b, c, g, 0] = scaling * q[b, h * g_size + g, j]
+                qt[b, c, g, 1] = sign * q[b, h * g_size + g, partner]
+    codes_flat, lut, qt_flat, out = codes.reshape(-1), klut.reshape(-1), qt.reshape(-1), scores.reshape(-1)
     pos_flat = positions.reshape(-1)
     chi, shi, clo, slo = cos_hi.reshape(-1), sin_hi.reshape(-1), cos_lo.reshape(-1), sin_lo.reshape(-1)
-    vscale, zero = vsplat(scaling), vsplat(np.float32(0.0))
+    ub, uw, ug, ut, uwidth, uhalf, un_rows = U(bits), U(n_words), U(g_size), U(n_tok), U(width), U(half), U(n_rows)
     for part in prange(parts):
-        tb = np.empty((2, LANES), np.uint32)
-        for s0 in range(bounds[part], bounds[part + 1], LANES):
-            slot, valid, start, count, t, b = _lanes(pointers, s0, bounds[part + 1], n_rows, tb)
-            pos = gather(pos_flat, slot, valid)
-            hi_row, lo_col = imul(ishr(pos, 6), half), iand(pos, BLOCK - 1)
-            for r in range(ihmax(count)):
-                act = ilt(r, count)
-                e = iadd(start, r)
-                c = igather16(channels, e, act)
-                h, j = gather(chan_head, c, act), gather(chan_pos, c, act)
-                dense = gather(lut, iadd(imul(c, LANES), _codes(codes_flat, n_words, slot, c, bits, act)), act)
-                delta = fselect(act, vsub(gather(values, e, act), dense), zero)
-                low = ilt(j, half)
-                pair = isub(j, iand(iselect(low, 0, 0xFFFFFFFF), half))
-                partner = iadd(pair, iand(low, half))
-                ch, sh = gather(chi, iadd(hi_row, pair), act), gather(shi, iadd(hi_row, pair), act)
-                cl = gather(clo, iadd(imul(pair, BLOCK), lo_col), act)
-                sl = gather(slo, iadd(imul(pair, BLOCK), lo_col), act)
-                cos, sin = vsub(vmul(ch, cl), vmul(sh, sl)), vadd(vmul(sh, cl), vmul(ch, sl))
-                direct = vmul(delta, cos)
-                rot = fselect(low, vmul(delta, sin), vsub(zero, vmul(delta, sin)))
-                for g in range(g_size):
-                    row = iadd(imul(b, hq_all), iadd(imul(h, g_size), g))  # b * Hq + hq
-                    q1 = gather(q_flat, iadd(imul(row, d), j), act)
-                    q2 = gather(q_flat, iadd(imul(row, d), partner), act)
-                    dst = iadd(imul(row, n_tok), t)
-                    term = vmul(vadd(vmul(q1, direct), vmul(q2, rot)), vscale)
-                    scatter(out, dst, vadd(gather(out, dst, act), term), act)
+        t, b = _steps(bounds[part], n_rows)
+        for slot in range(U(bounds[part]), U(bounds[part + 1])):
+            b += U(1)
+            if b == un_rows:
+                t, b = t + U(1), U(0)
+            p = U(pos_flat[slot])
+            hi_row, lo_col = (p // U(BLOCK)) * uhalf, p % U(BLOCK)
+            row_out = b * U(hq_all) * ut + t  # scores[b, 0, t]
+            for e in range(U(pointers[slot]), U(pointers[slot + U(1)])):
+                c = U(channels[e])
+                delta = f16(values[e]) - lut[c * uwidth + _code(codes_flat, uw, slot, c, ub)]
+                pr = pair[c]
+                ch, sh = chi[hi_row + pr], shi[hi_row + pr]
+                cl, sl = clo[pr * U(BLOCK) + lo_col], slo[pr * U(BLOCK) + lo_col]
+                dc, ds = delta * (ch * cl - sh * sl), delta * (sh * cl + ch * sl)  # delta * (cos, sin)
+                o, qi = row_out + c_out[c], (b * U(n_chan) + c) * ug * U(2)
+                g = U(0)
+                while g + U(2) < ug:  # three query heads at a time, loads before stores (rows T apart would alias)
+                    i0, k = o + g * ut, qi + U(2) * g
+                    a0 = out[i0] + (qt_flat[k] * dc + qt_flat[k + U(1)] * ds)
+                    a1 = out[i0 + ut] + (qt_flat[k + U(2)] * dc + qt_flat[k + U(3)] * ds)
+                    a2 = out[i0 + U(2) * ut] + (qt_flat[k + U(4)] * dc + qt_flat[k + U(5)] * ds)
+                    out[i0], out[i0 + ut], out[i0 + U(2) * ut] = a0, a1, a2
+                    g += U(3)
+                while g < ug:
+                    out[o + g * ut] += qt_flat[qi + U(2) * g] * dc + qt_flat[qi + U(2) * g + U(1)] * ds
+                    g += U(1)
 
 
 @njit(parallel=True, cache=True)
@@ -140,38 +130,32 @@ def value_outliers(probs, codes, vlut, bits, heads, scale_zero, pointers, channe
 
     probs float32 [B, Hq, T]; codes uint32 [T, B, W]; vlut float32 [1, 16]; scale_zero fp16 bits [T, B, 2];
     pointers uint32 [T*B + 1]; channels uint16; values fp16 bits; chan_head, chan_pos: as `key_outliers`;
-    partial float32 [parts, B, Hq, D].
-    Lanes keep private sums ([16, B, Hq, D] per part), since two slots may hit the same (hq, channel).
+    partial float32 [parts, B, Hq, D], zero on entry, each part summed in its own slice (two slots may hit one
+    (hq, channel)).
     """
     n_tok, n_rows, n_words = codes.shape
     parts, _, hq_all, d = partial.shape
-    g_size = hq_all // heads
+    n_chan, g_size = chan_head.shape[0], hq_all // heads
     bounds = sparse_parts(pointers, parts)
+    c_acc, c_p = np.empty(n_chan, np.uint64), np.empty(n_chan, np.uint64)  # offsets of (h * G, j) in acc, probs
+    for c in range(n_chan):
+        c_acc[c] = chan_head[c] * g_size * d + chan_pos[c]
+        c_p[c] = chan_head[c] * g_size * n_tok
     codes_flat, p_flat, sz_flat = codes.reshape(-1), probs.reshape(-1), scale_zero.reshape(-1)
-    levels = vload(vlut, 0)
-    zero = vsplat(np.float32(0.0))
-    per_lane = n_rows * hq_all * d
+    levels = vlut.reshape(-1)
+    ub, uw, ug, ut, ud, un_rows = U(bits), U(n_words), U(g_size), U(n_tok), U(d), U(n_rows)
     for part in prange(parts):
-        tb = np.empty((2, LANES), np.uint32)
-        acc = np.zeros(LANES * per_lane, np.float32)
-        lane_base = imul(ilanes(0), per_lane)
-        for s0 in range(bounds[part], bounds[part + 1], LANES):
-            slot, valid, start, count, t, b = _lanes(pointers, s0, bounds[part + 1], n_rows, tb)
-            s = gather(sz_flat, imul(slot, 2), valid)
-            z = gather(sz_flat, iadd(imul(slot, 2), 1), valid)
-            for r in range(ihmax(count)):
-                act = ilt(r, count)
-                e = iadd(start, r)
-                c = igather16(channels, e, act)
-                h, j = gather(chan_head, c, act), gather(chan_pos, c, act)
-                dense = vadd(vmul(vlookup(levels, _codes(codes_flat, n_words, slot, c, bits, act)), s), z)
-                delta = fselect(act, vsub(gather(values, e, act), dense), zero)
-                for g in range(g_size):
-                    row = iadd(imul(b, hq_all), iadd(imul(h, g_size), g))  # b * Hq + hq
-                    p = gather(p_flat, iadd(imul(row, n_tok), t), act)
-                    dst = iadd(lane_base, iadd(imul(row, d), j))
-                    scatter(acc, dst, vadd(gather(acc, dst, act), vmul(p, delta)), act)
-        flat = partial[part].reshape(-1)
-        for lane in range(LANES):
-            for i in range(per_lane):
-                flat[i] += acc[lane * per_lane + i]
+        acc = partial[part].reshape(-1)  # [B * Hq * D]
+        t, b = _steps(bounds[part], n_rows)
+        for slot in range(U(bounds[part]), U(bounds[part + 1])):
+            b += U(1)
+            if b == un_rows:
+                t, b = t + U(1), U(0)
+            s, z = f16(sz_flat[U(2) * slot]), f16(sz_flat[U(2) * slot + U(1)])
+            row_acc, row_p = b * U(hq_all) * ud, b * U(hq_all) * ut + t  # acc[b, 0, 0], probs[b, 0, t]
+            for e in range(U(pointers[slot]), U(pointers[slot + U(1)])):
+                c = U(channels[e])
+                delta = f16(values[e]) - (levels[_code(codes_flat, uw, slot, c, ub)] * s + z)
+                ia, ip = row_acc + c_acc[c], row_p + c_p[c]
+                for g in range(ug):
+                    acc[ia + g * ud] += p_flat[ip + g * ut] * delta
