@@ -114,7 +114,7 @@ class TokenOutliers:
     # ---- size ----------------------------------------------------------------------------
     @property
     def tokens(self) -> int:
-        return self._tokens if self.fixed is not None else len(self.pointers) - 1
+        return self._tokens
 
     @property
     def nnz(self) -> int:

@@ -106,8 +106,7 @@ class CompressedKV:
             if s is None:
                 return None
             # fixed-count rows keep their pointers implicit; `pointer_view` materializes them
-            pointers = s.pointer_view() if hasattr(s, "pointer_view") else s.pointers.view()
-            return Outliers(pointers, s.channels.view(), s.values.view())
+            return Outliers(s.pointer_view(), s.channels.view(), s.values.view())
 
         return cls(heads, head_dim, store.k_bits, store.v_bits, store.k_codes.view(), store.v_codes.view(),
                    store.k_scale, store.k_zero, store.kq.levels, store.vq.levels, store.v_scale_zero.view(),
