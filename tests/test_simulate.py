@@ -9,7 +9,7 @@ import torch
 
 from conftest import random_ids
 from kvsqueeze.eval.perplexity import evaluate, format_table, window_nll
-from kvsqueeze.integrations.kivi import fake_quantize_channel_groups, fake_quantize_token_groups
+from kvsqueeze.integrations.kivi import fake_quantize_channel_groups, fake_quantize_token_groups, kivi_attention
 from kvsqueeze.integrations.simulate import SimulatedQuantization
 from kvsqueeze.methods import parse_method, storage_bits
 from kvsqueeze.quantizer import choose_qparams
@@ -208,6 +208,30 @@ def test_kivi_short_window_quantizes(tiny_llama, ids, fp16_logits):
     # position 32 is the first whose oldest key (token 0) has left the 32-token window
     assert (out[:, 32] - fp16_logits[:, 32]).abs().max() > 1e-4
     assert (out[:, 40:] - fp16_logits[:, 40:]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("chunk", [None, 1, 7, 64])
+@pytest.mark.parametrize("tq", [1, 5, 60])
+def test_kivi_attention_equals_per_query_reference(chunk, tq):
+    """Every query sees keys older than its window quantized and the rest exact, whatever the chunking."""
+    g = torch.Generator().manual_seed(3)
+    spec = parse_method("kivi2:r16:g8")
+    tk = 60
+    q = torch.randn(2, 6, tq, 16, generator=g)
+    k = torch.randn(2, 3, tk, 16, generator=g)
+    v = torch.randn(2, 3, tk, 16, generator=g)
+    out, _ = kivi_attention(None, q, k, v, None, 0.25, spec, chunk=chunk)  # [B, Tq, H, D]
+    kq = fake_quantize_token_groups(k, 8, 2).repeat_interleave(2, dim=1)
+    vq = fake_quantize_channel_groups(v, 8, 2).repeat_interleave(2, dim=1)
+    ke, ve = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    for r in range(tq):
+        i = tk - tq + r
+        old = torch.arange(i + 1) <= i - 16
+        keys = torch.where(old[:, None], kq[:, :, : i + 1], ke[:, :, : i + 1])
+        vals = torch.where(old[:, None], vq[:, :, : i + 1], ve[:, :, : i + 1])
+        w = torch.softmax(torch.einsum("bhd,bhtd->bht", q[:, :, r], keys) * 0.25, dim=-1)
+        ref = torch.einsum("bht,bhtd->bhd", w, vals)
+        assert torch.allclose(out[:, r], ref, atol=1e-5, rtol=0), (r, float((out[:, r] - ref).abs().max()))
 
 
 def test_kivi_token_groups_bound():

@@ -44,23 +44,43 @@ def fake_quantize_channel_groups(v: torch.Tensor, group: int, bits: int) -> torc
     return out.view(b, t, h, d).transpose(1, 2).to(v.dtype)
 
 
-def kivi_attention(module, query, key, value, attention_mask, scaling, spec: MethodSpec):
+SCORE_BUDGET = 1 << 25  # attention scores (floats) materialized per query chunk
+
+
+def kivi_attention(module, query, key, value, attention_mask, scaling, spec: MethodSpec,
+                   chunk: int | None = None):
     """Attention over [B, H, T, D] tensors where old tokens are KIVI-quantized and recent ones exact.
 
-    The mixed softmax is one SDPA call over 2T keys: the quantized copy of every
-    token, visible to queries at least `window` positions later, followed by the
-    exact copy, visible to the others (the causal mask applies to both).
+    Query rows are taken in chunks. For the chunk of positions [lo, hi), one SDPA
+    call reads the quantized copy of the keys it may see only in quantized form
+    (positions up to hi - 1 - window) followed by the exact copy of the keys in
+    its fp16 window (positions from lo - window + 1), under a mask that picks,
+    for each query, the copy of each key that it sees. Keys no query of the
+    chunk can see are left out, so the work is about one causal attention
+    instead of two full ones, and the mask and scores stay small.
     """
-    tq, tk = query.shape[2], key.shape[2]
+    b, h, tq, _ = query.shape
+    tk = key.shape[2]
+    w = spec.window
     kq = fake_quantize_token_groups(key, spec.group_size, spec.k_bits)
     vq = fake_quantize_channel_groups(value, spec.group_size, spec.v_bits)
-    qpos = torch.arange(tk - tq, tk, device=query.device)
-    recent = (qpos[:, None] - torch.arange(tk, device=query.device)[None, :]) < spec.window  # [Tq, Tk]
     causal = causal_bool_mask(attention_mask, tq, tk, query.device)  # [B|1, 1, Tq, Tk]
-    mask = torch.cat([causal & ~recent, causal & recent], dim=-1)  # [B|1, 1, Tq, 2 Tk]
-    keys = torch.cat([kq, key], dim=2)
-    values = torch.cat([vq, value], dim=2)
-    gqa = query.shape[1] != key.shape[1]
-    out = torch.nn.functional.scaled_dot_product_attention(
-        query, keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa)
+    gqa = h != key.shape[1]
+    if chunk is None:
+        chunk = max(1, SCORE_BUDGET // max(1, b * h * (tk + w)))
+    outs = []
+    for s in range(0, tq, chunk):
+        e = min(tq, s + chunk)
+        lo, hi = tk - tq + s, tk - tq + e  # absolute positions of this chunk's queries
+        n_old = max(0, hi - w)  # keys j <= hi - 1 - w: some query of the chunk sees them quantized
+        first = max(0, lo - w + 1)  # keys j >= lo - w + 1: some query of the chunk sees them exact
+        qpos = torch.arange(lo, hi, device=query.device)[:, None]
+        old = (qpos - torch.arange(n_old, device=query.device)[None, :]) >= w
+        new = (qpos - torch.arange(first, hi, device=query.device)[None, :]) < w
+        mask = torch.cat([causal[..., s:e, :n_old] & old, causal[..., s:e, first:hi] & new], dim=-1)
+        keys = torch.cat([kq[:, :, :n_old], key[:, :, first:hi]], dim=2)
+        values = torch.cat([vq[:, :, :n_old], value[:, :, first:hi]], dim=2)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            query[:, :, s:e], keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa))
+    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
