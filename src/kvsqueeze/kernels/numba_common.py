@@ -6,7 +6,7 @@ Layout conventions (see `numba_cpu.py` for the passes):
   lanes are 16 consecutive tokens (`simd.LANES`);
 * a block's packed words are transposed into wb [words, width] (uint32) so that
   one channel's codes of 16 tokens are a vector shift away;
-* lookup tables are rows of 16 float32 (2**bits levels, zero-padded): keys have
+* lookup tables are rows of 16 float32 (the 2**bits levels repeated to fill 16 lanes): keys have
   one row per channel (scale and zero-point folded in), values one row.
 
 Small helpers are inlined into their callers (`inline="always"`): a call would
@@ -19,7 +19,18 @@ import numpy as np
 from numba import njit
 
 from .rope import BLOCK
-from .simd import LANES, vadd, vcode, vcode2, vgather, vload, vlookup, vmul, vsplat, vstore, vsub
+from .simd import (
+    LANES,
+    vadd,
+    vfunnel,
+    vgather,
+    vload,
+    vlookup,
+    vmul,
+    vsplat,
+    vstore,
+    vsub,
+)
 
 SPAN = 4 * BLOCK  # tokens per value sub-block: their transposed words and weights stay in L1
 TILE = 4  # query heads whose accumulators stay in registers together
@@ -71,16 +82,16 @@ def gather_words(codes, b, t0, n, w0, nw, wb, width):
 
 @njit(cache=True, inline="always")
 def decode(wb, width, w0, c, bits, lut, row, k):
-    """Lanes k..k+15 (tokens) of channel c: lut[row, code], codes from the transposed words wb [*, width]."""
+    """Lanes k..k+15 (tokens) of channel c: lut[row, code], codes from the transposed words wb [*, width].
+
+    Branch-free: one funnel shift of the code's word and the next brings the code to the low bits whether or
+    not it straddles them, and the lookup reads only the low four bits; the table repeats with period
+    2**bits, so the bits above the code select the same level. wb needs one row past the last word read.
+    """
     off = c * bits
     wi = (off >> 5) - w0
-    sh = off & 31
-    lo = vload(wb, wi * width + k)
-    if sh + bits <= 32:
-        code = vcode(lo, sh, (1 << bits) - 1)
-    else:  # a 3-bit code straddling two words
-        code = vcode2(lo, vload(wb, (wi + 1) * width + k), sh, (1 << bits) - 1)
-    return vlookup(vload(lut, row * LANES), code)
+    words = vfunnel(vload(wb, wi * width + k), vload(wb, (wi + 1) * width + k), off & 31)
+    return vlookup(vload(lut, row * LANES), words)
 
 
 @njit(cache=True, inline="always")

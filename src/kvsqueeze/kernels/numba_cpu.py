@@ -20,11 +20,13 @@ Passes over one layer (KVQuant, Hooper et al., arXiv 2401.18079, Section 3.7):
    of the tokens; an outlier replaces its element before RoPE, so it adds
    q . RoPE(exact - dequantized);
 3. sinks: their scores are recomputed from the exact fp16 keys;
-4. masking and softmax over each (row, query head);
-5. values, fused over the packed codes (`numba_values.value_sums`):
+4. masking and the maximum of each (row, query head) (`row_max`);
+5. values, fused over the packed codes (`numba_values.value_sums`), with the
+   softmax folded in: p_t = exp(score_t - max) is taken span by span as the
+   weights are formed, and
    sum_t p_t (level[code] s_t + z_t) = sum_t (p_t s_t) level[code] + sum_t p_t z_t;
    value outliers (CSR, equal non-zeros per worker) and sinks add
-   p_t (exact - stored).
+   p_t (exact - stored); the sum is divided by sum_t p_t once, at the end.
 
 All passes run inside one compiled call (`_attend`): one dispatch from Python,
 and no multi-threaded torch op in between, so torch's thread pool and
@@ -41,7 +43,7 @@ import torch
 from numba import njit
 
 from .api import CompressedKV, Outliers
-from .numba_keys import key_scores, sink_scores, softmax_rows
+from .numba_keys import key_scores, row_max, sink_scores
 from .numba_sparse import key_outliers, value_outliers
 from .numba_values import sink_values, value_sums
 from .rope import BLOCK, Rope, RopeTables, build_tables
@@ -73,10 +75,9 @@ def _half_bits(x: torch.Tensor) -> np.ndarray:
 
 
 def _padded(table: torch.Tensor) -> np.ndarray:
-    """[rows, 2**bits] -> [rows, 16] float32 (codes never reach the padding): one vector per row."""
-    out = np.zeros((table.shape[0], LANES), np.float32)
-    out[:, : table.shape[1]] = _np(table.float())
-    return out
+    """[rows, 2**bits] -> [rows, 16] float32, the levels repeated: one vector per row, and entry
+    (code + 2**bits * anything) == entry code, so a lookup may ignore the bits above the code."""
+    return np.tile(_np(table.float()), (1, LANES // table.shape[1]))
 
 
 def _sparse(s: Outliers | None):
@@ -117,15 +118,19 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, c
     has_sinks = (sink_slot >= 0).any()
     if has_sinks:
         sink_scores(q, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, sink_k, sink_slot, scores)
-    softmax_rows(scores, bias)  # scores are probabilities from here on
+    m = np.empty((bsz, hq), np.float32)
+    row_max(scores, bias, m)
     items = value_starts.shape[0] - 1
     partial = np.empty((bsz, heads, items, hq // heads, d), np.float32)
-    value_sums(scores, v_codes, vlut, v_bits, heads, scale_zero, value_starts, partial)
+    psum = np.empty((bsz, heads, items, hq // heads), np.float32)
+    value_sums(scores, m, v_codes, vlut, v_bits, heads, scale_zero, value_starts, partial, psum)  # scores: exp
     out = np.zeros((bsz, hq, d), np.float32)
+    total = np.zeros((bsz, hq), np.float32)
     for b in range(bsz):
         for h in range(heads):
             for i in range(items):  # work items in a fixed order
                 out[b, h * (hq // heads):(h + 1) * (hq // heads)] += partial[b, h, i]
+                total[b, h * (hq // heads):(h + 1) * (hq // heads)] += psum[b, h, i]
     if v_ptr.shape[0]:
         parts = np.zeros((workers, bsz, hq, d), np.float32)
         value_outliers(scores, v_codes, vlut, v_bits, heads, scale_zero, v_ptr, v_chan, v_val, chan_head, chan_pos,
@@ -134,6 +139,9 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, c
             out += parts[w]
     if has_sinks:
         sink_values(scores, v_codes, vlut, v_bits, heads, scale_zero, v_ptr, v_chan, v_val, sink_v, sink_slot, out)
+    for b in range(bsz):
+        for hh in range(hq):
+            out[b, hh] /= total[b, hh]
     return out
 
 

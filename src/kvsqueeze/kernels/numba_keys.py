@@ -13,19 +13,14 @@ from .rope import BLOCK
 from .simd import (
     LANES,
     f16,
-    vadd,
-    vdiv,
-    vexp,
     vfma,
+    vfms,
     vhmax,
-    vhsum,
     vload,
     vmax,
     vmul,
     vsplat,
-    vstore,
     vstore_first,
-    vsub,
 )
 
 
@@ -44,7 +39,7 @@ def key_scores(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo, s
     g_size = hq_all // heads
     half = d // 2
     n_items = starts.shape[0] - 1
-    max_words = ((d * bits + 31) >> 5) + 1
+    max_words = ((d * bits + 31) >> 5) + 2  # a head's words, and one more that `decode` reads
     vscale = vsplat(scaling)
     for item in prange(n_rows * n_items):
         b = item // n_items
@@ -83,9 +78,9 @@ def _dot_group(q, b, qh, ng, wb, w0, c0, half, bits, klut, cs, sn, n, vscale, sc
             x1 = decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k + LANES)
             y1 = decode(wb, BLOCK, w0, c0 + j + half, bits, klut, c0 + j + half, k + LANES)
             c, s = vload(cs, j * BLOCK + k), vload(sn, j * BLOCK + k)
-            xr0, yr0 = vsub(vmul(x0, c), vmul(y0, s)), vadd(vmul(y0, c), vmul(x0, s))
+            xr0, yr0 = vfms(x0, c, vmul(y0, s)), vfma(y0, c, vmul(x0, s))
             c, s = vload(cs, j * BLOCK + k + LANES), vload(sn, j * BLOCK + k + LANES)
-            xr1, yr1 = vsub(vmul(x1, c), vmul(y1, s)), vadd(vmul(y1, c), vmul(x1, s))
+            xr1, yr1 = vfms(x1, c, vmul(y1, s)), vfma(y1, c, vmul(x1, s))
             a0, b0 = _fma_pair(q, b, qh, j, half, xr0, yr0, a0), _fma_pair(q, b, qh, j, half, xr1, yr1, b0)
             if ng > 1:
                 a1, b1 = _fma_pair(q, b, qh + 1, j, half, xr0, yr0, a1), _fma_pair(q, b, qh + 1, j, half, xr1, yr1, b1)
@@ -121,8 +116,9 @@ def sink_scores(q, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, si
 
 
 @njit(parallel=True, cache=True)
-def softmax_rows(scores, bias):
-    """scores [B, Hq, T] <- softmax over T of scores + bias[b] (bias float32 [B, T] of 0 / -inf, or [0, 0]: none)."""
+def row_max(scores, bias, m):
+    """m[b, hq] = max over T of scores[b, hq] + bias[b], the bias added in place (bias float32 [B, T] of
+    0 / -inf, or [0, 0]: none). The softmax itself happens in the value pass: exp(score - m) there."""
     n_rows, hq_all, n_tok = scores.shape
     full = n_tok // LANES * LANES
     for r in prange(n_rows * hq_all):
@@ -135,21 +131,7 @@ def softmax_rows(scores, bias):
         vm = vsplat(np.float32(-np.inf))
         for k in range(0, full, LANES):
             vm = vmax(vm, vload(scores, row + k))
-        m = vhmax(vm)
+        top = vhmax(vm)
         for t in range(full, n_tok):
-            m = max(m, flat[row + t])
-        vs, mv = vsplat(ZERO), vsplat(m)
-        for k in range(0, full, LANES):
-            e = vexp(vsub(vload(scores, row + k), mv))
-            vstore(scores, row + k, e)
-            vs = vadd(vs, e)
-        total = vhsum(vs)
-        for t in range(full, n_tok):
-            e = np.float32(np.exp(flat[row + t] - m))
-            flat[row + t] = e
-            total += e
-        inv = vsplat(total)
-        for k in range(0, full, LANES):
-            vstore(scores, row + k, vdiv(vload(scores, row + k), inv))
-        for t in range(full, n_tok):
-            flat[row + t] /= total
+            top = max(top, flat[row + t])
+        m[r // hq_all, r % hq_all] = top

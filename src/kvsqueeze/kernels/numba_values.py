@@ -9,27 +9,47 @@ import numpy as np
 from numba import njit, prange
 
 from .numba_common import SPAN, TILE, ZERO, code_at, decode, gather_words
-from .simd import LANES, f16, vfma, vhsum, vload, vload_first, vmul, vstore
+
+ONE = np.float32(1.0)
+from .simd import (
+    LANES,
+    f16,
+    vadd,
+    vexp,
+    vfma,
+    vhsum,
+    vload,
+    vload_first,
+    vmul,
+    vsplat,
+    vstore,
+    vstore_first,
+    vsub,
+)
 
 
 # ---- values ------------------------------------------------------------------------------------
 @njit(parallel=True, cache=True)
-def value_sums(probs, codes, vlut, bits, heads, scale_zero, starts, partial):
-    """partial[b, h, item, g, :] = sum over the item's tokens of probs * dequantized value, values read packed.
+def value_sums(scores, m, codes, vlut, bits, heads, scale_zero, starts, partial, psum):
+    """partial[b, h, item, g, :] = sum over the item's tokens of p_t * dequantized value, values read packed,
+    with the unnormalized softmax weights p_t = exp(score_t - m[b, hq]); psum[b, h, item, g] = sum of p_t.
 
-    A value is level[code] * s_t + z_t; sum_t p_t v_t is accumulated as sum_t (p_t s_t) level[code] +
-    sum_t p_t z_t.
+    The exponentials are taken here, span by span, and written back over the scores for the sparse and sink
+    passes; the caller divides by the total of psum at the end. A value is level[code] * s_t + z_t;
+    sum_t p_t v_t is accumulated as sum_t (p_t s_t) level[code] + sum_t p_t z_t.
 
     Args:
-        probs: float32 [B, Hq, T]; codes: uint32 [T, B, W]; vlut: float32 [1, 16] (levels, padded).
+        scores: float32 [B, Hq, T], scaled and masked (-inf) scores; read, then overwritten with p_t.
+        m: float32 [B, Hq], the row maxima; codes: uint32 [T, B, W]; vlut: float32 [1, 16] (levels, repeated).
         scale_zero: fp16 bits, uint16 [T, B, 2]; starts: int64 [items + 1], the token ranges of the work items.
-        partial: float32 [B, H, items, G, D], written.
+        partial: float32 [B, H, items, G, D], psum: float32 [B, H, items, G], written.
     """
+    probs = scores
     n_tok, n_rows, _ = codes.shape
     hq_all = probs.shape[1]
     g_size = hq_all // heads
     d, n_items = partial.shape[4], partial.shape[2]
-    max_words = ((d * bits + 31) >> 5) + 1
+    max_words = ((d * bits + 31) >> 5) + 2  # a head's words, and one more that `decode` reads
     for item in prange(n_rows * heads * n_items):
         b = item // (heads * n_items)
         h = (item // n_items) % heads
@@ -42,7 +62,9 @@ def value_sums(probs, codes, vlut, bits, heads, scale_zero, starts, partial):
         sbuf = np.empty(SPAN, np.float32)
         zbuf = np.empty(SPAN, np.float32)
         acc = np.zeros((g_size, d, LANES), np.float32)
-        zacc = np.zeros((g_size, LANES), np.float32)  # probs * z_t
+        zacc = np.zeros((g_size, LANES), np.float32)  # p_t * z_t
+        tacc = np.zeros((g_size, LANES), np.float32)  # p_t
+        live = np.empty(SPAN, np.float32)  # 1 for the span's tokens, 0 past its end
         for t0 in range(first, last, SPAN):
             n = min(SPAN, last - t0)
             width = (n + LANES - 1) // LANES * LANES
@@ -50,19 +72,26 @@ def value_sums(probs, codes, vlut, bits, heads, scale_zero, starts, partial):
             for t in range(n):
                 sbuf[t] = f16(scale_zero[t0 + t, b, 0])
                 zbuf[t] = f16(scale_zero[t0 + t, b, 1])
-            sbuf[n:width] = ZERO  # lanes past the end get probability 0, and 0 * garbage may be NaN
+            sbuf[n:width] = ZERO  # lanes past the end get weight 0, and 0 * garbage may be NaN
             zbuf[n:width] = ZERO
+            live[:n] = ONE
+            live[n:width] = ZERO
             for g in range(g_size):
                 row = (b * hq_all + h * g_size + g) * n_tok + t0
-                za = vload(zacc, g * LANES)
+                mv = vsplat(m[b, h * g_size + g])
+                za, ta = vload(zacc, g * LANES), vload(tacc, g * LANES)
                 for k in range(0, width, LANES):
-                    p = vload_first(probs, row + k, n - k)  # zero past the span's end
+                    p = vmul(vexp(vsub(vload_first(probs, row + k, n - k), mv)), vload(live, k))
+                    vstore_first(probs, row + k, p, n - k)
                     vstore(weights, g * SPAN + k, vmul(p, vload(sbuf, k)))
                     za = vfma(p, vload(zbuf, k), za)
+                    ta = vadd(ta, p)
                 vstore(zacc, g * LANES, za)
+                vstore(tacc, g * LANES, ta)
             for gt in range(0, g_size, TILE):
                 _accumulate(wb, w0, h * d, d, bits, vlut, weights, gt, min(TILE, g_size - gt), width, acc)
         for g in range(g_size):
+            psum[b, h, ck, g] = vhsum(vload(tacc, g * LANES))
             zsum = vhsum(vload(zacc, g * LANES))
             for c in range(d):
                 partial[b, h, ck, g, c] = vhsum(vload(acc, (g * d + c) * LANES)) + zsum
@@ -70,28 +99,42 @@ def value_sums(probs, codes, vlut, bits, heads, scale_zero, starts, partial):
 
 @njit(cache=True, inline="always")
 def _accumulate(wb, w0, c0, d, bits, vlut, weights, gt, ng, width, acc):
-    """acc[gt + i, c, :] += weights[gt + i] * level[code of channel c0 + c] over the span, i < ng <= 4."""
-    for c in range(d):
-        a0 = vload(acc, (gt * d + c) * LANES)
-        a1 = vload(acc, ((gt + 1) * d + c) * LANES) if ng > 1 else a0
-        a2 = vload(acc, ((gt + 2) * d + c) * LANES) if ng > 2 else a0
-        a3 = vload(acc, ((gt + 3) * d + c) * LANES) if ng > 3 else a0
+    """acc[gt + i, c, :] += weights[gt + i] * level[code of channel c0 + c] over the span, i < ng <= 4.
+
+    Two channels per pass (d is even): each weight vector is loaded once for both, and the 2 * ng
+    accumulators are independent chains, so the loop is not bound by the latency of one chain of FMAs.
+    """
+    for c in range(0, d, 2):
+        i0, i1 = (gt * d + c) * LANES, (gt * d + c + 1) * LANES
+        a0, e0 = vload(acc, i0), vload(acc, i1)
+        a1, e1 = (vload(acc, i0 + d * LANES), vload(acc, i1 + d * LANES)) if ng > 1 else (a0, e0)
+        a2, e2 = (vload(acc, i0 + 2 * d * LANES), vload(acc, i1 + 2 * d * LANES)) if ng > 2 else (a0, e0)
+        a3, e3 = (vload(acc, i0 + 3 * d * LANES), vload(acc, i1 + 3 * d * LANES)) if ng > 3 else (a0, e0)
         for k in range(0, width, LANES):
             v = decode(wb, SPAN, w0, c0 + c, bits, vlut, 0, k)
-            a0 = vfma(vload(weights, gt * SPAN + k), v, a0)
+            u = decode(wb, SPAN, w0, c0 + c + 1, bits, vlut, 0, k)
+            w = vload(weights, gt * SPAN + k)
+            a0, e0 = vfma(w, v, a0), vfma(w, u, e0)
             if ng > 1:
-                a1 = vfma(vload(weights, (gt + 1) * SPAN + k), v, a1)
+                w = vload(weights, (gt + 1) * SPAN + k)
+                a1, e1 = vfma(w, v, a1), vfma(w, u, e1)
             if ng > 2:
-                a2 = vfma(vload(weights, (gt + 2) * SPAN + k), v, a2)
+                w = vload(weights, (gt + 2) * SPAN + k)
+                a2, e2 = vfma(w, v, a2), vfma(w, u, e2)
             if ng > 3:
-                a3 = vfma(vload(weights, (gt + 3) * SPAN + k), v, a3)
-        vstore(acc, (gt * d + c) * LANES, a0)
+                w = vload(weights, (gt + 3) * SPAN + k)
+                a3, e3 = vfma(w, v, a3), vfma(w, u, e3)
+        vstore(acc, i0, a0)
+        vstore(acc, i1, e0)
         if ng > 1:
-            vstore(acc, ((gt + 1) * d + c) * LANES, a1)
+            vstore(acc, i0 + d * LANES, a1)
+            vstore(acc, i1 + d * LANES, e1)
         if ng > 2:
-            vstore(acc, ((gt + 2) * d + c) * LANES, a2)
+            vstore(acc, i0 + 2 * d * LANES, a2)
+            vstore(acc, i1 + 2 * d * LANES, e2)
         if ng > 3:
-            vstore(acc, ((gt + 3) * d + c) * LANES, a3)
+            vstore(acc, i0 + 3 * d * LANES, a3)
+            vstore(acc, i1 + 3 * d * LANES, e3)
 
 
 @njit(cache=True, inline="always")

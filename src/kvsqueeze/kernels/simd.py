@@ -3,9 +3,9 @@
 numba's auto-vectorizer leaves table lookups scalar and keeps loop-carried sums
 in memory; these intrinsics let the kernels hold accumulators in vector
 registers and look codes up with a variable permute. They emit portable LLVM
-IR (no target intrinsic): on AVX-512 a lookup lowers to one `vpermps` and a
-vector to one register, on AVX2 or NEON LLVM splits the vectors and lowers
-the lookup to a slower but equally exact sequence.
+IR, except the lookup, which is AVX-512's `vpermps` where the host has it:
+a vector is one register there; on AVX2 or NEON LLVM splits the vectors and
+lowers the lookup to a slower but equally exact sequence.
 
 Every operation is exact IEEE float32 arithmetic: `vfma` is the correctly
 rounded fused multiply-add (`llvm.fma`), `vhsum` sums lanes in index order,
@@ -31,6 +31,10 @@ if llvmlite.binding.llvm_version_info < (17,):
                       "the reference backend")
 
 LANES = 16
+# the one target-specific instruction: AVX-512's 16-lane permute, where the host has it (numba's cache is keyed
+# on the host CPU, so code compiled with it never runs elsewhere)
+_PERMUTE = ("llvm.x86.avx512.permvar.sf.512"
+            if llvmlite.binding.get_host_cpu_features().get("avx512f", False) else None)
 _I32 = ir.IntType(32)
 _VF = ir.VectorType(ir.FloatType(), LANES)
 _VI = ir.VectorType(_I32, LANES)
@@ -222,6 +226,19 @@ def vfma(typingctx, a, b, c):
 
 
 @intrinsic
+def vfms(typingctx, a, b, c):
+    """a * b - c, rounded once."""
+    if not (a == b == c == f32x16):
+        return None
+
+    def codegen(context, builder, sig, args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VF, _VF]), "llvm.fma.v16f32")
+        return builder.call(fn, [args[0], args[1], builder.fneg(args[2])])
+
+    return f32x16(a, b, c), codegen
+
+
+@intrinsic
 def vhsum(typingctx, v):
     """Sum of the lanes, added in lane order: a float32 scalar."""
     if v != f32x16:
@@ -323,43 +340,33 @@ def f16(typingctx, bits16):
 
 # ---- codes ---------------------------------------------------------------------------------------
 @intrinsic
-def vcode(typingctx, words, shift, mask):
-    """(words >> shift) & mask per lane: a code that lies inside one word."""
-    if words != u32x16:
-        return None
-
-    def codegen(context, builder, sig, args):
-        w, sh, m = args
-        return builder.and_(builder.lshr(w, _splat(builder, _to_i32(builder, sh), _VI)),
-                            _splat(builder, _to_i32(builder, m), _VI))
-
-    return u32x16(words, shift, mask), codegen
-
-
-@intrinsic
-def vcode2(typingctx, lo, hi, shift, mask):
-    """((lo >> shift) | (hi << (32 - shift))) & mask per lane: a code straddling two words (0 < shift < 32)."""
+def vfunnel(typingctx, lo, hi, shift):
+    """The 32 bits of (hi:lo) starting at bit `shift` (0 <= shift < 32) per lane: `llvm.fshr`, one `vpshrdvd`
+    where AVX512-VBMI2 exists. The code at bit `shift` of lo, straddling into hi or not, lands in the low bits."""
     if lo != u32x16 or hi != u32x16:
         return None
 
     def codegen(context, builder, sig, args):
-        lo, hi, sh, m = args
-        s = _to_i32(builder, sh)
-        low = builder.lshr(lo, _splat(builder, s, _VI))
-        high = builder.shl(hi, _splat(builder, builder.sub(ir.Constant(_I32, 32), s), _VI))
-        return builder.and_(builder.or_(low, high), _splat(builder, _to_i32(builder, m), _VI))
+        lo, hi, sh = args
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_VI, _VI, _VI]), "llvm.fshr.v16i32")
+        return builder.call(fn, [hi, lo, _splat(builder, _to_i32(builder, sh), _VI)])
 
-    return u32x16(lo, hi, shift, mask), codegen
+    return u32x16(lo, hi, shift), codegen
 
 
 @intrinsic
 def vlookup(typingctx, table, index):
-    """table[index] per lane, for a 16-entry table vector and indices in 0..15 (a variable permute)."""
+    """table[index & 15] per lane, for a 16-entry table vector: a variable permute that reads only the low
+    four bits of each index (callers may leave higher bits set)."""
     if table != f32x16 or index != u32x16:
         return None
 
     def codegen(context, builder, sig, args):
         tab, idx = args
+        if _PERMUTE:  # one vpermps, which ignores the index bits above the fourth by definition
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VI]), _PERMUTE)
+            return builder.call(fn, [tab, idx])
+        idx = builder.and_(idx, _splat(builder, ir.Constant(_I32, LANES - 1), _VI))
         out = ir.Constant(_VF, ir.Undefined)
         for i in range(LANES):
             lane = ir.Constant(_I32, i)
