@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .numba_common import TILE, ZERO, cos_sin_at, decode, gather_words, rope_block
+from .numba_common import ZERO, cos_sin_at, decode, gather_words, rope_block
 from .rope import BLOCK
 from .simd import (
     LANES,
@@ -22,6 +22,10 @@ from .simd import (
     vsplat,
     vstore_first,
 )
+
+KEY_TILE = 3  # query heads per pass over a block: 3 x 4 accumulator vectors in registers
+if BLOCK != 4 * LANES:  # `_dot_group` covers a block with four vectors
+    raise ImportError(f"numba_keys assumes a block of {4 * LANES} tokens, got {BLOCK}")
 
 
 @njit(parallel=True, cache=True)
@@ -53,45 +57,62 @@ def key_scores(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo, s
             for h in range(heads):
                 w0 = (h * d * bits) >> 5
                 gather_words(codes, b, t0, n, w0, (((h + 1) * d * bits - 1) >> 5) - w0 + 1, wb, BLOCK)
-                for gt in range(0, g_size, TILE):
-                    _dot_group(q, b, h * g_size + gt, min(TILE, g_size - gt), wb, w0, h * d, half, bits, klut,
+                for gt in range(0, g_size, KEY_TILE):
+                    _dot_group(q, b, h * g_size + gt, min(KEY_TILE, g_size - gt), wb, w0, h * d, half, bits, klut,
                                cs, sn, n, vscale, scores, ((b * hq_all) + h * g_size + gt) * n_tok + t0, n_tok)
 
 
 @njit(cache=True, inline="always")
-def _fma_pair(q, b, hq, j, half, xr, yr, acc):
-    return vfma(vsplat(q[b, hq, j + half]), yr, vfma(vsplat(q[b, hq, j]), xr, acc))
+def _rot(x, y, c, s):
+    return vfms(x, c, vmul(y, s)), vfma(y, c, vmul(x, s))
 
 
 @njit(cache=True, inline="always")
 def _dot_group(q, b, qh, ng, wb, w0, c0, half, bits, klut, cs, sn, n, vscale, scores, base, n_tok):
-    """Scores of query heads qh..qh+ng (ng <= 4) for one block: 32 tokens (two vectors) per pass over the pairs.
+    """Scores of query heads qh..qh+ng (ng <= 3) for one block: 64 tokens (four vectors) per pass over the pairs.
 
-    Accumulators stay in registers; each pair (j, j + D/2) of the head's channels is decoded, rotated and
-    multiplied into every query head of the tile.
+    The 12 accumulators stay in registers; each pair (j, j + D/2) of the head's channels is decoded, rotated
+    and multiplied into every query head of the tile, so a query element is broadcast once per 64 tokens.
     """
-    for k in range(0, n, 2 * LANES):
-        a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = vsplat(ZERO)
+    for k in range(0, n, 4 * LANES):
+        a0 = a1 = a2 = a3 = e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = vsplat(ZERO)
         for j in range(half):
-            x0 = decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k)
-            y0 = decode(wb, BLOCK, w0, c0 + j + half, bits, klut, c0 + j + half, k)
-            x1 = decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k + LANES)
-            y1 = decode(wb, BLOCK, w0, c0 + j + half, bits, klut, c0 + j + half, k + LANES)
-            c, s = vload(cs, j * BLOCK + k), vload(sn, j * BLOCK + k)
-            xr0, yr0 = vfms(x0, c, vmul(y0, s)), vfma(y0, c, vmul(x0, s))
-            c, s = vload(cs, j * BLOCK + k + LANES), vload(sn, j * BLOCK + k + LANES)
-            xr1, yr1 = vfms(x1, c, vmul(y1, s)), vfma(y1, c, vmul(x1, s))
-            a0, b0 = _fma_pair(q, b, qh, j, half, xr0, yr0, a0), _fma_pair(q, b, qh, j, half, xr1, yr1, b0)
+            xr0, yr0 = _rot(decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k),
+                            decode(wb, BLOCK, w0, c0 + j + half, bits, klut, c0 + j + half, k),
+                            vload(cs, j * BLOCK + k), vload(sn, j * BLOCK + k))
+            xr1, yr1 = _rot(decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k + LANES),
+                            decode(wb, BLOCK, w0, c0 + j + half, bits, klut, c0 + j + half, k + LANES),
+                            vload(cs, j * BLOCK + k + LANES), vload(sn, j * BLOCK + k + LANES))
+            xr2, yr2 = _rot(decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k + 2 * LANES),
+                            decode(wb, BLOCK, w0, c0 + j + half, bits, klut, c0 + j + half, k + 2 * LANES),
+                            vload(cs, j * BLOCK + k + 2 * LANES), vload(sn, j * BLOCK + k + 2 * LANES))
+            xr3, yr3 = _rot(decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k + 3 * LANES),
+                            decode(wb, BLOCK, w0, c0 + j + half, bits, klut, c0 + j + half, k + 3 * LANES),
+                            vload(cs, j * BLOCK + k + 3 * LANES), vload(sn, j * BLOCK + k + 3 * LANES))
+            qx, qy = vsplat(q[b, qh, j]), vsplat(q[b, qh, j + half])
+            a0 = vfma(qy, yr0, vfma(qx, xr0, a0))
+            a1 = vfma(qy, yr1, vfma(qx, xr1, a1))
+            a2 = vfma(qy, yr2, vfma(qx, xr2, a2))
+            a3 = vfma(qy, yr3, vfma(qx, xr3, a3))
             if ng > 1:
-                a1, b1 = _fma_pair(q, b, qh + 1, j, half, xr0, yr0, a1), _fma_pair(q, b, qh + 1, j, half, xr1, yr1, b1)
+                qx, qy = vsplat(q[b, qh + 1, j]), vsplat(q[b, qh + 1, j + half])
+                e0 = vfma(qy, yr0, vfma(qx, xr0, e0))
+                e1 = vfma(qy, yr1, vfma(qx, xr1, e1))
+                e2 = vfma(qy, yr2, vfma(qx, xr2, e2))
+                e3 = vfma(qy, yr3, vfma(qx, xr3, e3))
             if ng > 2:
-                a2, b2 = _fma_pair(q, b, qh + 2, j, half, xr0, yr0, a2), _fma_pair(q, b, qh + 2, j, half, xr1, yr1, b2)
-            if ng > 3:
-                a3, b3 = _fma_pair(q, b, qh + 3, j, half, xr0, yr0, a3), _fma_pair(q, b, qh + 3, j, half, xr1, yr1, b3)
-        for g, (lo, hi) in enumerate(((a0, b0), (a1, b1), (a2, b2), (a3, b3))):
+                qx, qy = vsplat(q[b, qh + 2, j]), vsplat(q[b, qh + 2, j + half])
+                f0 = vfma(qy, yr0, vfma(qx, xr0, f0))
+                f1 = vfma(qy, yr1, vfma(qx, xr1, f1))
+                f2 = vfma(qy, yr2, vfma(qx, xr2, f2))
+                f3 = vfma(qy, yr3, vfma(qx, xr3, f3))
+        for g, (v0, v1, v2, v3) in enumerate(((a0, a1, a2, a3), (e0, e1, e2, e3), (f0, f1, f2, f3))):
             if g < ng:
-                vstore_first(scores, base + g * n_tok + k, vmul(lo, vscale), n - k)
-                vstore_first(scores, base + g * n_tok + k + LANES, vmul(hi, vscale), n - k - LANES)
+                o = base + g * n_tok + k
+                vstore_first(scores, o, vmul(v0, vscale), n - k)
+                vstore_first(scores, o + LANES, vmul(v1, vscale), n - k - LANES)
+                vstore_first(scores, o + 2 * LANES, vmul(v2, vscale), n - k - 2 * LANES)
+                vstore_first(scores, o + 3 * LANES, vmul(v3, vscale), n - k - 3 * LANES)
 
 
 @njit(cache=True)
