@@ -36,6 +36,7 @@ numba's never wait on each other.
 from __future__ import annotations
 
 import functools
+import threading
 
 import numba
 import numpy as np
@@ -52,6 +53,17 @@ from .simd import LANES
 _NO_BIAS = np.zeros((0, 0), np.float32)
 _NO_OUTLIERS = (np.zeros(0, np.uint32), np.zeros(0, np.uint16), np.zeros(0, np.uint16))
 _TABLES: dict[tuple, RopeTables] = {}
+_SCRATCH = threading.local()  # per thread: a float32 buffer the scores of a call live in
+
+
+def _scores_buffer(shape: tuple[int, int, int]) -> np.ndarray:
+    """A float32 array of `shape` in a buffer kept between calls (grown by half again when too small): a fresh
+    megabyte-sized array per decode step would be mapped and page-faulted in anew every time."""
+    need = shape[0] * shape[1] * shape[2]
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.size < need:
+        buf = _SCRATCH.buf = np.empty(max(need, need * 3 // 2 if buf is not None else need), np.float32)
+    return buf[:need].reshape(shape)
 
 
 def _tables(rope: Rope, max_position: int) -> RopeTables:
@@ -105,11 +117,10 @@ def _starts(tokens: int, per_row: int) -> np.ndarray:
 @njit(cache=True)
 def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo,
             scaling, key_starts, value_starts, k_ptr, k_chan, k_val, v_ptr, v_chan, v_val, chan_head, chan_pos,
-            sink_k, sink_v, sink_slot, scale_zero, bias, workers):
-    """All passes in order, one dispatch from Python; returns float32 [B, Hq, D]. Arguments: see the passes."""
+            sink_k, sink_v, sink_slot, scale_zero, bias, workers, scores):
+    """All passes in order, one dispatch from Python; returns float32 [B, Hq, D]. Arguments: see the passes;
+    scores: float32 [B, Hq, T] scratch space (its contents on entry do not matter)."""
     bsz, hq, d = q.shape
-    n_tok = k_codes.shape[0]
-    scores = np.empty((bsz, hq, n_tok), np.float32)
     key_scores(q, k_codes, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, key_starts,
                scores)
     if k_ptr.shape[0]:
@@ -162,5 +173,6 @@ def decode_attention(q: torch.Tensor, kv: CompressedKV, rope: Rope, scaling: flo
         tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling), _starts(t, bsz), _starts(t, bsz * h),
         *(_sparse(kv.k_outliers) or _NO_OUTLIERS), *(_sparse(kv.v_outliers) or _NO_OUTLIERS), *_channel_maps(h, d),
         _half_bits(kv.sink_k), _half_bits(kv.sink_v), _np(kv.sink_slot), _half_bits(kv.v_scale_zero),
-        bias.astype(np.float32), 4 * numba.get_num_threads())  # sparse workers: an equal share of non-zeros each
+        bias.astype(np.float32), 4 * numba.get_num_threads(),  # sparse workers: an equal share of non-zeros each
+        _scores_buffer((bsz, q.shape[1], t)))
     return torch.from_numpy(out)
