@@ -314,10 +314,11 @@ def vexp(typingctx, x):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF]), "llvm.floor.v16f32")
         n = builder.call(fn, [builder.fadd(builder.fmul(x, const(1.44269504088896341)), const(0.5))])
         r = builder.fsub(builder.fsub(x, builder.fmul(n, const(0.693359375))), builder.fmul(n, const(-2.12194440e-4)))
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VF, _VF]), "llvm.fma.v16f32")
         y = const(_EXP_POLY[0])
-        for c in _EXP_POLY[1:]:
-            y = builder.fadd(builder.fmul(y, r), const(c))
-        y = builder.fadd(builder.fadd(builder.fmul(y, builder.fmul(r, r)), r), const(1.0))
+        for c in _EXP_POLY[1:]:  # Horner steps, each one fused multiply-add
+            y = builder.call(fma, [y, r, const(c)])
+        y = builder.fadd(builder.call(fma, [y, builder.fmul(r, r), r]), const(1.0))
         scale = builder.shl(builder.add(builder.fptosi(n, _VI), ir.Constant(_VI, [127] * LANES)),
                             ir.Constant(_VI, [23] * LANES))  # 2**n as float bits; n in [-126, 128)
         y = builder.fmul(y, builder.bitcast(scale, _VF))
