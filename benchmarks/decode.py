@@ -18,12 +18,18 @@ outliers as in real caches. Speed does not depend on the values otherwise.
 prompt, decode tokens/s (prefill timed apart) for the compressed cache with
 fused decode, `DynamicCache` and transformers' `QuantizedCache` (quanto).
 
-    python benchmarks/decode.py --contexts 2048,8192,32768,131072 --threads 2 [--e2e]
+    python benchmarks/decode.py --contexts 2048,8192,32768,131072 --threads 2 [--layers 8] [--e2e]
+
+`--layers N` keeps N distinct copies of every cache and calls them in turn:
+once they outgrow the last-level cache, each call reads its cache from
+memory, as each of a model's layers does in a real decode step.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import itertools
 import json
 import os
 import platform
@@ -55,6 +61,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--threads", type=int, default=2, help="torch and numba threads")
     p.add_argument("--rounds", type=int, default=15, help="timing rounds (the reference backend: a third)")
+    p.add_argument("--layers", type=int, default=1,
+                   help="distinct copies of every cache, called in turn: with enough of them (8 at 32K) they "
+                        "outgrow the last-level cache and each call reads its cache from memory, as every layer "
+                        "of a real decode step does (default 1: one layer, as warm as the machine keeps it)")
     p.add_argument("--recipe", default=DEFAULT_RECIPE if Path(DEFAULT_RECIPE).exists() else None)
     p.add_argument("--no-reference", action="store_true", help="skip the (slow) reference backend")
     p.add_argument("--e2e", action="store_true", help="also time greedy decoding on the default model")
@@ -120,18 +130,27 @@ def kernel_rows(args, recipe) -> list[dict]:
         for i, method in enumerate(args.methods.split(",")):
             kq, vq = quantizers(method, recipe, c, seed=i)
             store = fill_store(kq, vq, tokens, c, parse_method(method).sinks, seed=i)
+            layers = [store] + [copy.deepcopy(store) for _ in range(args.layers - 1)]  # equal, in distinct memory
+            turn = itertools.cycle(layers)
 
-            def fused(store=store, q=q, positions=positions, backend="numba"):
-                decode_attention(q, CompressedKV.from_store(store, positions, h, d), rope, scaling, backend=backend)
+            def fused(turn=turn, q=q, positions=positions, backend="numba"):
+                decode_attention(q, CompressedKV.from_store(next(turn), positions, h, d), rope, scaling,
+                                 backend=backend)
 
             variants[(method, "numba")] = fused
             if not args.no_reference:
                 variants[(method, "reference")] = lambda fused=fused: fused(backend="reference")
         for dtype in (torch.float32, torch.bfloat16):
             qd = q.view(1, hq, 1, d).to(dtype)
-            k, v = (torch.randn(1, h, tokens, d).to(dtype) for _ in range(2))
-            variants[(f"dense-{str(dtype).split('.')[-1]}", "torch-sdpa")] = (
-                lambda qd=qd, k=k, v=v: F.scaled_dot_product_attention(qd, k, v, scale=scaling, enable_gqa=True))
+            kv = [tuple(torch.randn(1, h, tokens, d).to(dtype) for _ in range(2))]
+            kv += [(k.clone(), v.clone()) for k, v in kv * (args.layers - 1)]
+            turn = itertools.cycle(kv)
+
+            def dense(qd=qd, turn=turn):
+                k, v = next(turn)
+                F.scaled_dot_product_attention(qd, k, v, scale=scaling, enable_gqa=True)
+
+            variants[(f"dense-{str(dtype).split('.')[-1]}", "torch-sdpa")] = dense
         times = {key: [] for key in variants}
         for f in variants.values():
             f()  # warm-up (and numba compilation / cache load)
@@ -222,6 +241,8 @@ def e2e_rows(args, recipe) -> list[dict]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.layers < 1:
+        raise SystemExit(f"--layers must be at least 1, got {args.layers}")
     torch.set_num_threads(args.threads)
     numba.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -235,7 +256,8 @@ def main(argv=None) -> None:
     payload = {"rows": rows, "ratios": ratios(rows), "machine": info,
                "shape": {"query_heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "batch": 1},
                "quantizers": f"recipe {args.recipe} (middle layer)" if recipe else "synthetic, NormalFloat levels",
-               "timing": f"median of {args.rounds} interleaved rounds (reference: a third of them)"}
+               "timing": f"median of {args.rounds} interleaved rounds (reference: a third of them)",
+               "layers": args.layers}
     if args.e2e:
         payload["e2e"] = e2e_rows(args, recipe)
     payload["machine"]["load_average_end"] = os.getloadavg()

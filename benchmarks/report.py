@@ -96,6 +96,15 @@ def decode(data: dict) -> str:
     for m, b in keys:
         out.append(f"| `{m}` | {b} | " + " | ".join(
             f"{ms[(m, b, c)]:.2f}" if (m, b, c) in ms else "-" for c in contexts) + " |")
+    dense = {c: ms.get(("dense-float32", "torch-sdpa", c)) for c in contexts}
+    fused = [(m, b) for m, b in keys if b == "numba"]
+    if fused and any(dense.values()):
+        n = data.get("machine", {}).get("threads", "?")
+        out += ["", f"Dense fp32 SDPA time over fused time, same run ({n} thread{'' if n == 1 else 's'}):", "",
+                "| method | " + " | ".join(f"{c // 1024}K" for c in contexts) + " |", "|---|" + "---:|" * len(contexts)]
+        for m, b in fused:
+            out.append(f"| `{m}` | " + " | ".join(
+                f"{dense[c] / ms[(m, b, c)]:.2f}×" if dense[c] and (m, b, c) in ms else "-" for c in contexts) + " |")
     if data.get("e2e"):
         out += ["", "| cache | prompt | new tokens | prefill s | decode tokens/s | tokens equal to DynamicCache |",
                 "|---|---:|---:|---:|---:|---:|"]
@@ -121,7 +130,8 @@ def main() -> None:
                                           "rows": []})["rows"].append(r)
         plot_ppl_by_length([runs[n] for n in sorted(runs)], str(d / "ppl_by_length.png"))
     for name, fn in (("ladder.json", ladder), ("eval_mixed_bits.json", ladder), ("memory.json", memory),
-                     ("longctx.json", longctx), ("decode.json", decode)):
+                     ("longctx.json", longctx), ("decode.json", decode), ("decode_1thread.json", decode),
+                     ("decode_30layers.json", decode)):
         data = _load(d, name)
         if data is not None:
             print(f"### {name}\n\n{fn(data)}\n")
