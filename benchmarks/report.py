@@ -114,6 +114,18 @@ def decode(data: dict) -> str:
     return "\n".join(out)
 
 
+def decode_passes(data: dict) -> str:
+    rows = data["rows"]
+    names = list(dict.fromkeys(k for r in rows for k in r["median_ms"]))
+    m0 = data.get("machine", {})
+    out = [f"ms per call at {rows[0]['context']} tokens, {m0.get('threads', '?')} threads, {data.get('timing', '')}",
+           "", "| method | " + " | ".join(names) + " |", "|---|" + "---:|" * len(names)]
+    for r in rows:
+        out.append(f"| `{r['method']}` | " + " | ".join(
+            f"{r['median_ms'][n]:.3f}" if n in r["median_ms"] else "-" for n in names) + " |")
+    return "\n".join(out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=str(Path(__file__).parent / "results"))
@@ -131,7 +143,7 @@ def main() -> None:
         plot_ppl_by_length([runs[n] for n in sorted(runs)], str(d / "ppl_by_length.png"))
     for name, fn in (("ladder.json", ladder), ("eval_mixed_bits.json", ladder), ("memory.json", memory),
                      ("longctx.json", longctx), ("decode.json", decode), ("decode_1thread.json", decode),
-                     ("decode_30layers.json", decode)):
+                     ("decode_30layers.json", decode), ("decode_passes.json", decode_passes)):
         data = _load(d, name)
         if data is not None:
             print(f"### {name}\n\n{fn(data)}\n")

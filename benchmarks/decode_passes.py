@@ -1,0 +1,123 @@
+"""Where the fused decode kernel spends its time: each pass of the numba backend timed on its own.
+
+For one context length and each method, on the same synthetic stores as
+`decode.py`: the whole `decode_attention` call, then each pass called alone in
+a loop (its inputs prepared once): keys, key outliers, row maxima, values with
+the softmax, value outliers; and dense fp32 SDPA over a cache of the same
+shape, in the same loops. Passes called alone keep their data warm in the
+caches, so their sum is below the whole call's time.
+
+    python benchmarks/decode_passes.py [--context 32768] [--methods nuq3-1%] [--threads 2]
+        [--repeats 60] [--json benchmarks/results/decode_passes.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+import numba
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from decode import DEFAULT_RECIPE, fill_store, machine, quantizers
+from kvsqueeze.kernels import CompressedKV, Rope, decode_attention
+from kvsqueeze.kernels import numba_cpu as nc
+from kvsqueeze.kernels.numba_keys import key_scores, row_max
+from kvsqueeze.kernels.numba_sparse import key_outliers, value_outliers
+from kvsqueeze.kernels.numba_values import value_sums
+from kvsqueeze.methods import parse_method
+
+
+def _median_ms(f, repeats: int) -> float:
+    f()
+    ts = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f()
+        ts.append(time.perf_counter() - t0)
+    return round(1e3 * statistics.median(ts), 3)
+
+
+def passes(method: str, tokens: int, recipe, heads: int, kv_heads: int, head_dim: int, repeats: int) -> dict:
+    h, d, hq = kv_heads, head_dim, heads
+    store = fill_store(*quantizers(method, recipe, h * d), tokens, h * d, parse_method(method).sinks)
+    positions = torch.arange(tokens, dtype=torch.int32).view(-1, 1)
+    q = torch.randn(1, hq, d)
+    rope, scaling = Rope.default(d), d**-0.5
+    kv = CompressedKV.from_store(store, positions, h, d)
+    out = {"whole call": _median_ms(lambda: decode_attention(
+        q, CompressedKV.from_store(store, positions, h, d), rope, scaling, backend="numba"), repeats)}
+    pos = nc._np(kv.positions)
+    tab = nc._tables(rope, int(pos.max()))
+    rope_args = (pos, tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling))
+    klut = nc._padded(kv.k_levels.float()[None, :] * kv.k_scale.float()[:, None] + kv.k_zero.float()[:, None])
+    vlut = nc._padded(kv.v_levels[None, :])
+    qn, sz = nc._np(q), nc._half_bits(kv.v_scale_zero)
+    kc, vc = nc._np(kv.k_codes).view(np.uint32), nc._np(kv.v_codes).view(np.uint32)
+    chans = nc._channel_maps(h, d)
+    workers = 4 * numba.get_num_threads()
+    ks, vs = nc._starts(tokens, 1), nc._starts(tokens, h)
+    scores = np.empty((1, hq, tokens), np.float32)
+    m = np.empty((1, hq), np.float32)
+    partial = np.empty((1, h, vs.shape[0] - 1, hq // h, d), np.float32)
+    psum = np.empty(partial.shape[:-1], np.float32)
+    out["keys"] = _median_ms(lambda: key_scores(qn, kc, klut, kv.k_bits, h, *rope_args, ks, scores), repeats)
+    if kv.k_outliers is not None and kv.k_outliers.nnz:
+        k_sparse = nc._sparse(kv.k_outliers)
+        out["key outliers"] = _median_ms(lambda: key_outliers(
+            qn, kc, klut, kv.k_bits, h, *rope_args, *k_sparse, *chans, workers, scores), repeats)
+    out["row maxima"] = _median_ms(lambda: row_max(scores, nc._NO_BIAS, m), repeats)
+    probs = scores.copy()
+    out["values and softmax"] = _median_ms(lambda: value_sums(
+        probs, m, vc, vlut, kv.v_bits, h, sz, vs, partial, psum), repeats)
+    if kv.v_outliers is not None and kv.v_outliers.nnz:
+        v_sparse = nc._sparse(kv.v_outliers)
+        parts = np.zeros((workers, 1, hq, d), np.float32)
+        out["value outliers"] = _median_ms(lambda: value_outliers(
+            probs, vc, vlut, kv.v_bits, h, sz, *v_sparse, *chans, parts), repeats)
+    qd, k, v = q.view(1, hq, 1, d), torch.randn(1, h, tokens, d), torch.randn(1, h, tokens, d)
+    out["dense fp32 SDPA"] = _median_ms(
+        lambda: F.scaled_dot_product_attention(qd, k, v, scale=scaling, enable_gqa=True), repeats)
+    nnz = {"key_outliers": int(kv.k_outliers.nnz) if kv.k_outliers is not None else 0,
+           "value_outliers": int(kv.v_outliers.nnz) if kv.v_outliers is not None else 0}
+    return {"method": method, "context": tokens, "median_ms": out, **nnz}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--methods", default="nuq3-1%")
+    p.add_argument("--heads", type=int, default=9)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=60)
+    p.add_argument("--recipe", default=DEFAULT_RECIPE if Path(DEFAULT_RECIPE).exists() else None)
+    p.add_argument("--json", default=str(Path(__file__).parent / "results" / "decode_passes.json"))
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    numba.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    recipe = None
+    if args.recipe:
+        from kvsqueeze.recipe import Recipe
+
+        recipe = Recipe.load(args.recipe)
+    rows = []
+    for method in args.methods.split(","):
+        rows.append(passes(method, args.context, recipe, args.heads, args.kv_heads, args.head_dim, args.repeats))
+        print(rows[-1])
+    payload = {"rows": rows, "machine": machine(), "timing": f"median of {args.repeats} calls in a loop",
+               "quantizers": f"recipe {args.recipe} (middle layer)" if recipe else "synthetic, NormalFloat levels"}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
