@@ -87,6 +87,18 @@ def machine() -> dict:
             "load_average_start": os.getloadavg()}
 
 
+def prepare(threads: int, recipe_path: str | None):
+    """Set torch's and numba's threads, seed torch, and load the recipe (None without one)."""
+    torch.set_num_threads(threads)
+    numba.set_num_threads(threads)
+    torch.manual_seed(0)
+    if not recipe_path:
+        return None
+    from kvsqueeze.recipe import Recipe
+
+    return Recipe.load(recipe_path)
+
+
 # ---- synthetic stores --------------------------------------------------------------------------------
 def quantizers(method: str, recipe, channels: int, seed: int = 0) -> tuple[VectorQuantizer, VectorQuantizer]:
     """Key and value quantizers: the recipe's (a middle layer) or synthetic ones with per-channel ranges."""
@@ -243,14 +255,7 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     if args.layers < 1:
         raise SystemExit(f"--layers must be at least 1, got {args.layers}")
-    torch.set_num_threads(args.threads)
-    numba.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    recipe = None
-    if args.recipe:
-        from kvsqueeze.recipe import Recipe
-
-        recipe = Recipe.load(args.recipe)
+    recipe = prepare(args.threads, args.recipe)
     info = machine()
     rows = kernel_rows(args, recipe)
     payload = {"rows": rows, "ratios": ratios(rows), "machine": info,

@@ -23,8 +23,8 @@ import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
+from decode import DEFAULT_RECIPE, fill_store, machine, prepare, quantizers
 
-from decode import DEFAULT_RECIPE, fill_store, machine, quantizers
 from kvsqueeze.kernels import CompressedKV, Rope, decode_attention
 from kvsqueeze.kernels import numba_cpu as nc
 from kvsqueeze.kernels.numba_keys import key_scores, row_max
@@ -100,14 +100,7 @@ def main(argv=None) -> None:
     p.add_argument("--recipe", default=DEFAULT_RECIPE if Path(DEFAULT_RECIPE).exists() else None)
     p.add_argument("--json", default=str(Path(__file__).parent / "results" / "decode_passes.json"))
     args = p.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    numba.set_num_threads(args.threads)
-    torch.manual_seed(0)
-    recipe = None
-    if args.recipe:
-        from kvsqueeze.recipe import Recipe
-
-        recipe = Recipe.load(args.recipe)
+    recipe = prepare(args.threads, args.recipe)
     rows = []
     for method in args.methods.split(","):
         rows.append(passes(method, args.context, recipe, args.heads, args.kv_heads, args.head_dim, args.repeats))

@@ -212,30 +212,25 @@ def _float_binop(name: str):
 vadd, vsub, vmul = _float_binop("fadd"), _float_binop("fsub"), _float_binop("fmul")
 
 
-@intrinsic
-def vfma(typingctx, a, b, c):
-    """a * b + c, rounded once (IEEE fusedMultiplyAdd)."""
-    if not (a == b == c == f32x16):
-        return None
+def _fused(negate_addend: bool):
+    @intrinsic
+    def op(typingctx, a, b, c):
+        if not (a == b == c == f32x16):
+            return None
 
-    def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VF, _VF]), "llvm.fma.v16f32")
-        return builder.call(fn, args)
+        def codegen(context, builder, sig, args):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VF, _VF]),
+                                                "llvm.fma.v16f32")
+            x, y, z = args
+            return builder.call(fn, [x, y, builder.fneg(z) if negate_addend else z])
 
-    return f32x16(a, b, c), codegen
+        return f32x16(a, b, c), codegen
+
+    op.__doc__ = f"a * b {'-' if negate_addend else '+'} c, rounded once (IEEE fusedMultiplyAdd)."
+    return op
 
 
-@intrinsic
-def vfms(typingctx, a, b, c):
-    """a * b - c, rounded once."""
-    if not (a == b == c == f32x16):
-        return None
-
-    def codegen(context, builder, sig, args):
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VF, _VF]), "llvm.fma.v16f32")
-        return builder.call(fn, [args[0], args[1], builder.fneg(args[2])])
-
-    return f32x16(a, b, c), codegen
+vfma, vfms = _fused(False), _fused(True)
 
 
 @intrinsic
