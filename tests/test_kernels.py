@@ -63,6 +63,7 @@ CASES = [  # tokens, batch, kv heads, head_dim, G (query heads per KV head), bit
     (130, 2, 2, 256, 7, 2, 0.01, 5),
     (300, 2, 3, 64, 1, 4, 0.01, 1),
     (257, 1, 2, 16, 3, 3, 0.02, 2),  # head_dim 16: heads do not start on a word boundary at 3 bits
+    (90, 2, 3, 80, 3, 3, 0.02, 1),  # head_dim 80: 7.5 words a head, codes straddling at the heads' ends
 ]
 
 
