@@ -4,7 +4,8 @@ Work split: the slots (tokens of a row, slot n = t * B + b) are cut into
 `parts` contiguous ranges holding equal numbers of non-zeros (`sparse_parts`),
 so a worker's share is counted in outliers, not in tokens, and no slot is split
 between two workers. Within a range, slots and their outliers are walked in
-order, one outlier at a time in scalar code: an outlier touches a handful of
+order (key outliers in one flat loop over the entries, see `key_outliers`),
+one outlier at a time in scalar code: an outlier touches a handful of
 scattered elements (a code, a LUT entry, four RoPE table entries, G scores), so
 16-lane gathers and scatters over slots cost more than they save, and lanes sit
 idle whenever slots hold unequal numbers of outliers.
@@ -94,33 +95,48 @@ def key_outliers(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo,
     chi, shi, clo, slo = cos_hi.reshape(-1), sin_hi.reshape(-1), cos_lo.reshape(-1), sin_lo.reshape(-1)
     ub, uw, ug, ut, uwidth, uhalf, un_rows = U(bits), U(n_words), U(g_size), U(n_tok), U(width), U(half), U(n_rows)
     for part in prange(parts):
-        t, b = _steps(bounds[part], n_rows)
-        for slot in range(U(bounds[part]), U(bounds[part + 1])):
-            b += U(1)
-            if b == un_rows:
-                t, b = t + U(1), U(0)
+        s_lo, s_hi = U(bounds[part]), U(bounds[part + 1])
+        e0, e1 = U(pointers[s_lo]), U(pointers[s_hi])
+        # The part walks its entries in one flat loop: the slot of entry e is s_lo plus the number of the part's
+        # slots that end at or before e, counted once into `ends` and summed along the walk. A loop over slots
+        # with an inner loop over each slot's entries would mispredict the inner loop's exit on almost every
+        # slot (key outlier counts per token are irregular), which cost a third of this pass.
+        ends = np.zeros(e1 - e0 + U(1), np.uint32)
+        for s in range(s_lo, s_hi):
+            ends[U(pointers[s + U(1)]) - e0] += U(1)
+        slot = s_lo
+        for s in range(s_lo, s_hi):  # slots before the first entry hold none
+            if U(pointers[s + U(1)]) > e0:
+                break
+            slot += U(1)
+        for e in range(e0, e1):
+            if e > e0:
+                slot += U(ends[e - e0])
+            if un_rows == U(1):
+                t, b = slot, U(0)
+            else:
+                t, b = slot // un_rows, slot % un_rows
             p = U(pos_flat[slot])
             hi_row, lo_col = (p // U(BLOCK)) * uhalf, p % U(BLOCK)
             row_out = b * U(hq_all) * ut + t  # scores[b, 0, t]
-            for e in range(U(pointers[slot]), U(pointers[slot + U(1)])):
-                c = U(channels[e])
-                delta = f16(values[e]) - lut[c * uwidth + _code(codes_flat, uw, slot, c, ub)]
-                pr = pair[c]
-                ch, sh = chi[hi_row + pr], shi[hi_row + pr]
-                cl, sl = clo[pr * U(BLOCK) + lo_col], slo[pr * U(BLOCK) + lo_col]
-                dc, ds = delta * (ch * cl - sh * sl), delta * (sh * cl + ch * sl)  # delta * (cos, sin)
-                o, qi = row_out + c_out[c], (b * U(n_chan) + c) * ug * U(2)
-                g = U(0)
-                while g + U(2) < ug:  # three query heads at a time, loads before stores (rows T apart would alias)
-                    i0, k = o + g * ut, qi + U(2) * g
-                    a0 = out[i0] + (qt_flat[k] * dc + qt_flat[k + U(1)] * ds)
-                    a1 = out[i0 + ut] + (qt_flat[k + U(2)] * dc + qt_flat[k + U(3)] * ds)
-                    a2 = out[i0 + U(2) * ut] + (qt_flat[k + U(4)] * dc + qt_flat[k + U(5)] * ds)
-                    out[i0], out[i0 + ut], out[i0 + U(2) * ut] = a0, a1, a2
-                    g += U(3)
-                while g < ug:
-                    out[o + g * ut] += qt_flat[qi + U(2) * g] * dc + qt_flat[qi + U(2) * g + U(1)] * ds
-                    g += U(1)
+            c = U(channels[e])
+            delta = f16(values[e]) - lut[c * uwidth + _code(codes_flat, uw, slot, c, ub)]
+            pr = pair[c]
+            ch, sh = chi[hi_row + pr], shi[hi_row + pr]
+            cl, sl = clo[pr * U(BLOCK) + lo_col], slo[pr * U(BLOCK) + lo_col]
+            dc, ds = delta * (ch * cl - sh * sl), delta * (sh * cl + ch * sl)  # delta * (cos, sin)
+            o, qi = row_out + c_out[c], (b * U(n_chan) + c) * ug * U(2)
+            g = U(0)
+            while g + U(2) < ug:  # three query heads at a time, loads before stores (rows T apart would alias)
+                i0, k = o + g * ut, qi + U(2) * g
+                a0 = out[i0] + (qt_flat[k] * dc + qt_flat[k + U(1)] * ds)
+                a1 = out[i0 + ut] + (qt_flat[k + U(2)] * dc + qt_flat[k + U(3)] * ds)
+                a2 = out[i0 + U(2) * ut] + (qt_flat[k + U(4)] * dc + qt_flat[k + U(5)] * ds)
+                out[i0], out[i0 + ut], out[i0 + U(2) * ut] = a0, a1, a2
+                g += U(3)
+            while g < ug:
+                out[o + g * ut] += qt_flat[qi + U(2) * g] * dc + qt_flat[qi + U(2) * g + U(1)] * ds
+                g += U(1)
 
 
 @njit(parallel=True, cache=True)
