@@ -30,7 +30,7 @@ from .simd import (
 
 # ---- values ------------------------------------------------------------------------------------
 @njit(parallel=True, cache=True)
-def value_sums(scores, m, codes, vlut, bits, heads, scale_zero, starts, partial, psum):
+def value_sums(scores, m, codes, vlut, bits, heads, sz, starts, partial, psum):
     """partial[b, h, item, g, :] = sum over the item's tokens of p_t * dequantized value, values read packed,
     with the unnormalized softmax weights p_t = exp(score_t - m[b, hq]); psum[b, h, item, g] = sum of p_t.
 
@@ -41,7 +41,8 @@ def value_sums(scores, m, codes, vlut, bits, heads, scale_zero, starts, partial,
     Args:
         scores: float32 [B, Hq, T], scaled and masked (-inf) scores; read, then overwritten with p_t.
         m: float32 [B, Hq], the row maxima; codes: uint32 [T, B, W]; vlut: float32 [1, 16] (levels, repeated).
-        scale_zero: fp16 bits, uint16 [T, B, 2]; starts: int64 [items + 1], the token ranges of the work items.
+        sz: float32 [2, B, T], the per-token scales and zero-points (`planar_scale_zero`); starts: int64
+            [items + 1], the token ranges of the work items.
         partial: float32 [B, H, items, G, D], psum: float32 [B, H, items, G], written.
     """
     probs = scores
@@ -55,12 +56,11 @@ def value_sums(scores, m, codes, vlut, bits, heads, scale_zero, starts, partial,
         h = (item // n_items) % heads
         ck = item % n_items
         first, last = starts[ck], starts[ck + 1]
+        s_row, z_row = b * n_tok, (n_rows + b) * n_tok  # flat offsets of sz[0, b, 0] and sz[1, b, 0]
         w0 = (h * d * bits) >> 5
         nw = (((h + 1) * d * bits - 1) >> 5) - w0 + 1
         wb = np.empty((max_words, SPAN), np.uint32)
         weights = np.empty((g_size, SPAN), np.float32)  # probs * s_t
-        sbuf = np.empty(SPAN, np.float32)
-        zbuf = np.empty(SPAN, np.float32)
         acc = np.zeros((g_size, d, LANES), np.float32)
         zacc = np.zeros((g_size, LANES), np.float32)  # p_t * z_t
         tacc = np.zeros((g_size, LANES), np.float32)  # p_t
@@ -69,12 +69,7 @@ def value_sums(scores, m, codes, vlut, bits, heads, scale_zero, starts, partial,
             n = min(SPAN, last - t0)
             width = (n + LANES - 1) // LANES * LANES
             gather_words(codes, b, t0, n, w0, nw, wb, SPAN)
-            for t in range(n):
-                sbuf[t] = f16(scale_zero[t0 + t, b, 0])
-                zbuf[t] = f16(scale_zero[t0 + t, b, 1])
-            sbuf[n:width] = ZERO  # lanes past the end get weight 0, and 0 * garbage may be NaN
-            zbuf[n:width] = ZERO
-            live[:n] = ONE
+            live[:n] = ONE  # lanes past the end get weight 0 (vload_first reads their scales as 0 too)
             live[n:width] = ZERO
             for g in range(g_size):
                 row = (b * hq_all + h * g_size + g) * n_tok + t0
@@ -83,8 +78,8 @@ def value_sums(scores, m, codes, vlut, bits, heads, scale_zero, starts, partial,
                 for k in range(0, width, LANES):
                     p = vmul(vexp(vsub(vload_first(probs, row + k, n - k), mv)), vload(live, k))
                     vstore_first(probs, row + k, p, n - k)
-                    vstore(weights, g * SPAN + k, vmul(p, vload(sbuf, k)))
-                    za = vfma(p, vload(zbuf, k), za)
+                    vstore(weights, g * SPAN + k, vmul(p, vload_first(sz, s_row + t0 + k, n - k)))
+                    za = vfma(p, vload_first(sz, z_row + t0 + k, n - k), za)
                     ta = vadd(ta, p)
                 vstore(zacc, g * LANES, za)
                 vstore(tacc, g * LANES, ta)
@@ -95,6 +90,17 @@ def value_sums(scores, m, codes, vlut, bits, heads, scale_zero, starts, partial,
             zsum = vhsum(vload(zacc, g * LANES))
             for c in range(d):
                 partial[b, h, ck, g, c] = vhsum(vload(acc, (g * d + c) * LANES)) + zsum
+
+
+@njit(parallel=True, cache=True)
+def planar_scale_zero(scale_zero, out):
+    """out[0, b, t], out[1, b, t] = the float32 scale and zero-point of token t of row b, from their fp16 bits
+    (uint16 [T, B, 2]): converted once per call rather than once per KV head, and contiguous over tokens."""
+    n_tok, n_rows = scale_zero.shape[0], scale_zero.shape[1]
+    for b in prange(n_rows):
+        for t in range(n_tok):
+            out[0, b, t] = f16(scale_zero[t, b, 0])
+            out[1, b, t] = f16(scale_zero[t, b, 1])
 
 
 @njit(cache=True, inline="always")
