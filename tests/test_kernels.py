@@ -81,6 +81,22 @@ def test_backend_equals_reference(backend, case):
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_backend_follows_quantizer_tensors_changed_in_place(backend):
+    """Backends may keep tables derived from a layer's scales between calls; changing them must be seen."""
+    store = make_store(40, 1, 2, 64, 3, 0.01, 1, seed=5)
+    kv = CompressedKV.from_store(store, positions_for(40, 1), 2, 64)
+    q = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(3))
+    rope = Rope.default(64)
+    before = decode_attention(q, kv, rope, 0.125, backend=backend)
+    kv.k_scale.mul_(1.5)
+    kv.k_zero.add_(0.25)
+    ref = decode_attention(q, kv, rope, 0.125, backend=Backend.REFERENCE)
+    got = decode_attention(q, kv, rope, 0.125, backend=backend)
+    assert not torch.allclose(before, got, atol=1e-4)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_backend_equals_reference_mixed_bits_padding_and_long_positions(backend):
     batch, tokens, heads, head_dim = 2, 150, 2, 64
     real = torch.ones(batch, tokens, dtype=torch.bool)

@@ -36,6 +36,7 @@ from .buffers import GrowableTensor
 
 MAX_CHANNELS = 1 << 16  # channel indices are 16 bits
 _INT32_MAX = (1 << 31) - 1
+_IMPLICIT: dict[tuple, torch.Tensor] = {}  # (fixed, device) -> n * fixed for n = 0.. (shared, grown by doubling)
 
 
 def _to_int16_pattern(channels: torch.Tensor) -> torch.Tensor:
@@ -65,7 +66,7 @@ class TokenOutliers:
 
     # ---- building ------------------------------------------------------------------------
     @classmethod
-    def from_dense(cls, mask: torch.Tensor, x: torch.Tensor) -> "TokenOutliers":
+    def from_dense(cls, mask: torch.Tensor, x: torch.Tensor) -> TokenOutliers:
         """Build at once from mask [N, C] (bool, True = outlier) and values x [N, C]."""
         out = cls(mask.shape[1], mask.device)
         out.append(mask, x)
@@ -106,9 +107,17 @@ class TokenOutliers:
         return mask
 
     def pointer_view(self) -> torch.Tensor:
-        """Row pointers [tokens + 1] (int64 when implicit)."""
+        """Row pointers [tokens + 1]; implicit ones are a view of one table shared by every store with the same
+        count (int32 while the entries fit, as stored pointers are), not a new array per call."""
         if self.fixed is not None:
-            return torch.arange(self._tokens + 1, device=self.device, dtype=torch.int64) * self.fixed
+            n = self._tokens + 1
+            key = (self.fixed, str(self.device))
+            table = _IMPLICIT.get(key)
+            if table is None or table.numel() < n:
+                size = max(n, 2 * table.numel() if table is not None else 1024)
+                dtype = torch.int32 if (size - 1) * self.fixed <= _INT32_MAX else torch.int64
+                table = _IMPLICIT[key] = torch.arange(size, device=self.device, dtype=dtype) * self.fixed
+            return table[:n]
         return self.pointers.view()
 
     # ---- size ----------------------------------------------------------------------------

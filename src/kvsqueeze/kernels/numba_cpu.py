@@ -53,6 +53,7 @@ from .simd import LANES
 _NO_BIAS = np.zeros((0, 0), np.float32)
 _NO_OUTLIERS = (np.zeros(0, np.uint32), np.zeros(0, np.uint16), np.zeros(0, np.uint16))
 _TABLES: dict[tuple, RopeTables] = {}
+_LUTS: dict[tuple, tuple] = {}  # ids of a layer's quantizer tensors -> (the tensors, their versions, the tables)
 _SCRATCH = threading.local()  # per thread: a float32 buffer the scores of a call live in
 
 
@@ -90,6 +91,21 @@ def _padded(table: torch.Tensor) -> np.ndarray:
     """[rows, 2**bits] -> [rows, 16] float32, the levels repeated: one vector per row, and entry
     (code + 2**bits * anything) == entry code, so a lookup may ignore the bits above the code."""
     return np.tile(_np(table.float()), (1, LANES // table.shape[1]))
+
+
+def _luts(kv: CompressedKV) -> tuple[np.ndarray, np.ndarray]:
+    """The layer's key tables LUT[c] = level * scale[c] + zero[c] and its value table, built once per set of
+    quantizer tensors (fixed for a layer) and rebuilt if one of them is modified in place. The entry holds the
+    tensors, so their ids cannot be reused by other tensors while it lives."""
+    src = (kv.k_levels, kv.k_scale, kv.k_zero, kv.v_levels)
+    key, versions = tuple(id(x) for x in src), tuple(x._version for x in src)
+    hit = _LUTS.get(key)
+    if hit is None or hit[1] != versions:
+        if len(_LUTS) > 1024:
+            _LUTS.clear()
+        klut = _padded(kv.k_levels.float()[None, :] * kv.k_scale.float()[:, None] + kv.k_zero.float()[:, None])
+        hit = _LUTS[key] = (src, versions, klut, _padded(kv.v_levels[None, :]))
+    return hit[2], hit[3]
 
 
 def _sparse(s: Outliers | None):
@@ -167,11 +183,10 @@ def decode_attention(q: torch.Tensor, kv: CompressedKV, rope: Rope, scaling: flo
     if positions.min() < 0:
         raise ValueError(f"RoPE positions must be >= 0, got {positions.min()}")
     tab = _tables(rope, int(positions.max()))
-    klut = _padded(kv.k_levels.float()[None, :] * kv.k_scale.float()[:, None] + kv.k_zero.float()[:, None])
+    klut, vlut = _luts(kv)
     bias = _NO_BIAS if key_mask is None else np.where(_np(key_mask), np.float32(0), np.float32(-np.inf))
     out = _attend(
-        _np(q), _np(kv.k_codes).view(np.uint32), _np(kv.v_codes).view(np.uint32), klut,
-        _padded(kv.v_levels[None, :]), kv.k_bits, kv.v_bits, h, positions,
+        _np(q), _np(kv.k_codes).view(np.uint32), _np(kv.v_codes).view(np.uint32), klut, vlut, kv.k_bits, kv.v_bits, h, positions,
         tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling), _starts(t, bsz), _starts(t, bsz * h),
         *(_sparse(kv.k_outliers) or _NO_OUTLIERS), *(_sparse(kv.v_outliers) or _NO_OUTLIERS), *_channel_maps(h, d),
         _half_bits(kv.sink_k), _half_bits(kv.sink_v), _np(kv.sink_slot), _half_bits(kv.v_scale_zero),
