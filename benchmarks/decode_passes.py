@@ -60,8 +60,9 @@ def passes(method: str, tokens: int, recipe, heads: int, kv_heads: int, head_dim
     qn, sz = nc._np(q), nc._half_bits(kv.v_scale_zero)
     kc, vc = nc._np(kv.k_codes).view(np.uint32), nc._np(kv.v_codes).view(np.uint32)
     chans = nc._channel_maps(h, d)
-    workers = 4 * numba.get_num_threads()
-    ks, vs = nc._starts(tokens, 1), nc._starts(tokens, h)
+    threads = numba.get_num_threads()
+    workers = 4 * threads
+    ks, vs = nc._starts(tokens, 1, threads), nc._starts(tokens, h, threads)
     scores = np.empty((1, hq, tokens), np.float32)
     m = np.empty((1, hq), np.float32)
     partial = np.empty((1, h, vs.shape[0] - 1, hq // h, d), np.float32)

@@ -124,9 +124,9 @@ def _channel_maps(heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
     return c // head_dim, c % head_dim
 
 
-def _starts(tokens: int, per_row: int) -> np.ndarray:
+def _starts(tokens: int, per_row: int, threads: int) -> np.ndarray:
     """Token ranges [items + 1] of the dense passes: enough work items to keep every thread busy."""
-    items = max(1, min(-(-8 * numba.get_num_threads() // per_row), -(-tokens // BLOCK)))
+    items = max(1, min(-(-8 * threads // per_row), -(-tokens // BLOCK)))
     return np.array([tokens * i // items for i in range(items + 1)], np.int64)
 
 
@@ -184,12 +184,14 @@ def decode_attention(q: torch.Tensor, kv: CompressedKV, rope: Rope, scaling: flo
         raise ValueError(f"RoPE positions must be >= 0, got {positions.min()}")
     tab = _tables(rope, int(positions.max()))
     klut, vlut = _luts(kv)
+    threads = numba.get_num_threads()
     bias = _NO_BIAS if key_mask is None else np.where(_np(key_mask), np.float32(0), np.float32(-np.inf))
     out = _attend(
         _np(q), _np(kv.k_codes).view(np.uint32), _np(kv.v_codes).view(np.uint32), klut, vlut, kv.k_bits, kv.v_bits, h, positions,
-        tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling), _starts(t, bsz), _starts(t, bsz * h),
+        tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling),
+        _starts(t, bsz, threads), _starts(t, bsz * h, threads),
         *(_sparse(kv.k_outliers) or _NO_OUTLIERS), *(_sparse(kv.v_outliers) or _NO_OUTLIERS), *_channel_maps(h, d),
         _half_bits(kv.sink_k), _half_bits(kv.sink_v), _np(kv.sink_slot), _half_bits(kv.v_scale_zero),
-        bias.astype(np.float32), 4 * numba.get_num_threads(),  # sparse workers: an equal share of non-zeros each
+        bias.astype(np.float32), 4 * threads,  # sparse workers: an equal share of non-zeros each
         _scores_buffer((bsz, q.shape[1], t)))
     return torch.from_numpy(out)
