@@ -15,7 +15,14 @@ import torch
 from kvsqueeze.cache.layer import KVQuantLayer, PositionLog
 from kvsqueeze.cache.storage import QuantizedKV
 from kvsqueeze.datatypes import normal_float_levels, uniform_levels
-from kvsqueeze.kernels import Backend, CompressedKV, Rope, available_backends, decode_attention, resolve_backend
+from kvsqueeze.kernels import (
+    Backend,
+    CompressedKV,
+    Rope,
+    available_backends,
+    decode_attention,
+    resolve_backend,
+)
 from kvsqueeze.schemes import VectorQuantizer
 
 FAST_BACKENDS = [b for b in available_backends("cpu") if b is not Backend.REFERENCE]
@@ -94,6 +101,20 @@ def test_backend_follows_quantizer_tensors_changed_in_place(backend):
     got = decode_attention(q, kv, rope, 0.125, backend=backend)
     assert not torch.allclose(before, got, atol=1e-4)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_backend_runs_on_a_cache_built_in_inference_mode(backend):
+    with torch.inference_mode():
+        store = make_store(33, 1, 2, 64, 3, 0.01, 1, seed=6)
+        kv = CompressedKV.from_store(store, positions_for(33, 1), 2, 64)
+        q = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(4))
+        rope = Rope.default(64)
+        ref = decode_attention(q, kv, rope, 0.125, backend=Backend.REFERENCE)
+        got = decode_attention(q, kv, rope, 0.125, backend=backend)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    with torch.no_grad():  # and outside it, on the same inference tensors
+        torch.testing.assert_close(decode_attention(q, kv, rope, 0.125, backend=backend), ref, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
@@ -200,7 +221,7 @@ def test_generate_fused_equals_dense_path(tiny_llama, tiny_recipe, method, monke
     new = 24
     kw = {"attention_mask": mask, "max_new_tokens": new, "min_new_tokens": new, "do_sample": False,
           "pad_token_id": 0}
-    with torch.no_grad():
+    with torch.inference_mode():  # as serving code often runs (no version counters on the cache's tensors)
         dense_cache = kvsqueeze.cache_for(tiny_llama, tiny_recipe, method)
         expected = tiny_llama.generate(ids, cache=dense_cache, **kw)
         cache = kvsqueeze.cache_for(tiny_llama, tiny_recipe, method)

@@ -98,14 +98,20 @@ def _luts(kv: CompressedKV) -> tuple[np.ndarray, np.ndarray]:
     quantizer tensors (fixed for a layer) and rebuilt if one of them is modified in place. The entry holds the
     tensors, so their ids cannot be reused by other tensors while it lives."""
     src = (kv.k_levels, kv.k_scale, kv.k_zero, kv.v_levels)
+    if any(x.is_inference() for x in src):  # inference-mode tensors keep no version counter: build every time
+        return _build_luts(kv)
     key, versions = tuple(id(x) for x in src), tuple(x._version for x in src)
     hit = _LUTS.get(key)
     if hit is None or hit[1] != versions:
         if len(_LUTS) > 1024:
             _LUTS.clear()
-        klut = _padded(kv.k_levels.float()[None, :] * kv.k_scale.float()[:, None] + kv.k_zero.float()[:, None])
-        hit = _LUTS[key] = (src, versions, klut, _padded(kv.v_levels[None, :]))
+        hit = _LUTS[key] = (src, versions, *_build_luts(kv))
     return hit[2], hit[3]
+
+
+def _build_luts(kv: CompressedKV) -> tuple[np.ndarray, np.ndarray]:
+    klut = _padded(kv.k_levels.float()[None, :] * kv.k_scale.float()[:, None] + kv.k_zero.float()[:, None])
+    return klut, _padded(kv.v_levels[None, :])
 
 
 def _sparse(s: Outliers | None):
