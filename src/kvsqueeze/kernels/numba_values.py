@@ -9,8 +9,6 @@ import numpy as np
 from numba import njit, prange
 
 from .numba_common import SPAN, TILE, ZERO, code_at, decode, gather_words
-
-ONE = np.float32(1.0)
 from .simd import (
     LANES,
     f16,
@@ -26,6 +24,8 @@ from .simd import (
     vstore_first,
     vsub,
 )
+
+ONE = np.float32(1.0)
 
 
 # ---- values ------------------------------------------------------------------------------------
