@@ -249,18 +249,6 @@ def vhsum(typingctx, v):
 
 
 @intrinsic
-def vdiv(typingctx, a, b):
-    """Lane-wise IEEE float32 division."""
-    if a != f32x16 or b != f32x16:
-        return None
-
-    def codegen(context, builder, sig, args):
-        return builder.fdiv(args[0], args[1])
-
-    return f32x16(a, b), codegen
-
-
-@intrinsic
 def vmax(typingctx, a, b):
     """Lane-wise maximum (b where a is NaN)."""
     if a != f32x16 or b != f32x16:
