@@ -233,6 +233,14 @@ def _fused(negate_addend: bool):
 vfma, vfms = _fused(False), _fused(True)
 
 
+def _fold_lanes(builder, v, combine):
+    """combine(...combine(combine(v[0], v[1]), v[2])..., v[15]): a scalar, lanes taken in index order."""
+    acc = builder.extract_element(v, ir.Constant(_I32, 0))
+    for i in range(1, LANES):
+        acc = combine(acc, builder.extract_element(v, ir.Constant(_I32, i)))
+    return acc
+
+
 @intrinsic
 def vhsum(typingctx, v):
     """Sum of the lanes, added in lane order: a float32 scalar."""
@@ -240,10 +248,7 @@ def vhsum(typingctx, v):
         return None
 
     def codegen(context, builder, sig, args):
-        acc = builder.extract_element(args[0], ir.Constant(_I32, 0))
-        for i in range(1, LANES):
-            acc = builder.fadd(acc, builder.extract_element(args[0], ir.Constant(_I32, i)))
-        return acc
+        return _fold_lanes(builder, args[0], builder.fadd)
 
     return types.float32(v), codegen
 
@@ -267,11 +272,7 @@ def vhmax(typingctx, v):
         return None
 
     def codegen(context, builder, sig, args):
-        acc = builder.extract_element(args[0], ir.Constant(_I32, 0))
-        for i in range(1, LANES):
-            x = builder.extract_element(args[0], ir.Constant(_I32, i))
-            acc = builder.select(builder.fcmp_ordered(">", x, acc), x, acc)
-        return acc
+        return _fold_lanes(builder, args[0], lambda acc, x: builder.select(builder.fcmp_ordered(">", x, acc), x, acc))
 
     return types.float32(v), codegen
 
