@@ -7,7 +7,25 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
-from kvsqueeze.kernels.simd import LANES, vexp, vfunnel, vload, vlookup, vstore  # noqa: E402
+from kvsqueeze.kernels.simd import (  # noqa: E402
+    LANES,
+    uadd,
+    uand,
+    ulanes,
+    umin,
+    umul,
+    ushr,
+    vexp,
+    vfunnel,
+    vgather16,
+    vgather16_wide,
+    vhalf,
+    vindex,
+    vload,
+    vlookup,
+    vscatter,
+    vstore,
+)
 
 
 @numba.njit(cache=False)
@@ -63,3 +81,93 @@ def test_vfunnel_takes_32_bits_of_the_word_pair(shift):
     _funnel_all(lo, hi, shift, out)
     pair = lo.astype(np.uint64) | (hi.astype(np.uint64) << np.uint64(32))
     assert np.array_equal(out, ((pair >> np.uint64(shift)) & np.uint64(0xFFFFFFFF)).astype(np.uint32))
+
+
+@numba.njit(cache=False)
+def _funnel_lanes(lo, hi, shift, out):
+    vstore(out, 0, vfunnel(vload(lo, 0), vload(hi, 0), vload(shift, 0)))
+
+
+def test_vfunnel_takes_a_shift_per_lane():
+    rng = np.random.default_rng(7)
+    lo, hi = (rng.integers(0, 2**32, LANES, dtype=np.uint64).astype(np.uint32) for _ in range(2))
+    shift = rng.integers(0, 32, LANES).astype(np.uint32)
+    out = np.empty_like(lo)
+    _funnel_lanes(lo, hi, shift, out)
+    pair = lo.astype(np.uint64) | (hi.astype(np.uint64) << np.uint64(32))
+    assert np.array_equal(out, ((pair >> shift.astype(np.uint64)) & np.uint64(0xFFFFFFFF)).astype(np.uint32))
+
+
+@numba.njit(cache=False)
+def _gather16(arr, index, stride, valid, wide, out):
+    got = vgather16_wide(arr, index, stride, valid) if wide else vgather16(arr, index, stride, valid)
+    vstore(out, 0, got)
+
+
+@pytest.mark.parametrize("wide", [False, True])
+@pytest.mark.parametrize("stride,valid", [(1, 16), (2, 16), (3, 5), (5, 0)])
+def test_vgather16_reads_strided_halfwords_and_zeroes_the_rest(wide, stride, valid):
+    arr = np.random.default_rng(stride).integers(0, 2**16, 100, dtype=np.uint64).astype(np.uint16)
+    out = np.empty(LANES, np.uint32)
+    _gather16(arr, 7, stride, valid, wide, out)
+    want = np.zeros(LANES, np.uint32)
+    want[:valid] = arr[7 + stride * np.arange(valid)]
+    assert np.array_equal(out, want)
+
+
+@numba.njit(cache=False)
+def _halves(bits, out):
+    vstore(out, 0, vhalf(vload(bits, 0)))
+
+
+def test_vhalf_converts_the_low_16_bits_exactly():
+    vals = np.array([0, -0.0, 1, -2.5, 65504, 6e-8, np.inf, -np.inf, 3.14, 1e-4, -7, 0.5, 2**-14, 100, 1e3, -1e-3],
+                    np.float16)
+    bits = vals.view(np.uint16).astype(np.uint32) | np.uint32(0xABCD0000)  # high bits are ignored
+    out = np.empty(LANES, np.float32)
+    _halves(bits, out)
+    assert np.array_equal(out, vals.astype(np.float32))
+
+
+@numba.njit(cache=False)
+def _index_scatter(src, dst, base, offsets, valid, out):
+    got = vindex(src, base, vload(offsets, 0), valid)
+    vstore(out, 0, got)
+    vscatter(dst, base, vload(offsets, 0), got, valid)
+
+
+@pytest.mark.parametrize("valid", [16, 9, 0])
+def test_vindex_gathers_and_vscatter_writes_lanes_at_offsets(valid):
+    rng = np.random.default_rng(valid)
+    src = rng.standard_normal(300).astype(np.float32)
+    offsets = rng.permutation(290)[:LANES].astype(np.uint32)
+    dst, out = np.zeros_like(src), np.empty(LANES, np.float32)
+    _index_scatter(src, dst, 5, offsets, valid, out)
+    want = np.zeros(LANES, np.float32)
+    want[:valid] = src[5 + offsets[:valid]]
+    assert np.array_equal(out, want)
+    written = np.zeros_like(src)
+    written[5 + offsets[:valid]] = src[5 + offsets[:valid]]
+    assert np.array_equal(dst, written)
+
+
+@numba.njit(cache=False)
+def _uint_ops(a, b, out):
+    x, y = vload(a, 0), vload(b, 0)
+    vstore(out, 0, uadd(x, y))
+    vstore(out, LANES, umul(x, 3))
+    vstore(out, 2 * LANES, ushr(x, 5))
+    vstore(out, 3 * LANES, uand(x, y))
+    vstore(out, 4 * LANES, umin(x, y))
+    vstore(out, 5 * LANES, ulanes())
+
+
+def test_uint_lanes_wrap_modulo_2_32():
+    rng = np.random.default_rng(3)
+    a, b = (rng.integers(0, 2**32, LANES, dtype=np.uint64).astype(np.uint32) for _ in range(2))
+    out = np.empty(6 * LANES, np.uint32)
+    _uint_ops(a, b, out)
+    wide = a.astype(np.uint64)
+    for got, want in zip(out.reshape(6, LANES), [(wide + b) % 2**32, (wide * 3) % 2**32, a >> 5, a & b,
+                                                  np.minimum(a, b), np.arange(LANES)]):
+        assert np.array_equal(got, np.asarray(want).astype(np.uint32))

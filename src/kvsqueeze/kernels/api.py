@@ -31,12 +31,15 @@ class Outliers(NamedTuple):
     """Sparse exact values per slot (slot n = t * B + b): CSC of K^T for keys, CSR of V for values.
 
     pointers int32/int64 [T*B + 1], channels int16 [nnz] (16-bit pattern of a channel in [0, C)),
-    values fp16 [nnz]. An outlier *replaces* the dequantized element at its channel.
+    values fp16 [nnz]. An outlier *replaces* the dequantized element at its channel. `fixed`: k when every slot
+    holds exactly k entries (pointers[n] = n * k, as the cache stores value outliers); backends may then
+    vectorize over slots. None: counts vary.
     """
 
     pointers: torch.Tensor
     channels: torch.Tensor
     values: torch.Tensor
+    fixed: int | None = None
 
     @property
     def nnz(self) -> int:
@@ -106,7 +109,7 @@ class CompressedKV:
             if s is None:
                 return None
             # fixed-count rows keep their pointers implicit; `pointer_view` materializes them
-            return Outliers(s.pointer_view(), s.channels.view(), s.values.view())
+            return Outliers(s.pointer_view(), s.channels.view(), s.values.view(), s.fixed)
 
         return cls(heads, head_dim, store.k_bits, store.v_bits, store.k_codes.view(), store.v_codes.view(),
                    store.k_scale, store.k_zero, store.kq.levels, store.vq.levels, store.v_scale_zero.view(),

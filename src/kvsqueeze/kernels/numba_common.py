@@ -25,10 +25,12 @@ from .simd import (
     vfunnel,
     vgather,
     vload,
+    vload_first,
     vlookup,
     vmul,
     vsplat,
     vstore,
+    vstore_first,
     vsub,
 )
 
@@ -46,23 +48,37 @@ def cos_sin_at(p, j, cos_hi, sin_hi, cos_lo, sin_lo):
 
 
 @njit(cache=True, inline="always")
-def rope_block(positions, b, t0, n, cos_hi, sin_hi, cos_lo, sin_lo, cs, sn):
-    """cs, sn [D/2, BLOCK]: cos/sin of tokens t0..t0+n of row b at every pair (garbage past n)."""
-    half = cs.shape[0]
+def block_rotation(q, b, positions, t0, n, cos_hi, sin_hi, cos_lo, sin_lo, qr, cs, sn):
+    """Prepare the RoPE of the block of tokens t0..t0+n of row b; True if its positions are consecutive.
+
+    Consecutive positions p0 + u (the usual case): RoPE(p0 + u) = RoPE(p0) RoPE(u), and
+    q . RoPE(p0) RoPE(u) k = (RoPE(p0)^T q) . RoPE(u) k, so the block's queries are turned back by p0
+    into qr [1, Hq, D] and every block rotates its keys by the fixed low tables (cos_lo, sin_lo at u):
+    no per-block tables. Otherwise (padding restarts the positions inside the block) cs, sn [D/2, BLOCK]
+    get cos/sin at each token's own position and q is used as it is.
+    """
+    half, hq_all = cs.shape[0], q.shape[1]
     p0 = positions[t0, b]
     for t in range(1, n):
-        if positions[t0 + t, b] != p0 + t:  # not consecutive (padding): one token at a time
+        if positions[t0 + t, b] != p0 + t:
             for u in range(n):
                 for j in range(half):
                     cs[j, u], sn[j, u] = cos_sin_at(positions[t0 + u, b], j, cos_hi, sin_hi, cos_lo, sin_lo)
-            return
-    for j in range(half):  # angle(p0 + t) = angle(p0) + angle(t), t < BLOCK
-        c0, s0 = cos_sin_at(p0, j, cos_hi, sin_hi, cos_lo, sin_lo)
-        vc, vs = vsplat(c0), vsplat(s0)
-        for k in range(0, BLOCK, LANES):
-            cl, sl = vload(cos_lo, j * BLOCK + k), vload(sin_lo, j * BLOCK + k)
-            vstore(cs, j * BLOCK + k, vsub(vmul(vc, cl), vmul(vs, sl)))
-            vstore(sn, j * BLOCK + k, vadd(vmul(vs, cl), vmul(vc, sl)))
+            return False
+    hi = p0 // BLOCK
+    lo = p0 - hi * BLOCK
+    d = 2 * half
+    for j in range(0, half, LANES):  # cos/sin of p0 at 16 pairs a vector, then every query head's pairs
+        m = half - j
+        ch, sh = vload_first(cos_hi, hi * half + j, m), vload_first(sin_hi, hi * half + j, m)
+        cl, sl = vgather(cos_lo, j * BLOCK + lo, BLOCK, m), vgather(sin_lo, j * BLOCK + lo, BLOCK, m)
+        c, s = vsub(vmul(ch, cl), vmul(sh, sl)), vadd(vmul(sh, cl), vmul(ch, sl))
+        for r in range(hq_all):
+            qx = vload_first(q, (b * hq_all + r) * d + j, m)
+            qy = vload_first(q, (b * hq_all + r) * d + half + j, m)
+            vstore_first(qr, r * d + j, vadd(vmul(qx, c), vmul(qy, s)), m)
+            vstore_first(qr, r * d + half + j, vsub(vmul(qy, c), vmul(qx, s)), m)
+    return True
 
 
 @njit(cache=True, inline="always")

@@ -12,9 +12,11 @@ Passes over one layer (KVQuant, Hooper et al., arXiv 2401.18079, Section 3.7):
 1. keys, one pass over the packed codes (`numba_keys.key_scores`): per block of
    64 tokens and KV head, each channel's codes are unpacked 16 tokens at a
    time, dequantized by a lookup in that channel's table LUT[c] = level *
-   scale[c] + zero[c], rotated (RoPE at each token's position) and dotted with
-   every query head of the GQA group in registers: a head's codes are read
-   once for all of its G query heads;
+   scale[c] + zero[c], rotated and dotted with every query head of the GQA
+   group in registers: a head's codes are read once for all of its G query
+   heads. RoPE at position p0 + u is split: the queries are turned back by the
+   block's first position p0 once per block, the keys turned by u < 64 from
+   fixed tables;
 2. key outliers (CSC), a load-balanced sparse pass (`numba_sparse`): each
    worker takes a range of tokens holding an equal share of the non-zeros, not
    of the tokens; an outlier replaces its element before RoPE, so it adds
@@ -27,6 +29,8 @@ Passes over one layer (KVQuant, Hooper et al., arXiv 2401.18079, Section 3.7):
    sum_t p_t (level[code] s_t + z_t) = sum_t (p_t s_t) level[code] + sum_t p_t z_t;
    value outliers (CSR, equal non-zeros per worker) and sinks add
    p_t (exact - stored); the sum is divided by sum_t p_t once, at the end.
+   The cache keeps the same number of value outliers in every slot; that pass
+   then runs 16 slots at a time in vector lanes (`value_outliers_fixed`).
 
 All passes run inside one compiled call (`_attend`): one dispatch from Python,
 and no multi-threaded torch op in between, so torch's thread pool and
@@ -45,10 +49,10 @@ from numba import njit
 
 from .api import CompressedKV, Outliers
 from .numba_keys import key_scores, row_max, sink_scores
-from .numba_sparse import key_outliers, value_outliers
+from .numba_sparse import key_outliers, value_outliers, value_outliers_fixed
 from .numba_values import planar_scale_zero, sink_values, value_sums
 from .rope import BLOCK, Rope, RopeTables, build_tables
-from .simd import LANES
+from .simd import LANES, vhsum, vload
 
 _NO_BIAS = np.zeros((0, 0), np.float32)
 _NO_OUTLIERS = (np.zeros(0, np.uint32), np.zeros(0, np.uint16), np.zeros(0, np.uint16))
@@ -123,6 +127,13 @@ def _sparse(s: Outliers | None):
     return _np(s.pointers.to(torch.int32)).view(np.uint32), _half_bits(s.channels), _half_bits(s.values)
 
 
+def _fixed(s: Outliers | None, slots: int) -> int:
+    """k when every one of the `slots` holds exactly k outliers (the vectorized value pass applies), else 0."""
+    if s is None or not s.fixed or s.nnz != slots * s.fixed:
+        return 0
+    return s.fixed
+
+
 @functools.cache
 def _channel_maps(heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
     """Head and offset in the head of every channel, uint32 [C] each (the sparse passes look them up)."""
@@ -138,16 +149,17 @@ def _starts(tokens: int, per_row: int, threads: int) -> np.ndarray:
 
 @njit(cache=True)
 def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo,
-            scaling, key_starts, value_starts, k_ptr, k_chan, k_val, v_ptr, v_chan, v_val, chan_head, chan_pos,
-            sink_k, sink_v, sink_slot, scale_zero, bias, workers, scores):
+            scaling, key_starts, value_starts, k_ptr, k_chan, k_val, v_ptr, v_chan, v_val, v_fixed, chan_head,
+            chan_pos, sink_k, sink_v, sink_slot, scale_zero, bias, threads, scores):
     """All passes in order, one dispatch from Python; returns float32 [B, Hq, D]. Arguments: see the passes;
+    v_fixed: the value outliers per slot when every slot holds that many (0: counts vary); threads: numba's;
     scores: float32 [B, Hq, T] scratch space (its contents on entry do not matter)."""
     bsz, hq, d = q.shape
     key_scores(q, k_codes, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, key_starts,
                scores)
     if k_ptr.shape[0]:
         key_outliers(q, k_codes, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling,
-                     k_ptr, k_chan, k_val, chan_head, chan_pos, workers, scores)
+                     k_ptr, k_chan, k_val, chan_head, chan_pos, 4 * threads, scores)
     has_sinks = (sink_slot >= 0).any()
     if has_sinks:
         sink_scores(q, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, sink_k, sink_slot, scores)
@@ -166,11 +178,20 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, c
             for i in range(items):  # work items in a fixed order
                 out[b, h * (hq // heads):(h + 1) * (hq // heads)] += partial[b, h, i]
                 total[b, h * (hq // heads):(h + 1) * (hq // heads)] += psum[b, h, i]
-    if v_ptr.shape[0]:
-        parts = np.zeros((workers, bsz, hq, d), np.float32)
+    if v_ptr.shape[0] and v_fixed:
+        lanes = np.zeros((threads, bsz, hq, d, LANES), np.float32)
+        value_outliers_fixed(scores, v_codes, vlut, v_bits, heads, sz, v_fixed, v_chan, v_val, chan_head, chan_pos,
+                             lanes)
+        for w in range(threads):  # parts, then lanes, in a fixed order
+            for b in range(bsz):
+                for hh in range(hq):
+                    for c in range(d):
+                        out[b, hh, c] += vhsum(vload(lanes[w, b, hh, c], 0))
+    elif v_ptr.shape[0]:
+        parts = np.zeros((4 * threads, bsz, hq, d), np.float32)
         value_outliers(scores, v_codes, vlut, v_bits, heads, scale_zero, v_ptr, v_chan, v_val, chan_head, chan_pos,
                        parts)
-        for w in range(workers):
+        for w in range(4 * threads):
             out += parts[w]
     if has_sinks:
         sink_values(scores, v_codes, vlut, v_bits, heads, scale_zero, v_ptr, v_chan, v_val, sink_v, sink_slot, out)
@@ -196,8 +217,8 @@ def decode_attention(q: torch.Tensor, kv: CompressedKV, rope: Rope, scaling: flo
         _np(q), _np(kv.k_codes).view(np.uint32), _np(kv.v_codes).view(np.uint32), klut, vlut, kv.k_bits, kv.v_bits, h, positions,
         tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling),
         _starts(t, bsz, threads), _starts(t, bsz * h, threads),
-        *(_sparse(kv.k_outliers) or _NO_OUTLIERS), *(_sparse(kv.v_outliers) or _NO_OUTLIERS), *_channel_maps(h, d),
+        *(_sparse(kv.k_outliers) or _NO_OUTLIERS), *(_sparse(kv.v_outliers) or _NO_OUTLIERS),
+        _fixed(kv.v_outliers, t * bsz), *_channel_maps(h, d),
         _half_bits(kv.sink_k), _half_bits(kv.sink_v), _np(kv.sink_slot), _half_bits(kv.v_scale_zero),
-        bias.astype(np.float32), 4 * threads,  # sparse workers: an equal share of non-zeros each
-        _scores_buffer((bsz, q.shape[1], t)))
+        bias.astype(np.float32), threads, _scores_buffer((bsz, q.shape[1], t)))
     return torch.from_numpy(out)

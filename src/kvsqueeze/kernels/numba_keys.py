@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .numba_common import ZERO, cos_sin_at, decode, gather_words, rope_block
+from .numba_common import ZERO, block_rotation, cos_sin_at, decode, gather_words
 from .rope import BLOCK
 from .simd import (
     LANES,
@@ -51,15 +51,19 @@ def key_scores(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo, s
         wb = np.empty((max_words, BLOCK), np.uint32)
         cs = np.empty((half, BLOCK), np.float32)
         sn = np.empty((half, BLOCK), np.float32)
+        qr = np.empty((1, hq_all, d), np.float32)
         for t0 in range(first, last, BLOCK):
             n = min(BLOCK, last - t0)
-            rope_block(positions, b, t0, n, cos_hi, sin_hi, cos_lo, sin_lo, cs, sn)
+            if block_rotation(q, b, positions, t0, n, cos_hi, sin_hi, cos_lo, sin_lo, qr, cs, sn):
+                qs, qb, ct, st = qr, 0, cos_lo, sin_lo  # queries turned back by the block's first position
+            else:
+                qs, qb, ct, st = q, b, cs, sn  # tables at each token's position
             for h in range(heads):
                 w0 = (h * d * bits) >> 5
                 gather_words(codes, b, t0, n, w0, (((h + 1) * d * bits - 1) >> 5) - w0 + 1, wb, BLOCK)
                 for gt in range(0, g_size, KEY_TILE):
-                    _dot_group(q, b, h * g_size + gt, min(KEY_TILE, g_size - gt), wb, w0, h * d, half, bits, klut,
-                               cs, sn, n, vscale, scores, ((b * hq_all) + h * g_size + gt) * n_tok + t0, n_tok)
+                    _dot_group(qs, qb, h * g_size + gt, min(KEY_TILE, g_size - gt), wb, w0, h * d, half, bits,
+                               klut, ct, st, n, vscale, scores, ((b * hq_all) + h * g_size + gt) * n_tok + t0, n_tok)
 
 
 @njit(cache=True, inline="always")

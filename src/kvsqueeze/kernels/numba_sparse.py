@@ -5,10 +5,14 @@ Work split: the slots (tokens of a row, slot n = t * B + b) are cut into
 so a worker's share is counted in outliers, not in tokens, and no slot is split
 between two workers. Within a range, slots and their outliers are walked in
 order (key outliers in one flat loop over the entries, see `key_outliers`),
-one outlier at a time in scalar code: an outlier touches a handful of
-scattered elements (a code, a LUT entry, four RoPE table entries, G scores), so
-16-lane gathers and scatters over slots cost more than they save, and lanes sit
-idle whenever slots hold unequal numbers of outliers.
+one outlier at a time in scalar code: key outlier counts differ from slot to
+slot, and two outliers of one slot and head add into the same scores.
+
+Value outliers as the cache keeps them have the same count k in every slot
+(`Outliers.fixed`): equal token ranges then hold equal numbers of non-zeros,
+and `value_outliers_fixed` takes 16 slots at a time, the i-th outlier of each
+in one vector lane, with one accumulator copy per lane so that no two lanes
+ever add into the same element.
 
 Replacement semantics, as the store reconstructs a cache: an outlier replaces
 its dequantized element, so it contributes (exact - dequantized):
@@ -22,7 +26,28 @@ import numpy as np
 from numba import njit, prange
 
 from .rope import BLOCK
-from .simd import f16
+from .simd import (
+    LANES,
+    f16,
+    uadd,
+    uand,
+    ulanes,
+    umin,
+    umul,
+    ushr,
+    vadd,
+    vfunnel,
+    vgather16,
+    vgather16_wide,
+    vhalf,
+    vindex,
+    vload,
+    vload_first,
+    vlookup,
+    vmul,
+    vscatter,
+    vsub,
+)
 
 
 @njit(cache=True)
@@ -175,3 +200,57 @@ def value_outliers(probs, codes, vlut, bits, heads, scale_zero, pointers, channe
                 ia, ip = row_acc + c_acc[c], row_p + c_p[c]
                 for g in range(ug):
                     acc[ia + g * ud] += p_flat[ip + g * ut] * delta
+
+
+@njit(parallel=True, cache=True)
+def value_outliers_fixed(probs, codes, vlut, bits, heads, sz, fixed, channels, values, chan_head, chan_pos,
+                         lanes):
+    """`value_outliers` for fixed-count rows (every slot holds `fixed` outliers: entries slot * fixed + i),
+    16 tokens at a time in vector lanes.
+
+    probs float32 [B, Hq, T]; codes uint32 [T, B, W]; vlut float32 [1, 16]; sz float32 [2, B, T] (the planar
+    scales and zero-points of `planar_scale_zero`); channels, values uint16 [T * B * fixed];
+    lanes float32 [parts, B, Hq, D, 16], zero on entry: part p adds its share into lanes[p], lane i for its
+    i-th token of every 16, so no two lanes of one scatter ever touch one element, whatever the channels.
+    Every part takes an equal range of tokens, hence an equal number of non-zeros. The caller sums the lanes.
+    """
+    n_tok, n_rows, n_words = codes.shape
+    parts, _, hq_all, d, _ = lanes.shape
+    n_chan, g_size = chan_head.shape[0], hq_all // heads
+    c_acc, c_p = np.empty(n_chan, np.uint32), np.empty(n_chan, np.uint32)  # offsets of (h * G, j) in lanes, probs
+    for c in range(n_chan):
+        c_acc[c] = (chan_head[c] * g_size * d + chan_pos[c]) * LANES
+        c_p[c] = chan_head[c] * g_size * n_tok
+    codes_flat, p_flat, sz_flat = codes.reshape(-1), probs.reshape(-1), sz.reshape(-1)
+    table = vload(vlut, 0)
+    last_word, nnz = codes_flat.shape[0] - 1, channels.shape[0]
+    lane = ulanes()
+    for part in prange(parts):
+        acc = lanes[part].reshape(-1)
+        t_lo, t_hi = n_tok * part // parts, n_tok * (part + 1) // parts
+        for b in range(n_rows):
+            acc_row, p_row = b * hq_all * d * LANES, b * hq_all * n_tok
+            for t0 in range(t_lo, t_hi, LANES):
+                n = min(LANES, t_hi - t0)
+                s = vload_first(sz_flat, b * n_tok + t0, n)  # zero past n: those lanes add p * 0
+                z = vload_first(sz_flat, (n_rows + b) * n_tok + t0, n)
+                w_base = (t0 * n_rows + b) * n_words  # word 0 of the first lane's slot
+                w_lane = umul(lane, n_rows * n_words)
+                hi_limit = min(last_word - w_base, 0xFFFFFFFF)  # a straddle read never leaves the array
+                for i in range(fixed):
+                    e0, step = (t0 * n_rows + b) * fixed + i, n_rows * fixed
+                    if e0 + (n - 1) * step + 1 < nnz:  # 32-bit loads: the entry after each lane's exists
+                        c, raw = vgather16_wide(channels, e0, step, n), vgather16_wide(values, e0, step, n)
+                    else:
+                        c, raw = vgather16(channels, e0, step, n), vgather16(values, e0, step, n)
+                    off = umul(c, bits)
+                    w = uadd(w_lane, ushr(off, 5))
+                    code = vfunnel(vindex(codes_flat, w_base, w, n),
+                                   vindex(codes_flat, w_base, umin(uadd(w, 1), hi_limit), n), uand(off, 31))
+                    delta = vsub(vhalf(raw), vadd(vmul(vlookup(table, code), s), z))
+                    ia = uadd(vindex(c_acc, 0, c, n), lane)
+                    ip = uadd(vindex(c_p, 0, c, n), lane)
+                    for g in range(g_size):
+                        p = vindex(p_flat, p_row + g * n_tok + t0, ip, n)
+                        a = vindex(acc, acc_row + g * d * LANES, ia, n)
+                        vscatter(acc, acc_row + g * d * LANES, ia, vadd(a, vmul(p, delta)), n)

@@ -129,25 +129,110 @@ def vload_first(typingctx, arr, index, valid):
 
 @intrinsic
 def vgather(typingctx, arr, index, stride, valid):
-    """Lanes arr.flat[index + i * stride] for i < valid, zero for the others (uint32 array)."""
+    """Lanes arr.flat[index + i * stride] for i < valid, zero for the others (float32 or uint32 array;
+    15 * stride below 2**31)."""
     vt, ll = _vec_of(getattr(arr, "dtype", None))
     if vt is None or not _is_c_array(arr):
         return None
 
     def codegen(context, builder, sig, args):
-        i64 = ir.IntType(64)
-        vi64 = ir.VectorType(i64, LANES)
-        data = context.make_array(sig.args[0])(context, builder, args[0]).data
-        base = builder.ptrtoint(builder.gep(data, [args[1]]), i64)
-        step = builder.mul(context.cast(builder, args[2], sig.args[2], types.int64), ir.Constant(i64, 4))
-        offsets = builder.mul(ir.Constant(vi64, list(range(LANES))), _splat(builder, step, vi64))
-        ptrs = builder.inttoptr(builder.add(_splat(builder, base, vi64), offsets), ir.VectorType(data.type, LANES))
+        ptrs = _strided_pointers(context, builder, sig.args[0], args[0], args[1], args[2], sig.args[2], 4)
         fn = cgutils.get_or_insert_function(
             builder.module, ir.FunctionType(ll, [ptrs.type, _I32, _VB, ll]),
             f"llvm.masked.gather.v16{'f32' if ll is _VF else 'i32'}.v16p0")
         return builder.call(fn, [ptrs, ir.Constant(_I32, 4), _lane_mask(builder, args[3]), ir.Constant(ll, None)])
 
     return vt(arr, index, stride, valid), codegen
+
+
+def _lane_pointers(context, builder, aryty, ary, base, offsets, elem):
+    """Pointers to arr.flat[base + offsets[i]] (base: a scalar integer; offsets: int32 lanes, below 2**31),
+    as <16 x ptr>. Offsets enter sign-extended from 32 bits, the form x86 gathers take as 32-bit indices
+    (one 16-lane `vpgatherdd` rather than two 8-lane gathers with 64-bit addresses)."""
+    i64 = ir.IntType(64)
+    vi64 = ir.VectorType(i64, LANES)
+    data = context.make_array(aryty)(context, builder, ary).data
+    start = builder.ptrtoint(builder.gep(data, [base]), i64)
+    step = builder.mul(builder.sext(offsets, vi64), _splat(builder, ir.Constant(i64, elem), vi64))
+    return builder.inttoptr(builder.add(_splat(builder, start, vi64), step), ir.VectorType(data.type, LANES))
+
+
+def _strided_pointers(context, builder, aryty, ary, base, stride, stride_type, elem):
+    """Pointers to arr.flat[base + i * stride], i = 0..15 (15 * stride below 2**31)."""
+    step = _splat(builder, _to_i32(builder, context.cast(builder, stride, stride_type, types.int64)), _VI)
+    return _lane_pointers(context, builder, aryty, ary, base, builder.mul(ir.Constant(_VI, list(range(LANES))), step),
+                          elem)
+
+
+@intrinsic
+def vgather16(typingctx, arr, index, stride, valid):
+    """Lanes arr.flat[index + i * stride] of a uint16 array, zero-extended, for i < valid (zero for the others)."""
+    if not _is_c_array(arr) or arr.dtype != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        vi16 = ir.VectorType(ir.IntType(16), LANES)
+        ptrs = _strided_pointers(context, builder, sig.args[0], args[0], args[1], args[2], sig.args[2], 2)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(vi16, [ptrs.type, _I32, _VB, vi16]), "llvm.masked.gather.v16i16.v16p0")
+        got = builder.call(fn, [ptrs, ir.Constant(_I32, 2), _lane_mask(builder, args[3]), ir.Constant(vi16, None)])
+        return builder.zext(got, _VI)
+
+    return u32x16(arr, index, stride, valid), codegen
+
+
+@intrinsic
+def vgather16_wide(typingctx, arr, index, stride, valid):
+    """`vgather16` by 32-bit loads: each valid lane reads its element and the next one, so element
+    index + i * stride + 1 must exist for every i < valid (callers take their last lanes through `vgather16`)."""
+    if not _is_c_array(arr) or arr.dtype != types.uint16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptrs = _strided_pointers(context, builder, sig.args[0], args[0], args[1], args[2], sig.args[2], 2)
+        ptrs = builder.bitcast(ptrs, ir.VectorType(_I32.as_pointer(), LANES))
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(_VI, [ptrs.type, _I32, _VB, _VI]), "llvm.masked.gather.v16i32.v16p0")
+        got = builder.call(fn, [ptrs, ir.Constant(_I32, 2), _lane_mask(builder, args[3]), ir.Constant(_VI, None)])
+        return builder.and_(got, ir.Constant(_VI, [0xFFFF] * LANES))
+
+    return u32x16(arr, index, stride, valid), codegen
+
+
+@intrinsic
+def vindex(typingctx, arr, base, offsets, valid):
+    """Lanes arr.flat[base + offsets[i]] for i < valid, zero for the others (float32 or uint32 array; offsets:
+    uint32 lanes below 2**31)."""
+    vt, ll = _vec_of(getattr(arr, "dtype", None))
+    if vt is None or not _is_c_array(arr) or offsets != u32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptrs = _lane_pointers(context, builder, sig.args[0], args[0], args[1], args[2], 4)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ll, [ptrs.type, _I32, _VB, ll]),
+            f"llvm.masked.gather.v16{'f32' if ll is _VF else 'i32'}.v16p0")
+        return builder.call(fn, [ptrs, ir.Constant(_I32, 4), _lane_mask(builder, args[3]), ir.Constant(ll, None)])
+
+    return vt(arr, base, offsets, valid), codegen
+
+
+@intrinsic
+def vscatter(typingctx, arr, base, offsets, value, valid):
+    """arr.flat[base + offsets[i]] = value[i] for i < valid (float32 array; offsets below 2**31). Lanes must
+    not share an element: which of two colliding lanes lands is not specified."""
+    if not _is_c_array(arr) or arr.dtype != types.float32 or offsets != u32x16 or value != f32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        ptrs = _lane_pointers(context, builder, sig.args[0], args[0], args[1], args[2], 4)
+        fn = cgutils.get_or_insert_function(
+            builder.module, ir.FunctionType(ir.VoidType(), [_VF, ptrs.type, _I32, _VB]),
+            "llvm.masked.scatter.v16f32.v16p0")
+        builder.call(fn, [args[3], ptrs, ir.Constant(_I32, 4), _lane_mask(builder, args[4])])
+        return context.get_dummy_value()
+
+    return types.void(arr, base, offsets, value, valid), codegen
 
 
 @intrinsic
@@ -323,18 +408,70 @@ def f16(typingctx, bits16):
     return types.float32(bits16), codegen
 
 
+@intrinsic
+def vhalf(typingctx, bits):
+    """The float32 values of IEEE halves given by the low 16 bits of each lane; exact."""
+    if bits != u32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        halves = builder.bitcast(builder.trunc(args[0], ir.VectorType(ir.IntType(16), LANES)),
+                                 ir.VectorType(ir.HalfType(), LANES))
+        return builder.fpext(halves, _VF)
+
+    return f32x16(bits), codegen
+
+
+# ---- integer lanes -------------------------------------------------------------------------------
+@intrinsic
+def ulanes(typingctx):
+    """The lane numbers 0, 1, ..., 15 (uint32)."""
+
+    def codegen(context, builder, sig, args):
+        return ir.Constant(_VI, list(range(LANES)))
+
+    return u32x16(), codegen
+
+
+def _uint_op(name: str, doc: str):
+    @intrinsic
+    def op(typingctx, a, b):
+        if a != u32x16 or not (b == u32x16 or isinstance(b, types.Integer)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            x, y = args
+            if sig.args[1] != u32x16:
+                y = _splat(builder, _to_i32(builder, y), _VI)
+            if name == "umin":
+                return builder.select(builder.icmp_unsigned("<", x, y), x, y)
+            return getattr(builder, name)(x, y)
+
+        return u32x16(a, b), codegen
+
+    op.__doc__ = f"Lane-wise uint32 {doc} (b: lanes, or an integer for every lane; arithmetic modulo 2**32)."
+    return op
+
+
+uadd = _uint_op("add", "a + b")
+umul = _uint_op("mul", "a * b")
+ushr = _uint_op("lshr", "a >> b (b < 32)")
+uand = _uint_op("and_", "a & b")
+umin = _uint_op("umin", "minimum")
+
+
 # ---- codes ---------------------------------------------------------------------------------------
 @intrinsic
 def vfunnel(typingctx, lo, hi, shift):
-    """The 32 bits of (hi:lo) starting at bit `shift` (0 <= shift < 32) per lane: `llvm.fshr`, one `vpshrdvd`
-    where AVX512-VBMI2 exists. The code at bit `shift` of lo, straddling into hi or not, lands in the low bits."""
-    if lo != u32x16 or hi != u32x16:
+    """The 32 bits of (hi:lo) starting at bit `shift` (0 <= shift < 32; one for all lanes, or uint32 lanes) per
+    lane: `llvm.fshr`, one `vpshrdvd` where AVX512-VBMI2 exists. The code at bit `shift` of lo, straddling into hi or not, lands in the low bits."""
+    if lo != u32x16 or hi != u32x16 or not (shift == u32x16 or isinstance(shift, types.Integer)):
         return None
 
     def codegen(context, builder, sig, args):
         lo, hi, sh = args
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VI, [_VI, _VI, _VI]), "llvm.fshr.v16i32")
-        return builder.call(fn, [hi, lo, _splat(builder, _to_i32(builder, sh), _VI)])
+        return builder.call(fn, [hi, lo, sh if sig.args[2] == u32x16 else _splat(builder, _to_i32(builder, sh), _VI)])
 
     return u32x16(lo, hi, shift), codegen
 
