@@ -62,7 +62,7 @@ def passes(method: str, tokens: int, recipe, heads: int, kv_heads: int, head_dim
     chans = nc._channel_maps(h, d)
     threads = numba.get_num_threads()
     workers = 4 * threads
-    ks, vs = nc._starts(tokens, 1, threads), nc._starts(tokens, h, threads)
+    ks = vs = nc._starts(tokens, 1, threads)
     scores = np.empty((1, hq, tokens), np.float32)
     m = np.empty((1, hq), np.float32)
     partial = np.empty((1, h, vs.shape[0] - 1, hq // h, d), np.float32)

@@ -142,21 +142,21 @@ def _channel_maps(heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _starts(tokens: int, per_row: int, threads: int) -> np.ndarray:
-    """Token ranges [items + 1] of the dense passes: enough work items to keep every thread busy."""
+    """Token ranges [items + 1] of the dense passes' work items (each covers every KV head of one row):
+    enough items to keep every thread busy."""
     items = max(1, min(-(-8 * threads // per_row), -(-tokens // BLOCK)))
     return np.array([tokens * i // items for i in range(items + 1)], np.int64)
 
 
 @njit(cache=True)
 def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo,
-            scaling, key_starts, value_starts, k_ptr, k_chan, k_val, v_ptr, v_chan, v_val, v_fixed, chan_head,
+            scaling, starts, k_ptr, k_chan, k_val, v_ptr, v_chan, v_val, v_fixed, chan_head,
             chan_pos, sink_k, sink_v, sink_slot, scale_zero, bias, threads, scores):
     """All passes in order, one dispatch from Python; returns float32 [B, Hq, D]. Arguments: see the passes;
     v_fixed: the value outliers per slot when every slot holds that many (0: counts vary); threads: numba's;
     scores: float32 [B, Hq, T] scratch space (its contents on entry do not matter)."""
     bsz, hq, d = q.shape
-    key_scores(q, k_codes, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, key_starts,
-               scores)
+    key_scores(q, k_codes, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, starts, scores)
     if k_ptr.shape[0]:
         key_outliers(q, k_codes, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling,
                      k_ptr, k_chan, k_val, chan_head, chan_pos, 4 * threads, scores)
@@ -165,12 +165,12 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, c
         sink_scores(q, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, sink_k, sink_slot, scores)
     m = np.empty((bsz, hq), np.float32)
     row_max(scores, bias, m)
-    items = value_starts.shape[0] - 1
+    items = starts.shape[0] - 1
     partial = np.empty((bsz, heads, items, hq // heads, d), np.float32)
     psum = np.empty((bsz, heads, items, hq // heads), np.float32)
     sz = np.empty((2, bsz, scores.shape[2]), np.float32)
     planar_scale_zero(scale_zero, sz)
-    value_sums(scores, m, v_codes, vlut, v_bits, heads, sz, value_starts, partial, psum)  # scores: exp
+    value_sums(scores, m, v_codes, vlut, v_bits, heads, sz, starts, partial, psum)  # scores: exp
     out = np.zeros((bsz, hq, d), np.float32)
     total = np.zeros((bsz, hq), np.float32)
     for b in range(bsz):
@@ -216,7 +216,7 @@ def decode_attention(q: torch.Tensor, kv: CompressedKV, rope: Rope, scaling: flo
     out = _attend(
         _np(q), _np(kv.k_codes).view(np.uint32), _np(kv.v_codes).view(np.uint32), klut, vlut, kv.k_bits, kv.v_bits, h, positions,
         tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling),
-        _starts(t, bsz, threads), _starts(t, bsz * h, threads),
+        _starts(t, bsz, threads),
         *(_sparse(kv.k_outliers) or _NO_OUTLIERS), *(_sparse(kv.v_outliers) or _NO_OUTLIERS),
         _fixed(kv.v_outliers, t * bsz), *_channel_maps(h, d),
         _half_bits(kv.sink_k), _half_bits(kv.sink_v), _np(kv.sink_slot), _half_bits(kv.v_scale_zero),

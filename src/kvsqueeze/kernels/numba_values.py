@@ -34,8 +34,10 @@ def value_sums(scores, m, codes, vlut, bits, heads, sz, starts, partial, psum):
     """partial[b, h, item, g, :] = sum over the item's tokens of p_t * dequantized value, values read packed,
     with the unnormalized softmax weights p_t = exp(score_t - m[b, hq]); psum[b, h, item, g] = sum of p_t.
 
-    The exponentials are taken here, span by span, and written back over the scores for the sparse and sink
-    passes; the caller divides by the total of psum at the end. A value is level[code] * s_t + z_t;
+    A work item is a range of tokens of one row, all KV heads: the span's words are read from memory for
+    the first head and are still in cache for the others (a token's codes for every head share its cache
+    lines). The exponentials are taken here, span by span, and written back over the scores for the sparse
+    and sink passes; the caller divides by the total of psum at the end. A value is level[code] * s_t + z_t;
     sum_t p_t v_t is accumulated as sum_t (p_t s_t) level[code] + sum_t p_t z_t.
 
     Args:
@@ -51,45 +53,45 @@ def value_sums(scores, m, codes, vlut, bits, heads, sz, starts, partial, psum):
     g_size = hq_all // heads
     d, n_items = partial.shape[4], partial.shape[2]
     max_words = ((d * bits + 31) >> 5) + 2  # a head's words, and one more that `decode` reads
-    for item in prange(n_rows * heads * n_items):
-        b = item // (heads * n_items)
-        h = (item // n_items) % heads
-        ck = item % n_items
+    for item in prange(n_rows * n_items):
+        b, ck = item // n_items, item % n_items
         first, last = starts[ck], starts[ck + 1]
         s_row, z_row = b * n_tok, (n_rows + b) * n_tok  # flat offsets of sz[0, b, 0] and sz[1, b, 0]
-        w0 = (h * d * bits) >> 5
-        nw = (((h + 1) * d * bits - 1) >> 5) - w0 + 1
         wb = np.empty((max_words, SPAN), np.uint32)
         weights = np.empty((g_size, SPAN), np.float32)  # probs * s_t
-        acc = np.zeros((g_size, d, LANES), np.float32)
-        zacc = np.zeros((g_size, LANES), np.float32)  # p_t * z_t
-        tacc = np.zeros((g_size, LANES), np.float32)  # p_t
+        acc = np.zeros((heads, g_size, d, LANES), np.float32)
+        zacc = np.zeros((heads, g_size, LANES), np.float32)  # p_t * z_t
+        tacc = np.zeros((heads, g_size, LANES), np.float32)  # p_t
         live = np.empty(SPAN, np.float32)  # 1 for the span's tokens, 0 past its end
         for t0 in range(first, last, SPAN):
             n = min(SPAN, last - t0)
             width = (n + LANES - 1) // LANES * LANES
-            gather_words(codes, b, t0, n, w0, nw, wb, SPAN)
             live[:n] = ONE  # lanes past the end get weight 0 (vload_first reads their scales as 0 too)
             live[n:width] = ZERO
+            for h in range(heads):
+                w0 = (h * d * bits) >> 5
+                nw = (((h + 1) * d * bits - 1) >> 5) - w0 + 1
+                gather_words(codes, b, t0, n, w0, nw, wb, SPAN)
+                for g in range(g_size):
+                    row = (b * hq_all + h * g_size + g) * n_tok + t0
+                    mv = vsplat(m[b, h * g_size + g])
+                    za, ta = vload(zacc, (h * g_size + g) * LANES), vload(tacc, (h * g_size + g) * LANES)
+                    for k in range(0, width, LANES):
+                        p = vmul(vexp(vsub(vload_first(probs, row + k, n - k), mv)), vload(live, k))
+                        vstore_first(probs, row + k, p, n - k)
+                        vstore(weights, g * SPAN + k, vmul(p, vload_first(sz, s_row + t0 + k, n - k)))
+                        za = vfma(p, vload_first(sz, z_row + t0 + k, n - k), za)
+                        ta = vadd(ta, p)
+                    vstore(zacc, (h * g_size + g) * LANES, za)
+                    vstore(tacc, (h * g_size + g) * LANES, ta)
+                for gt in range(0, g_size, TILE):
+                    _accumulate(wb, w0, h * d, d, bits, vlut, weights, gt, min(TILE, g_size - gt), width, acc[h])
+        for h in range(heads):
             for g in range(g_size):
-                row = (b * hq_all + h * g_size + g) * n_tok + t0
-                mv = vsplat(m[b, h * g_size + g])
-                za, ta = vload(zacc, g * LANES), vload(tacc, g * LANES)
-                for k in range(0, width, LANES):
-                    p = vmul(vexp(vsub(vload_first(probs, row + k, n - k), mv)), vload(live, k))
-                    vstore_first(probs, row + k, p, n - k)
-                    vstore(weights, g * SPAN + k, vmul(p, vload_first(sz, s_row + t0 + k, n - k)))
-                    za = vfma(p, vload_first(sz, z_row + t0 + k, n - k), za)
-                    ta = vadd(ta, p)
-                vstore(zacc, g * LANES, za)
-                vstore(tacc, g * LANES, ta)
-            for gt in range(0, g_size, TILE):
-                _accumulate(wb, w0, h * d, d, bits, vlut, weights, gt, min(TILE, g_size - gt), width, acc)
-        for g in range(g_size):
-            psum[b, h, ck, g] = vhsum(vload(tacc, g * LANES))
-            zsum = vhsum(vload(zacc, g * LANES))
-            for c in range(d):
-                partial[b, h, ck, g, c] = vhsum(vload(acc, (g * d + c) * LANES)) + zsum
+                psum[b, h, ck, g] = vhsum(vload(tacc, (h * g_size + g) * LANES))
+                zsum = vhsum(vload(zacc, (h * g_size + g) * LANES))
+                for c in range(d):
+                    partial[b, h, ck, g, c] = vhsum(vload(acc, ((h * g_size + g) * d + c) * LANES)) + zsum
 
 
 @njit(parallel=True, cache=True)
