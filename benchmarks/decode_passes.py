@@ -28,7 +28,7 @@ from decode import DEFAULT_RECIPE, fill_store, machine, prepare, quantizers
 from kvsqueeze.kernels import CompressedKV, Rope, decode_attention
 from kvsqueeze.kernels import numba_cpu as nc
 from kvsqueeze.kernels.numba_keys import key_scores, row_max
-from kvsqueeze.kernels.numba_sparse import key_outliers, value_outliers
+from kvsqueeze.kernels.numba_sparse import key_outliers, value_outliers, value_outliers_fixed
 from kvsqueeze.kernels.numba_values import planar_scale_zero, value_sums
 from kvsqueeze.methods import parse_method
 
@@ -80,9 +80,15 @@ def passes(method: str, tokens: int, recipe, heads: int, kv_heads: int, head_dim
         probs, m, vc, vlut, kv.v_bits, h, planar, vs, partial, psum), repeats)
     if kv.v_outliers is not None and kv.v_outliers.nnz:
         v_sparse = nc._sparse(kv.v_outliers)
-        parts = np.zeros((workers, 1, hq, d), np.float32)
-        out["value outliers"] = _median_ms(lambda: value_outliers(
-            probs, vc, vlut, kv.v_bits, h, sz, *v_sparse, *chans, parts), repeats)
+        fixed = nc._fixed(kv.v_outliers, tokens)
+        if fixed:  # as the call runs them: 16 slots at a time in vector lanes
+            lanes = np.zeros((threads, 1, hq, d, 16), np.float32)
+            out["value outliers"] = _median_ms(lambda: value_outliers_fixed(
+                probs, vc, vlut, kv.v_bits, h, planar, fixed, *v_sparse[1:], *chans, lanes), repeats)
+        else:
+            parts = np.zeros((workers, 1, hq, d), np.float32)
+            out["value outliers"] = _median_ms(lambda: value_outliers(
+                probs, vc, vlut, kv.v_bits, h, sz, *v_sparse, *chans, parts), repeats)
     qd, k, v = q.view(1, hq, 1, d), torch.randn(1, h, tokens, d), torch.randn(1, h, tokens, d)
     out["dense fp32 SDPA"] = _median_ms(
         lambda: F.scaled_dot_product_attention(qd, k, v, scale=scaling, enable_gqa=True), repeats)

@@ -28,7 +28,6 @@ from .simd import (
     vload_first,
     vlookup,
     vmul,
-    vsplat,
     vstore,
     vstore_first,
     vsub,

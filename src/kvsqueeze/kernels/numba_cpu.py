@@ -213,12 +213,18 @@ def decode_attention(q: torch.Tensor, kv: CompressedKV, rope: Rope, scaling: flo
     klut, vlut = _luts(kv)
     threads = numba.get_num_threads()
     bias = _NO_BIAS if key_mask is None else np.where(_np(key_mask), np.float32(0), np.float32(-np.inf))
-    out = _attend(
-        _np(q), _np(kv.k_codes).view(np.uint32), _np(kv.v_codes).view(np.uint32), klut, vlut, kv.k_bits, kv.v_bits, h, positions,
-        tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling),
-        _starts(t, bsz, threads),
+    args = (
+        _np(q), _np(kv.k_codes).view(np.uint32), _np(kv.v_codes).view(np.uint32), klut, vlut, kv.k_bits, kv.v_bits,
+        h, positions, tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling), _starts(t, bsz, threads),
         *(_sparse(kv.k_outliers) or _NO_OUTLIERS), *(_sparse(kv.v_outliers) or _NO_OUTLIERS),
         _fixed(kv.v_outliers, t * bsz), *_channel_maps(h, d),
         _half_bits(kv.sink_k), _half_bits(kv.sink_v), _np(kv.sink_slot), _half_bits(kv.v_scale_zero),
         bias.astype(np.float32), threads, _scores_buffer((bsz, q.shape[1], t)))
+    # work items are handed out one at a time: a thread that starts late (woken from sleep after other work,
+    # such as torch's, ran on the machine) leaves its items to the others instead of holding up the pass
+    chunk = numba.set_parallel_chunksize(1)
+    try:
+        out = _attend(*args)
+    finally:
+        numba.set_parallel_chunksize(chunk)
     return torch.from_numpy(out)
