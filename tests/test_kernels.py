@@ -271,3 +271,18 @@ def test_fused_decode_needs_a_compressed_cache(tiny_llama, tiny_recipe):
     with pytest.raises(ValueError, match="unknown backend"):
         enable_fused_decode(tiny_llama, kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq3-1%"), "gpu-magic")
     assert tiny_llama.config._attn_implementation == "sdpa"
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_backend_refuses_more_scores_than_it_addresses(backend):
+    """2**31 scores in one call (rows x query heads x tokens) would overflow the kernel's 32-bit lane offsets:
+    a clear error naming the way out, before anything is read (the long tensors are stride-0 views)."""
+    store = make_store(2, 1, 1, 64, 3, 0.0, 0)
+    kv = CompressedKV.from_store(store, positions_for(2, 1), 1, 64)
+    tokens = (1 << 31) // 8 + 1
+    long = {name: getattr(kv, name)[:1].expand(tokens, *getattr(kv, name).shape[1:])
+            for name in ("k_codes", "v_codes", "v_scale_zero", "positions")}
+    kv = dataclasses.replace(kv, **long)
+    q = torch.randn(1, 8, 64)
+    with pytest.raises(ValueError, match=r"2\*\*31 scores.*backend='reference'"):
+        decode_attention(q, kv, Rope.default(64), 0.125, backend=backend)

@@ -206,6 +206,9 @@ def decode_attention(q: torch.Tensor, kv: CompressedKV, rope: Rope, scaling: flo
     """See `kvsqueeze.kernels.decode_attention`; q float32 [B, Hq, D] on the CPU -> float32 [B, Hq, D]."""
     bsz, _, d = q.shape
     t, h = kv.tokens, kv.heads
+    if bsz * q.shape[1] * t >= 1 << 31:  # vector lanes address the scores with 32-bit offsets
+        raise ValueError(f"{bsz} rows x {q.shape[1]} query heads x {t} tokens is 2**31 scores or more, past what the "
+                         "numba backend addresses in one call; use backend='reference' or a shorter cache")
     positions = _np(kv.positions)
     if positions.min() < 0:
         raise ValueError(f"RoPE positions must be >= 0, got {positions.min()}")
