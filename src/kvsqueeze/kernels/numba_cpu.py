@@ -83,12 +83,15 @@ def _tables(rope: Rope, max_position: int) -> RopeTables:
 
 
 def _np(x: torch.Tensor) -> np.ndarray:
-    return x.detach().contiguous().numpy()
+    """A C-contiguous numpy view of x (a copy only where x is not contiguous)."""
+    if x.requires_grad:
+        x = x.detach()
+    return (x if x.is_contiguous() else x.contiguous()).numpy()
 
 
 def _half_bits(x: torch.Tensor) -> np.ndarray:
     """fp16 (or int16) tensor -> its 16-bit patterns, uint16 (numba has no float16; kernels read them with `f16`)."""
-    return _np(x.view(torch.int16)).view(np.uint16)
+    return _np(x).view(np.uint16)
 
 
 def _padded(table: torch.Tensor) -> np.ndarray:
