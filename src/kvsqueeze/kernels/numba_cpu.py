@@ -58,16 +58,17 @@ _NO_BIAS = np.zeros((0, 0), np.float32)
 _NO_OUTLIERS = (np.zeros(0, np.uint32), np.zeros(0, np.uint16), np.zeros(0, np.uint16))
 _TABLES: dict[tuple, RopeTables] = {}
 _LUTS: dict[tuple, tuple] = {}  # ids of a layer's quantizer tensors -> (the tensors, their versions, the tables)
-_SCRATCH = threading.local()  # per thread: a float32 buffer the scores of a call live in
+_SCRATCH = threading.local()  # per thread: float32 buffers a call's scores and value scales live in
 
 
-def _scores_buffer(shape: tuple[int, int, int]) -> np.ndarray:
+def _scratch(name: str, shape: tuple[int, ...]) -> np.ndarray:
     """A float32 array of `shape` in a buffer kept between calls (grown by half again when too small): a fresh
-    megabyte-sized array per decode step would be mapped and page-faulted in anew every time."""
-    need = shape[0] * shape[1] * shape[2]
-    buf = getattr(_SCRATCH, "buf", None)
+    array of a megabyte per decode step would be mapped and page-faulted in anew every time."""
+    need = int(np.prod(shape))
+    buf = getattr(_SCRATCH, name, None)
     if buf is None or buf.size < need:
-        buf = _SCRATCH.buf = np.empty(max(need, need * 3 // 2 if buf is not None else need), np.float32)
+        buf = np.empty(max(need, need * 3 // 2 if buf is not None else need), np.float32)
+        setattr(_SCRATCH, name, buf)
     return buf[:need].reshape(shape)
 
 
@@ -154,10 +155,10 @@ def _starts(tokens: int, per_row: int, threads: int) -> np.ndarray:
 @njit(cache=True)
 def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo,
             scaling, starts, k_ptr, k_chan, k_val, v_ptr, v_chan, v_val, v_fixed, chan_head,
-            chan_pos, sink_k, sink_v, sink_slot, scale_zero, bias, threads, scores):
+            chan_pos, sink_k, sink_v, sink_slot, scale_zero, bias, threads, scores, sz):
     """All passes in order, one dispatch from Python; returns float32 [B, Hq, D]. Arguments: see the passes;
     v_fixed: the value outliers per slot when every slot holds that many (0: counts vary); threads: numba's;
-    scores: float32 [B, Hq, T] scratch space (its contents on entry do not matter)."""
+    scores float32 [B, Hq, T], sz float32 [2, B, T]: scratch space (their contents on entry do not matter)."""
     bsz, hq, d = q.shape
     key_scores(q, k_codes, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, starts, scores)
     if k_ptr.shape[0]:
@@ -171,7 +172,6 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, c
     items = starts.shape[0] - 1
     partial = np.empty((bsz, heads, items, hq // heads, d), np.float32)
     psum = np.empty((bsz, heads, items, hq // heads), np.float32)
-    sz = np.empty((2, bsz, scores.shape[2]), np.float32)
     planar_scale_zero(scale_zero, sz)
     value_sums(scores, m, v_codes, vlut, v_bits, heads, sz, starts, partial, psum)  # scores: exp
     out = np.zeros((bsz, hq, d), np.float32)
@@ -225,7 +225,7 @@ def decode_attention(q: torch.Tensor, kv: CompressedKV, rope: Rope, scaling: flo
         *(_sparse(kv.k_outliers) or _NO_OUTLIERS), *(_sparse(kv.v_outliers) or _NO_OUTLIERS),
         _fixed(kv.v_outliers, t * bsz), *_channel_maps(h, d),
         _half_bits(kv.sink_k), _half_bits(kv.sink_v), _np(kv.sink_slot), _half_bits(kv.v_scale_zero),
-        bias.astype(np.float32), threads, _scores_buffer((bsz, q.shape[1], t)))
+        bias.astype(np.float32), threads, _scratch("scores", (bsz, q.shape[1], t)), _scratch("sz", (2, bsz, t)))
     # work items are handed out one at a time: a thread that starts late (woken from sleep after other work,
     # such as torch's, ran on the machine) leaves its items to the others instead of holding up the pass
     chunk = numba.set_parallel_chunksize(1)
