@@ -29,7 +29,7 @@ from kvsqueeze.kernels import CompressedKV, Rope, decode_attention
 from kvsqueeze.kernels import numba_cpu as nc
 from kvsqueeze.kernels.numba_keys import key_scores, row_max
 from kvsqueeze.kernels.numba_sparse import key_outliers, value_outliers, value_outliers_fixed
-from kvsqueeze.kernels.numba_values import planar_scale_zero, value_sums
+from kvsqueeze.kernels.numba_values import value_sums
 from kvsqueeze.methods import parse_method
 
 
@@ -74,10 +74,9 @@ def passes(method: str, tokens: int, recipe, heads: int, kv_heads: int, head_dim
             qn, kc, klut, kv.k_bits, h, *rope_args, *k_sparse, *chans, workers, scores), repeats)
     out["row maxima"] = _median_ms(lambda: row_max(scores, nc._NO_BIAS, m), repeats)
     planar = np.empty((2, 1, tokens), np.float32)
-    out["scales to float32"] = _median_ms(lambda: planar_scale_zero(sz, planar), repeats)
     probs = scores.copy()
     out["values and softmax"] = _median_ms(lambda: value_sums(
-        probs, m, vc, vlut, kv.v_bits, h, planar, vs, partial, psum), repeats)
+        probs, m, vc, vlut, kv.v_bits, h, sz, planar, vs, partial, psum), repeats)
     if kv.v_outliers is not None and kv.v_outliers.nnz:
         v_sparse = nc._sparse(kv.v_outliers)
         fixed = nc._fixed(kv.v_outliers, tokens)

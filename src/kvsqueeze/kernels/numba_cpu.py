@@ -50,7 +50,7 @@ from numba import njit
 from .api import CompressedKV, Outliers
 from .numba_keys import key_scores, row_max, sink_scores
 from .numba_sparse import key_outliers, value_outliers, value_outliers_fixed
-from .numba_values import planar_scale_zero, sink_values, value_sums
+from .numba_values import sink_values, value_sums
 from .rope import BLOCK, Rope, RopeTables, build_tables
 from .simd import LANES, vhsum, vload
 
@@ -172,8 +172,7 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, c
     items = starts.shape[0] - 1
     partial = np.empty((bsz, heads, items, hq // heads, d), np.float32)
     psum = np.empty((bsz, heads, items, hq // heads), np.float32)
-    planar_scale_zero(scale_zero, sz)
-    value_sums(scores, m, v_codes, vlut, v_bits, heads, sz, starts, partial, psum)  # scores: exp
+    value_sums(scores, m, v_codes, vlut, v_bits, heads, scale_zero, sz, starts, partial, psum)  # scores: exp
     out = np.zeros((bsz, hq, d), np.float32)
     total = np.zeros((bsz, hq), np.float32)
     for b in range(bsz):

@@ -209,7 +209,7 @@ def value_outliers_fixed(probs, codes, vlut, bits, heads, sz, fixed, channels, v
     16 tokens at a time in vector lanes.
 
     probs float32 [B, Hq, T]; codes uint32 [T, B, W]; vlut float32 [1, 16]; sz float32 [2, B, T] (the planar
-    scales and zero-points of `planar_scale_zero`); channels, values uint16 [T * B * fixed];
+    scales and zero-points `value_sums` wrote); channels, values uint16 [T * B * fixed];
     lanes float32 [parts, B, Hq, D, 16], zero on entry: part p adds its share into lanes[p], lane i for its
     i-th token of every 16, so no two lanes of one scatter ever touch one element, whatever the channels.
     Every part takes an equal range of tokens, hence an equal number of non-zeros. The caller sums the lanes.

@@ -30,7 +30,7 @@ ONE = np.float32(1.0)
 
 # ---- values ------------------------------------------------------------------------------------
 @njit(parallel=True, cache=True)
-def value_sums(scores, m, codes, vlut, bits, heads, sz, starts, partial, psum):
+def value_sums(scores, m, codes, vlut, bits, heads, scale_zero, sz, starts, partial, psum):
     """partial[b, h, item, g, :] = sum over the item's tokens of p_t * dequantized value, values read packed,
     with the unnormalized softmax weights p_t = exp(score_t - m[b, hq]); psum[b, h, item, g] = sum of p_t.
 
@@ -43,8 +43,10 @@ def value_sums(scores, m, codes, vlut, bits, heads, sz, starts, partial, psum):
     Args:
         scores: float32 [B, Hq, T], scaled and masked (-inf) scores; read, then overwritten with p_t.
         m: float32 [B, Hq], the row maxima; codes: uint32 [T, B, W]; vlut: float32 [1, 16] (levels, repeated).
-        sz: float32 [2, B, T], the per-token scales and zero-points (`planar_scale_zero`); starts: int64
-            [items + 1], the token ranges of the work items.
+        scale_zero: fp16 bits, uint16 [T, B, 2], the per-token scales and zero-points; sz: float32 [2, B, T],
+            written: the same in float32 and planar (contiguous over tokens), each item converting its own
+            tokens once for all KV heads (the value outlier pass reads them after); starts: int64 [items + 1],
+            the token ranges of the work items.
         partial: float32 [B, H, items, G, D], psum: float32 [B, H, items, G], written.
     """
     probs = scores
@@ -68,6 +70,9 @@ def value_sums(scores, m, codes, vlut, bits, heads, sz, starts, partial, psum):
             width = (n + LANES - 1) // LANES * LANES
             live[:n] = ONE  # lanes past the end get weight 0 (vload_first reads their scales as 0 too)
             live[n:width] = ZERO
+            for t in range(t0, t0 + n):
+                sz[0, b, t] = f16(scale_zero[t, b, 0])
+                sz[1, b, t] = f16(scale_zero[t, b, 1])
             for h in range(heads):
                 w0 = (h * d * bits) >> 5
                 nw = (((h + 1) * d * bits - 1) >> 5) - w0 + 1
@@ -92,17 +97,6 @@ def value_sums(scores, m, codes, vlut, bits, heads, sz, starts, partial, psum):
                 zsum = vhsum(vload(zacc, (h * g_size + g) * LANES))
                 for c in range(d):
                     partial[b, h, ck, g, c] = vhsum(vload(acc, ((h * g_size + g) * d + c) * LANES)) + zsum
-
-
-@njit(parallel=True, cache=True)
-def planar_scale_zero(scale_zero, out):
-    """out[0, b, t], out[1, b, t] = the float32 scale and zero-point of token t of row b, from their fp16 bits
-    (uint16 [T, B, 2]): converted once per call rather than once per KV head, and contiguous over tokens."""
-    n_tok, n_rows = scale_zero.shape[0], scale_zero.shape[1]
-    for b in prange(n_rows):
-        for t in range(n_tok):
-            out[0, b, t] = f16(scale_zero[t, b, 0])
-            out[1, b, t] = f16(scale_zero[t, b, 1])
 
 
 @njit(cache=True, inline="always")
