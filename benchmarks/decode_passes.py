@@ -5,10 +5,12 @@ For one context length and each method, on the same synthetic stores as
 a loop (its inputs prepared once): keys, key outliers, row maxima, values with
 the softmax, value outliers; and dense fp32 SDPA over a cache of the same
 shape, in the same loops. Passes called alone keep their data warm in the
-caches, so their sum is below the whole call's time.
+caches, so their sum is below the whole call's time. With --cold, every timed
+call (SDPA's too) first finds the caches evicted, as in the interleaved rounds
+of `decode.py`.
 
     python benchmarks/decode_passes.py [--context 32768] [--methods nuq3-1%] [--threads 2]
-        [--repeats 60] [--json benchmarks/results/decode_passes.json]
+        [--repeats 60] [--cold] [--json benchmarks/results/decode_passes[_cold].json]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from decode import DEFAULT_RECIPE, fill_store, machine, prepare, quantizers
+from numba import njit, prange
 
 from kvsqueeze.kernels import CompressedKV, Rope, decode_attention
 from kvsqueeze.kernels import numba_cpu as nc
@@ -33,10 +36,28 @@ from kvsqueeze.kernels.numba_values import value_sums
 from kvsqueeze.methods import parse_method
 
 
+_COLD: list[np.ndarray] = []  # --cold: a buffer larger than the last-level cache, written before each timed call
+
+
+@njit(parallel=True)
+def _wake(a):
+    for i in prange(a.shape[0]):
+        a[i] += 1.0
+
+
+def _before_call() -> None:
+    """With --cold: evict the caches (one write per 64-byte line of the buffer), then wake numba's threads,
+    so that a timed call differs from a warm one only in where its data is, not in sleeping threads."""
+    if _COLD:
+        _COLD[0][::16] += 1.0
+        _wake(_COLD[1])
+
+
 def _median_ms(f, repeats: int) -> float:
     f()
     ts = []
     for _ in range(repeats):
+        _before_call()
         t0 = time.perf_counter()
         f()
         ts.append(time.perf_counter() - t0)
@@ -106,14 +127,23 @@ def main(argv=None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--repeats", type=int, default=60)
     p.add_argument("--recipe", default=DEFAULT_RECIPE if Path(DEFAULT_RECIPE).exists() else None)
-    p.add_argument("--json", default=str(Path(__file__).parent / "results" / "decode_passes.json"))
+    p.add_argument("--cold", action="store_true",
+                   help="evict the caches before every timed call (a 400 MB buffer written), as the interleaved "
+                        "rounds of decode.py and the layers of a real decode step leave them")
+    p.add_argument("--json", default=None, help="default: benchmarks/results/decode_passes[_cold].json")
     args = p.parse_args(argv)
+    if args.json is None:
+        args.json = str(Path(__file__).parent / "results" / f"decode_passes{'_cold' if args.cold else ''}.json")
+    if args.cold:
+        _COLD[:] = [np.ones(100_000_000, np.float32), np.zeros(64, np.float32)]
     recipe = prepare(args.threads, args.recipe)
     rows = []
     for method in args.methods.split(","):
         rows.append(passes(method, args.context, recipe, args.heads, args.kv_heads, args.head_dim, args.repeats))
         print(rows[-1])
-    payload = {"rows": rows, "machine": machine(), "timing": f"median of {args.repeats} calls in a loop",
+    timing = (f"median of {args.repeats} calls, each after the caches were evicted" if args.cold
+              else f"median of {args.repeats} calls in a loop")
+    payload = {"rows": rows, "machine": machine(), "timing": timing,
                "quantizers": f"recipe {args.recipe} (middle layer)" if recipe else "synthetic, NormalFloat levels"}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")

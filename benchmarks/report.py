@@ -143,7 +143,8 @@ def main() -> None:
         plot_ppl_by_length([runs[n] for n in sorted(runs)], str(d / "ppl_by_length.png"))
     for name, fn in (("ladder.json", ladder), ("eval_mixed_bits.json", ladder), ("memory.json", memory),
                      ("longctx.json", longctx), ("decode.json", decode), ("decode_1thread.json", decode),
-                     ("decode_30layers.json", decode), ("decode_passes.json", decode_passes)):
+                     ("decode_30layers.json", decode), ("decode_passes.json", decode_passes),
+                     ("decode_passes_cold.json", decode_passes)):
         data = _load(d, name)
         if data is not None:
             print(f"### {name}\n\n{fn(data)}\n")
