@@ -52,7 +52,7 @@ from .numba_keys import key_scores, row_max, sink_scores
 from .numba_sparse import key_outliers, value_outliers, value_outliers_fixed
 from .numba_values import sink_values, value_sums
 from .rope import BLOCK, Rope, RopeTables, build_tables
-from .simd import LANES, vhsum, vload
+from .simd import LANES, vadd, vhsum, vload
 
 _NO_BIAS = np.zeros((0, 0), np.float32)
 _NO_OUTLIERS = (np.zeros(0, np.uint32), np.zeros(0, np.uint16), np.zeros(0, np.uint16))
@@ -184,11 +184,13 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, c
         lanes = np.zeros((threads, bsz, hq, d, LANES), np.float32)
         value_outliers_fixed(scores, v_codes, vlut, v_bits, heads, sz, v_fixed, v_chan, v_val, chan_head, chan_pos,
                              lanes)
-        for w in range(threads):  # parts, then lanes, in a fixed order
-            for b in range(bsz):
-                for hh in range(hq):
-                    for c in range(d):
-                        out[b, hh, c] += vhsum(vload(lanes[w, b, hh, c], 0))
+        for b in range(bsz):  # parts added lane-wise, then the lanes, in a fixed order
+            for hh in range(hq):
+                for c in range(d):
+                    v = vload(lanes[0, b, hh, c], 0)
+                    for w in range(1, threads):
+                        v = vadd(v, vload(lanes[w, b, hh, c], 0))
+                    out[b, hh, c] += vhsum(v)
     elif v_ptr.shape[0]:
         parts = np.zeros((4 * threads, bsz, hq, d), np.float32)
         value_outliers(scores, v_codes, vlut, v_bits, heads, scale_zero, v_ptr, v_chan, v_val, chan_head, chan_pos,

@@ -61,7 +61,7 @@ def value_sums(scores, m, codes, vlut, bits, heads, scale_zero, sz, starts, part
         s_row, z_row = b * n_tok, (n_rows + b) * n_tok  # flat offsets of sz[0, b, 0] and sz[1, b, 0]
         wb = np.empty((max_words, SPAN), np.uint32)
         weights = np.empty((g_size, SPAN), np.float32)  # probs * s_t
-        acc = np.zeros((heads, g_size, d, LANES), np.float32)
+        acc = np.empty((heads, g_size, d, LANES), np.float32)  # written by the first span, added to after
         zacc = np.zeros((heads, g_size, LANES), np.float32)  # p_t * z_t
         tacc = np.zeros((heads, g_size, LANES), np.float32)  # p_t
         live = np.empty(SPAN, np.float32)  # 1 for the span's tokens, 0 past its end
@@ -90,7 +90,8 @@ def value_sums(scores, m, codes, vlut, bits, heads, scale_zero, sz, starts, part
                     vstore(zacc, (h * g_size + g) * LANES, za)
                     vstore(tacc, (h * g_size + g) * LANES, ta)
                 for gt in range(0, g_size, TILE):
-                    _accumulate(wb, w0, h * d, d, bits, vlut, weights, gt, min(TILE, g_size - gt), width, acc[h])
+                    _accumulate(wb, w0, h * d, d, bits, vlut, weights, gt, min(TILE, g_size - gt), width, acc[h],
+                                t0 == first)
         for h in range(heads):
             for g in range(g_size):
                 psum[b, h, ck, g] = vhsum(vload(tacc, (h * g_size + g) * LANES))
@@ -100,18 +101,22 @@ def value_sums(scores, m, codes, vlut, bits, heads, scale_zero, sz, starts, part
 
 
 @njit(cache=True, inline="always")
-def _accumulate(wb, w0, c0, d, bits, vlut, weights, gt, ng, width, acc):
-    """acc[gt + i, c, :] += weights[gt + i] * level[code of channel c0 + c] over the span, i < ng <= 4.
+def _accumulate(wb, w0, c0, d, bits, vlut, weights, gt, ng, width, acc, fresh):
+    """acc[gt + i, c, :] += weights[gt + i] * level[code of channel c0 + c] over the span, i < ng <= 4 (`fresh`:
+    acc holds nothing yet, the sums are stored over it).
 
     Two channels per pass (d is even): each weight vector is loaded once for both, and the 2 * ng
     accumulators are independent chains, so the loop is not bound by the latency of one chain of FMAs.
     """
     for c in range(0, d, 2):
         i0, i1 = (gt * d + c) * LANES, (gt * d + c + 1) * LANES
-        a0, e0 = vload(acc, i0), vload(acc, i1)
-        a1, e1 = (vload(acc, i0 + d * LANES), vload(acc, i1 + d * LANES)) if ng > 1 else (a0, e0)
-        a2, e2 = (vload(acc, i0 + 2 * d * LANES), vload(acc, i1 + 2 * d * LANES)) if ng > 2 else (a0, e0)
-        a3, e3 = (vload(acc, i0 + 3 * d * LANES), vload(acc, i1 + 3 * d * LANES)) if ng > 3 else (a0, e0)
+        if fresh:  # the item's first span: the accumulators start at zero (acc is not cleared beforehand)
+            a0 = e0 = a1 = e1 = a2 = e2 = a3 = e3 = vsplat(ZERO)
+        else:
+            a0, e0 = vload(acc, i0), vload(acc, i1)
+            a1, e1 = (vload(acc, i0 + d * LANES), vload(acc, i1 + d * LANES)) if ng > 1 else (a0, e0)
+            a2, e2 = (vload(acc, i0 + 2 * d * LANES), vload(acc, i1 + 2 * d * LANES)) if ng > 2 else (a0, e0)
+            a3, e3 = (vload(acc, i0 + 3 * d * LANES), vload(acc, i1 + 3 * d * LANES)) if ng > 3 else (a0, e0)
         for k in range(0, width, LANES):
             v = decode(wb, SPAN, w0, c0 + c, bits, vlut, 0, k)
             u = decode(wb, SPAN, w0, c0 + c + 1, bits, vlut, 0, k)
