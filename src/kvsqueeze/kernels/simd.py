@@ -137,10 +137,7 @@ def vgather(typingctx, arr, index, stride, valid):
 
     def codegen(context, builder, sig, args):
         ptrs = _strided_pointers(context, builder, sig.args[0], args[0], args[1], args[2], sig.args[2], 4)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ll, [ptrs.type, _I32, _VB, ll]),
-            f"llvm.masked.gather.v16{'f32' if ll is _VF else 'i32'}.v16p0")
-        return builder.call(fn, [ptrs, ir.Constant(_I32, 4), _lane_mask(builder, args[3]), ir.Constant(ll, None)])
+        return _gather(builder, ptrs, ll, 4, args[3])
 
     return vt(arr, index, stride, valid), codegen
 
@@ -164,6 +161,14 @@ def _strided_pointers(context, builder, aryty, ary, base, stride, stride_type, e
                           elem)
 
 
+def _gather(builder, ptrs, vecty, align, valid):
+    """`llvm.masked.gather` of <16 x elem> through `ptrs`, lanes >= valid zero."""
+    elem = {ir.FloatType(): "f32", _I32: "i32", ir.IntType(16): "i16"}[vecty.element]
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vecty, [ptrs.type, _I32, _VB, vecty]),
+                                        f"llvm.masked.gather.v16{elem}.v16p0")
+    return builder.call(fn, [ptrs, ir.Constant(_I32, align), _lane_mask(builder, valid), ir.Constant(vecty, None)])
+
+
 @intrinsic
 def vgather16(typingctx, arr, index, stride, valid):
     """Lanes arr.flat[index + i * stride] of a uint16 array, zero-extended, for i < valid (zero for the others)."""
@@ -171,12 +176,8 @@ def vgather16(typingctx, arr, index, stride, valid):
         return None
 
     def codegen(context, builder, sig, args):
-        vi16 = ir.VectorType(ir.IntType(16), LANES)
         ptrs = _strided_pointers(context, builder, sig.args[0], args[0], args[1], args[2], sig.args[2], 2)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(vi16, [ptrs.type, _I32, _VB, vi16]), "llvm.masked.gather.v16i16.v16p0")
-        got = builder.call(fn, [ptrs, ir.Constant(_I32, 2), _lane_mask(builder, args[3]), ir.Constant(vi16, None)])
-        return builder.zext(got, _VI)
+        return builder.zext(_gather(builder, ptrs, ir.VectorType(ir.IntType(16), LANES), 2, args[3]), _VI)
 
     return u32x16(arr, index, stride, valid), codegen
 
@@ -191,10 +192,7 @@ def vgather16_wide(typingctx, arr, index, stride, valid):
     def codegen(context, builder, sig, args):
         ptrs = _strided_pointers(context, builder, sig.args[0], args[0], args[1], args[2], sig.args[2], 2)
         ptrs = builder.bitcast(ptrs, ir.VectorType(_I32.as_pointer(), LANES))
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(_VI, [ptrs.type, _I32, _VB, _VI]), "llvm.masked.gather.v16i32.v16p0")
-        got = builder.call(fn, [ptrs, ir.Constant(_I32, 2), _lane_mask(builder, args[3]), ir.Constant(_VI, None)])
-        return builder.and_(got, ir.Constant(_VI, [0xFFFF] * LANES))
+        return builder.and_(_gather(builder, ptrs, _VI, 2, args[3]), ir.Constant(_VI, [0xFFFF] * LANES))
 
     return u32x16(arr, index, stride, valid), codegen
 
@@ -209,10 +207,7 @@ def vindex(typingctx, arr, base, offsets, valid):
 
     def codegen(context, builder, sig, args):
         ptrs = _lane_pointers(context, builder, sig.args[0], args[0], args[1], args[2], 4)
-        fn = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ll, [ptrs.type, _I32, _VB, ll]),
-            f"llvm.masked.gather.v16{'f32' if ll is _VF else 'i32'}.v16p0")
-        return builder.call(fn, [ptrs, ir.Constant(_I32, 4), _lane_mask(builder, args[3]), ir.Constant(ll, None)])
+        return _gather(builder, ptrs, ll, 4, args[3])
 
     return vt(arr, base, offsets, valid), codegen
 
