@@ -76,8 +76,7 @@ def passes(method: str, tokens: int, recipe, heads: int, kv_heads: int, head_dim
     pos = nc._np(kv.positions)
     tab = nc._tables(rope, int(pos.max()))
     rope_args = (pos, tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling))
-    klut = nc._padded(kv.k_levels.float()[None, :] * kv.k_scale.float()[:, None] + kv.k_zero.float()[:, None])
-    vlut = nc._padded(kv.v_levels[None, :])
+    klut, vlut = nc._build_luts(kv)  # the tables the call itself builds
     qn, sz = nc._np(q), nc._half_bits(kv.v_scale_zero)
     kc, vc = nc._np(kv.k_codes).view(np.uint32), nc._np(kv.v_codes).view(np.uint32)
     chans = nc._channel_maps(h, d)
