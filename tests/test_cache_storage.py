@@ -19,6 +19,7 @@ from kvsqueeze.cache.sparse import TokenOutliers
 from kvsqueeze.cache.storage import QuantizedKV
 from kvsqueeze.datatypes import normal_float_levels, uniform_levels
 from kvsqueeze.methods import parse_method, storage_bits
+from kvsqueeze.packing import unpack_codes
 from kvsqueeze.schemes import VectorQuantizer
 
 FAST = settings(max_examples=40, deadline=None)
@@ -196,6 +197,22 @@ def test_store_holds_exactly_the_simulated_quantization_of_the_sequence(ops, bat
             k_ref, v_ref = _reference(kq, vq, keys, values, real, sinks)
             assert torch.equal(k_got.transpose(0, 1), k_ref)
             assert torch.equal(v_got.transpose(0, 1), v_ref)
+            _assert_replaced_codes_are_outlier_code(store)
+
+
+def _assert_replaced_codes_are_outlier_code(store: QuantizedKV) -> None:
+    """Codes under every stored outlier (padding entries included) and in sink slots are OUTLIER_CODE: the kernels
+    take the element an outlier replaces from that code without reading the codes."""
+    t, b, c = store.tokens, store.batch, store.channels
+    for codes, bits, sparse in ((store.k_codes, store.k_bits, store.k_outliers),
+                                (store.v_codes, store.v_bits, store.v_outliers)):
+        dense = unpack_codes(codes.view(), bits, c).view(t * b, c)
+        if sparse is not None and sparse.nnz:
+            under = dense[sparse.token_index(), sparse.channel_index()]
+            assert (under == store.OUTLIER_CODE).all()
+        rows, ranks = (store.sink_slot >= 0).nonzero(as_tuple=True)
+        slots = store.sink_slot[rows, ranks].long() * b + rows
+        assert (dense[slots] == store.OUTLIER_CODE).all()
 
 
 def test_store_reset_empties_it():

@@ -87,11 +87,41 @@ def test_backend_equals_reference(backend, case):
     ref = decode_attention(q, kv, rope, head_dim**-0.5, backend=Backend.REFERENCE)
     got = decode_attention(q, kv, rope, head_dim**-0.5, backend=backend)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
-    if kv.v_outliers is not None and kv.v_outliers.nnz:  # the same outliers as general CSR (counts per slot not known to be equal)
-        assert kv.v_outliers.fixed
-        counted = dataclasses.replace(kv, v_outliers=kv.v_outliers._replace(fixed=None))
-        got = decode_attention(q, counted, rope, head_dim**-0.5, backend=backend)
+    for variant in outlier_variants(kv):  # the same cache through the backend's other outlier paths
+        got = decode_attention(q, variant, rope, head_dim**-0.5, backend=backend)
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
+def outlier_variants(kv: CompressedKV) -> list[CompressedKV]:
+    """kv with its outliers described less precisely: value outliers as general CSR (counts per slot not known
+    to be equal), and codes under the outliers not known (the backend must read them), alone and together."""
+    k, v = kv.k_outliers, kv.v_outliers
+    assert all(s.code == QuantizedKV.OUTLIER_CODE for s in (k, v) if s is not None)
+    unknown = {"k_outliers": k and k._replace(code=None), "v_outliers": v and v._replace(code=None)}
+    if v is None or not v.nnz:
+        return [dataclasses.replace(kv, **unknown)] if k is not None and k.nnz else []
+    assert v.fixed
+    counted = v._replace(fixed=None)
+    return [dataclasses.replace(kv, v_outliers=counted), dataclasses.replace(kv, **unknown),
+            dataclasses.replace(kv, k_outliers=unknown["k_outliers"], v_outliers=counted._replace(code=None))]
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("fixed", [True, False])
+def test_backend_reads_the_codes_under_outliers_when_they_are_not_known(backend, fixed):
+    """Codes under outliers are any codes (a cache built elsewhere): with `code=None` the backend must read them."""
+    tokens, batch, heads, head_dim = 70, 2, 2, 64
+    store = make_store(tokens, batch, heads, head_dim, 3, 0.05, 1, seed=11)
+    kv = CompressedKV.from_store(store, positions_for(tokens, batch), heads, head_dim)
+    g = torch.Generator().manual_seed(12)
+    scrambled = {name: torch.randint(-2**31, 2**31 - 1, getattr(kv, name).shape, generator=g, dtype=torch.int32)
+                 for name in ("k_codes", "v_codes")}
+    kv = dataclasses.replace(kv, **scrambled, k_outliers=kv.k_outliers._replace(code=None),
+                             v_outliers=kv.v_outliers._replace(code=None, fixed=kv.v_outliers.fixed if fixed else None))
+    q = torch.randn(batch, heads * 3, head_dim, generator=g)
+    rope = Rope.default(head_dim)
+    ref = decode_attention(q, kv, rope, 0.125, backend=Backend.REFERENCE)
+    torch.testing.assert_close(decode_attention(q, kv, rope, 0.125, backend=backend), ref, atol=2e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)

@@ -72,8 +72,10 @@ class TokenOutliers:
         out.append(mask, x)
         return out
 
-    def append(self, mask: torch.Tensor, x: torch.Tensor) -> None:
-        """Append N tokens: mask [N, C] bool marks the outliers, x [N, C] holds their exact values."""
+    def append(self, mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Append N tokens: mask [N, C] bool marks the outliers, x [N, C] holds their exact values.
+
+        Returns the mask of the entries stored: `mask`, plus the padding entries of fixed-count rows."""
         if mask.dim() != 2 or mask.shape[1] != self.width or x.shape != mask.shape:
             raise ValueError(f"expected mask and values of shape [N, {self.width}], got {tuple(mask.shape)} "
                              f"and {tuple(x.shape)}")
@@ -85,13 +87,14 @@ class TokenOutliers:
         if self.fixed is not None:
             self.channels.append(_to_int16_pattern(cols))
             self.values.append(x[rows, cols].to(torch.float16))
-            return
+            return mask
         ends = self.nnz + counts.cumsum(0)
         if ends.numel() and int(ends[-1]) > _INT32_MAX and self.pointers.dtype == torch.int32:
             self.pointers.astype(torch.int64)
         self.pointers.append(ends.to(self.pointers.dtype))
         self.channels.append(_to_int16_pattern(cols))
         self.values.append(x[rows, cols].to(torch.float16))
+        return mask
 
     def _pad_rows(self, mask: torch.Tensor) -> torch.Tensor:
         """Give every row exactly `fixed` entries (extra entries store exact values: harmless)."""

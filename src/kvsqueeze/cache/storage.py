@@ -17,7 +17,10 @@ Layout, token-major (a slot is one token of one batch row; slot n = t * B + b):
 * ``k_scale``, ``k_zero`` fp16 [C]: offline, per channel. ``v_scale_zero`` fp16
   [T, B, 2]: online, per slot.
 * ``k_outliers`` / ``v_outliers``: `TokenOutliers` over slots (CSC of K^T,
-  CSR of V), exact fp16 values with 16-bit channel indices.
+  CSR of V), exact fp16 values with 16-bit channel indices. An outlier
+  replaces its element, and the code under it is always `OUTLIER_CODE`: a
+  kernel knows the dequantized value it replaces from the scales alone, without
+  reading the codes a second time.
 * sinks: the first ``sinks`` *real* (non-padding) tokens of each row, fp16
   pre-RoPE keys and values [B, S, C] plus their slot [B, S] (int32, -1 empty).
   A sink keeps a slot in the dense grids (zero codes, zero scales, no outliers)
@@ -54,6 +57,8 @@ class QuantizedKV:
         channels: C = kv_heads * head_dim.
         sinks: leading real tokens of each row kept exactly in fp16.
     """
+
+    OUTLIER_CODE = 0  # the code stored under every outlier (and in sink slots)
 
     def __init__(self, k_quant: VectorQuantizer, v_quant: VectorQuantizer, channels: int, sinks: int,
                  device: torch.device | str = "cpu"):
@@ -116,16 +121,19 @@ class QuantizedKV:
         xv = values.transpose(0, 1).reshape(t * b, c).float()
         flat_sink = sink.t().reshape(-1, 1)  # [T*B, 1]
         enc_k, enc_v = self.kq.encode(xk), self.vq.encode(xv)
-        k_codes = enc_k.codes.masked_fill(flat_sink, 0)
-        v_codes = enc_v.codes.masked_fill(flat_sink, 0)
+        # codes never read back (under outliers, padding entries of fixed-count rows included, and in sink
+        # slots) are OUTLIER_CODE
+        k_replaced, v_replaced = flat_sink, flat_sink
+        if self.k_outliers is not None:
+            k_replaced = self.k_outliers.append(enc_k.outliers & ~flat_sink, xk) | flat_sink
+        if self.v_outliers is not None:
+            v_replaced = self.v_outliers.append(enc_v.outliers & ~flat_sink, xv) | flat_sink
+        k_codes = enc_k.codes.masked_fill(k_replaced, self.OUTLIER_CODE)
+        v_codes = enc_v.codes.masked_fill(v_replaced, self.OUTLIER_CODE)
         self.k_codes.append(pack_codes(k_codes, self.k_bits).view(t, b, -1))
         self.v_codes.append(pack_codes(v_codes, self.v_bits).view(t, b, -1))
         sz = torch.cat([enc_v.scale, enc_v.zero], dim=1).masked_fill(flat_sink, 0)  # [T*B, 2], fp16-exact
         self.v_scale_zero.append(sz.half().view(t, b, 2))
-        if self.k_outliers is not None:
-            self.k_outliers.append(enc_k.outliers & ~flat_sink, xk)
-        if self.v_outliers is not None:
-            self.v_outliers.append(enc_v.outliers & ~flat_sink, xv)
 
     def _take_sinks(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
         """Mark the new tokens that are sinks [B, T] and store them in fp16."""

@@ -33,13 +33,16 @@ class Outliers(NamedTuple):
     pointers int32/int64 [T*B + 1], channels int16 [nnz] (16-bit pattern of a channel in [0, C)),
     values fp16 [nnz]. An outlier *replaces* the dequantized element at its channel. `fixed`: k when every slot
     holds exactly k entries (pointers[n] = n * k, as the cache stores value outliers); backends may then
-    vectorize over slots. None: counts vary.
+    vectorize over slots. None: counts vary. `code`: the code every outlier's element holds in the packed codes
+    (the store writes 0 there); backends may then take the element it replaces without reading the codes.
+    None: any code.
     """
 
     pointers: torch.Tensor
     channels: torch.Tensor
     values: torch.Tensor
     fixed: int | None = None
+    code: int | None = None
 
     @property
     def nnz(self) -> int:
@@ -109,7 +112,7 @@ class CompressedKV:
             if s is None:
                 return None
             # fixed-count rows keep their pointers implicit; `pointer_view` materializes them
-            return Outliers(s.pointer_view(), s.channels.view(), s.values.view(), s.fixed)
+            return Outliers(s.pointer_view(), s.channels.view(), s.values.view(), s.fixed, store.OUTLIER_CODE)
 
         return cls(heads, head_dim, store.k_bits, store.v_bits, store.k_codes.view(), store.v_codes.view(),
                    store.k_scale, store.k_zero, store.kq.levels, store.vq.levels, store.v_scale_zero.view(),

@@ -55,7 +55,7 @@ from .rope import BLOCK, Rope, RopeTables, build_tables
 from .simd import LANES, vadd, vhsum, vload
 
 _NO_BIAS = np.zeros((0, 0), np.float32)
-_NO_OUTLIERS = (np.zeros(0, np.uint32), np.zeros(0, np.uint16), np.zeros(0, np.uint16))
+_NO_OUTLIERS = (np.zeros(0, np.uint32), np.zeros(0, np.uint16), np.zeros(0, np.uint16), -1)
 _TABLES: dict[tuple, RopeTables] = {}
 _LUTS: dict[tuple, tuple] = {}  # ids of a layer's quantizer tensors -> (the tensors, their versions, the tables)
 _SCRATCH = threading.local()  # per thread: float32 buffers a call's scores and value scales live in
@@ -123,12 +123,14 @@ def _build_luts(kv: CompressedKV) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _sparse(s: Outliers | None):
-    """(pointers as uint32, channels as uint16, fp16 values as uint16 bits), or None without outliers."""
+    """(pointers as uint32, channels as uint16, fp16 values as uint16 bits, the code under every outlier or -1),
+    or None without outliers."""
     if s is None or s.nnz == 0:
         return None
     if s.nnz >= 1 << 32:
         raise ValueError(f"{s.nnz} outliers in one layer: the numba backend indexes at most 2**32 - 1")
-    return _np(s.pointers.to(torch.int32)).view(np.uint32), _half_bits(s.channels), _half_bits(s.values)
+    code = -1 if s.code is None else s.code
+    return _np(s.pointers.to(torch.int32)).view(np.uint32), _half_bits(s.channels), _half_bits(s.values), code
 
 
 def _fixed(s: Outliers | None, slots: int) -> int:
@@ -154,16 +156,17 @@ def _starts(tokens: int, per_row: int, threads: int) -> np.ndarray:
 
 @njit(cache=True)
 def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo,
-            scaling, starts, k_ptr, k_chan, k_val, v_ptr, v_chan, v_val, v_fixed, chan_head,
+            scaling, starts, k_ptr, k_chan, k_val, k_under, v_ptr, v_chan, v_val, v_under, v_fixed, chan_head,
             chan_pos, sink_k, sink_v, sink_slot, scale_zero, bias, threads, scores, sz):
     """All passes in order, one dispatch from Python; returns float32 [B, Hq, D]. Arguments: see the passes;
-    v_fixed: the value outliers per slot when every slot holds that many (0: counts vary); threads: numba's;
+    k_under, v_under: the code under every key / value outlier (-1: codes vary); v_fixed: the value outliers per
+    slot when every slot holds that many (0: counts vary); threads: numba's;
     scores float32 [B, Hq, T], sz float32 [2, B, T]: scratch space (their contents on entry do not matter)."""
     bsz, hq, d = q.shape
     key_scores(q, k_codes, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, starts, scores)
     if k_ptr.shape[0]:
         key_outliers(q, k_codes, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling,
-                     k_ptr, k_chan, k_val, chan_head, chan_pos, 4 * threads, scores)
+                     k_ptr, k_chan, k_val, k_under, chan_head, chan_pos, 4 * threads, scores)
     has_sinks = (sink_slot >= 0).any()
     if has_sinks:
         sink_scores(q, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, sink_k, sink_slot, scores)
@@ -182,8 +185,8 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, c
                 total[b, h * (hq // heads):(h + 1) * (hq // heads)] += psum[b, h, i]
     if v_ptr.shape[0] and v_fixed:
         lanes = np.zeros((threads, bsz, hq, d, LANES), np.float32)
-        value_outliers_fixed(scores, v_codes, vlut, v_bits, heads, sz, v_fixed, v_chan, v_val, chan_head, chan_pos,
-                             lanes)
+        value_outliers_fixed(scores, v_codes, vlut, v_bits, heads, sz, v_fixed, v_chan, v_val, v_under, chan_head,
+                             chan_pos, lanes)
         for b in range(bsz):  # parts added lane-wise, then the lanes, in a fixed order
             for hh in range(hq):
                 for c in range(d):
@@ -193,8 +196,8 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, c
                     out[b, hh, c] += vhsum(v)
     elif v_ptr.shape[0]:
         parts = np.zeros((4 * threads, bsz, hq, d), np.float32)
-        value_outliers(scores, v_codes, vlut, v_bits, heads, scale_zero, v_ptr, v_chan, v_val, chan_head, chan_pos,
-                       parts)
+        value_outliers(scores, v_codes, vlut, v_bits, heads, scale_zero, v_ptr, v_chan, v_val, v_under, chan_head,
+                       chan_pos, parts)
         for w in range(4 * threads):
             out += parts[w]
     if has_sinks:

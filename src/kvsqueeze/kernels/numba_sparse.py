@@ -46,6 +46,7 @@ from .simd import (
     vlookup,
     vmul,
     vscatter,
+    vsplat,
     vsub,
 )
 
@@ -90,11 +91,12 @@ def _steps(slot0, n_rows):
 
 @njit(parallel=True, cache=True)
 def key_outliers(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling,
-                 pointers, channels, values, chan_head, chan_pos, parts, scores):
+                 pointers, channels, values, code_under, chan_head, chan_pos, parts, scores):
     """scores[b, hq, t] += scaling * q[b, hq] . RoPE(exact - dequantized) for every key outlier.
 
     q float32 [B, Hq, D]; codes uint32 [T, B, W]; klut float32 [C, 16]; positions uint32 [T, B];
-    pointers uint32 [T*B + 1]; channels uint16 [nnz]; values fp16 bits, uint16 [nnz];
+    pointers uint32 [T*B + 1]; channels uint16 [nnz]; values fp16 bits, uint16 [nnz]; code_under: the code every
+    outlier's element holds in `codes` (the pass then reads no codes), -1 when they vary;
     chan_head, chan_pos uint32 [C]: head and offset of each channel; scores [B, Hq, T].
     Per channel c (head h, offset j) and query head g of its group, the kernel first folds the scaling and the
     pair's sign into qt [B, C, G, 2] = scaling * (q[hq, j], +-q[hq, partner]): an outlier then costs a code,
@@ -119,6 +121,7 @@ def key_outliers(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo,
     pos_flat = positions.reshape(-1)
     chi, shi, clo, slo = cos_hi.reshape(-1), sin_hi.reshape(-1), cos_lo.reshape(-1), sin_lo.reshape(-1)
     ub, uw, ug, ut, uwidth, uhalf, un_rows = U(bits), U(n_words), U(g_size), U(n_tok), U(width), U(half), U(n_rows)
+    known, ucode = code_under >= 0, U(max(code_under, 0))
     for part in prange(parts):
         s_lo, s_hi = U(bounds[part]), U(bounds[part + 1])
         e0, e1 = U(pointers[s_lo]), U(pointers[s_hi])
@@ -145,7 +148,10 @@ def key_outliers(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo,
             hi_row, lo_col = (p // U(BLOCK)) * uhalf, p % U(BLOCK)
             row_out = b * U(hq_all) * ut + t  # scores[b, 0, t]
             c = U(channels[e])
-            delta = f16(values[e]) - lut[c * uwidth + _code(codes_flat, uw, slot, c, ub)]
+            if known:
+                delta = f16(values[e]) - lut[c * uwidth + ucode]
+            else:
+                delta = f16(values[e]) - lut[c * uwidth + _code(codes_flat, uw, slot, c, ub)]
             pr = pair[c]
             ch, sh = chi[hi_row + pr], shi[hi_row + pr]
             cl, sl = clo[pr * U(BLOCK) + lo_col], slo[pr * U(BLOCK) + lo_col]
@@ -165,12 +171,13 @@ def key_outliers(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo,
 
 
 @njit(parallel=True, cache=True)
-def value_outliers(probs, codes, vlut, bits, heads, scale_zero, pointers, channels, values, chan_head, chan_pos,
-                   partial):
+def value_outliers(probs, codes, vlut, bits, heads, scale_zero, pointers, channels, values, code_under, chan_head,
+                   chan_pos, partial):
     """partial[part, b, hq, :] += probs[b, hq, t] * (exact - dequantized) over the value outliers of part's slots.
 
     probs float32 [B, Hq, T]; codes uint32 [T, B, W]; vlut float32 [1, 16]; scale_zero fp16 bits [T, B, 2];
-    pointers uint32 [T*B + 1]; channels uint16; values fp16 bits; chan_head, chan_pos: as `key_outliers`;
+    pointers uint32 [T*B + 1]; channels uint16; values fp16 bits; code_under, chan_head, chan_pos: as
+    `key_outliers`;
     partial float32 [parts, B, Hq, D], zero on entry, each part summed in its own slice (two slots may hit one
     (hq, channel)).
     """
@@ -185,6 +192,7 @@ def value_outliers(probs, codes, vlut, bits, heads, scale_zero, pointers, channe
     codes_flat, p_flat, sz_flat = codes.reshape(-1), probs.reshape(-1), scale_zero.reshape(-1)
     levels = vlut.reshape(-1)
     ub, uw, ug, ut, ud, un_rows = U(bits), U(n_words), U(g_size), U(n_tok), U(d), U(n_rows)
+    known, under = code_under >= 0, levels[max(code_under, 0)]
     for part in prange(parts):
         acc = partial[part].reshape(-1)  # [B * Hq * D]
         t, b = _steps(bounds[part], n_rows)
@@ -196,20 +204,22 @@ def value_outliers(probs, codes, vlut, bits, heads, scale_zero, pointers, channe
             row_acc, row_p = b * U(hq_all) * ud, b * U(hq_all) * ut + t  # acc[b, 0, 0], probs[b, 0, t]
             for e in range(U(pointers[slot]), U(pointers[slot + U(1)])):
                 c = U(channels[e])
-                delta = f16(values[e]) - (levels[_code(codes_flat, uw, slot, c, ub)] * s + z)
+                level = under if known else levels[_code(codes_flat, uw, slot, c, ub)]
+                delta = f16(values[e]) - (level * s + z)
                 ia, ip = row_acc + c_acc[c], row_p + c_p[c]
                 for g in range(ug):
                     acc[ia + g * ud] += p_flat[ip + g * ut] * delta
 
 
 @njit(parallel=True, cache=True)
-def value_outliers_fixed(probs, codes, vlut, bits, heads, sz, fixed, channels, values, chan_head, chan_pos,
-                         lanes):
+def value_outliers_fixed(probs, codes, vlut, bits, heads, sz, fixed, channels, values, code_under, chan_head,
+                         chan_pos, lanes):
     """`value_outliers` for fixed-count rows (every slot holds `fixed` outliers: entries slot * fixed + i),
     16 tokens at a time in vector lanes.
 
     probs float32 [B, Hq, T]; codes uint32 [T, B, W]; vlut float32 [1, 16]; sz float32 [2, B, T] (the planar
-    scales and zero-points `value_sums` wrote); channels, values uint16 [T * B * fixed];
+    scales and zero-points `value_sums` wrote); channels, values uint16 [T * B * fixed]; code_under: as
+    `key_outliers`;
     lanes float32 [parts, B, Hq, D, 16], zero on entry: part p adds its share into lanes[p], lane i for its
     i-th token of every 16, so no two lanes of one scatter ever touch one element, whatever the channels.
     Every part takes an equal range of tokens, hence an equal number of non-zeros. The caller sums the lanes.
@@ -222,7 +232,7 @@ def value_outliers_fixed(probs, codes, vlut, bits, heads, sz, fixed, channels, v
         c_acc[c] = (chan_head[c] * g_size * d + chan_pos[c]) * LANES
         c_p[c] = chan_head[c] * g_size * n_tok
     codes_flat, p_flat, sz_flat = codes.reshape(-1), probs.reshape(-1), sz.reshape(-1)
-    table = vload(vlut, 0)
+    table, under = vload(vlut, 0), vsplat(vlut[0, max(code_under, 0)])
     last_word, nnz = codes_flat.shape[0] - 1, channels.shape[0]
     lane = ulanes()
     for part in prange(parts):
@@ -243,11 +253,15 @@ def value_outliers_fixed(probs, codes, vlut, bits, heads, sz, fixed, channels, v
                         c, raw = vgather16_wide(channels, e0, step, n), vgather16_wide(values, e0, step, n)
                     else:
                         c, raw = vgather16(channels, e0, step, n), vgather16(values, e0, step, n)
-                    off = umul(c, bits)
-                    w = uadd(w_lane, ushr(off, 5))
-                    code = vfunnel(vindex(codes_flat, w_base, w, n),
-                                   vindex(codes_flat, w_base, umin(uadd(w, 1), hi_limit), n), uand(off, 31))
-                    delta = vsub(vhalf(raw), vadd(vmul(vlookup(table, code), s), z))
+                    if code_under >= 0:
+                        level = under
+                    else:
+                        off = umul(c, bits)
+                        w = uadd(w_lane, ushr(off, 5))
+                        level = vlookup(table, vfunnel(vindex(codes_flat, w_base, w, n),
+                                                       vindex(codes_flat, w_base, umin(uadd(w, 1), hi_limit), n),
+                                                       uand(off, 31)))
+                    delta = vsub(vhalf(raw), vadd(vmul(level, s), z))
                     ia = uadd(vindex(c_acc, 0, c, n), lane)
                     ip = uadd(vindex(c_p, 0, c, n), lane)
                     for g in range(g_size):
