@@ -18,6 +18,12 @@ Replacement semantics, as the store reconstructs a cache: an outlier replaces
 its dequantized element, so it contributes (exact - dequantized):
 scores get scaling * q . RoPE(delta e_c) (RoPE is linear; the pair partner of
 channel j picks up +-delta sin), outputs get p_t * delta.
+
+The store keeps one known code under every outlier (`Outliers.code`), so the
+dequantized element comes from the channel's table (keys) or the slot's scale
+(values) alone: the sparse passes then never touch the packed codes, which
+would otherwise be read a second time, slot after slot, from memory. Without
+that promise they read each outlier's code from the packed words.
 """
 
 from __future__ import annotations
@@ -99,8 +105,8 @@ def key_outliers(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo,
     outlier's element holds in `codes` (the pass then reads no codes), -1 when they vary;
     chan_head, chan_pos uint32 [C]: head and offset of each channel; scores [B, Hq, T].
     Per channel c (head h, offset j) and query head g of its group, the kernel first folds the scaling and the
-    pair's sign into qt [B, C, G, 2] = scaling * (q[hq, j], +-q[hq, partner]): an outlier then costs a code,
-    four RoPE table entries and G multiply-adds.
+    pair's sign into qt [B, C, G, 2] = scaling * (q[hq, j], +-q[hq, partner]): an outlier then costs a table
+    entry (and a code, when code_under is -1), four RoPE table entries and G multiply-adds.
     """
     n_tok, n_rows, n_words = codes.shape
     hq_all, d = q.shape[1], q.shape[2]
