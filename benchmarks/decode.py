@@ -2,11 +2,12 @@
 
 Kernel rows: one decode step of attention (one query token) for one layer of
 the default model's shape (9 query heads over 3 KV heads, head_dim 64) at each
-context length: `kvsqueeze.kernels.decode_attention` over a compressed store
-(numba backend, and the pure-torch reference backend) for each method, against
-torch SDPA (`enable_gqa=True`, the fastest dense call) over fp32 and bf16
-caches of the same shape. Every variant is timed once per round, round after
-round, so a change of machine load hits them all alike; medians are reported.
+context length: `kvsqueeze.kernels.decode_attention_store` over a compressed
+store, the call a decode step of `generate()` makes (numba backend, and the
+pure-torch reference backend) for each method, against torch SDPA
+(`enable_gqa=True`, the fastest dense call) over fp32 and bf16 caches of the
+same shape. Every variant is timed once per round, round after round, so a
+change of machine load hits them all alike; medians are reported.
 
 The stores hold synthetic pre-RoPE keys and values with heavy tails (Student
 t, 5 degrees of freedom) whose per-channel key ranges come from the recipe's
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 
 from kvsqueeze.cache.storage import QuantizedKV
 from kvsqueeze.datatypes import normal_float_levels
-from kvsqueeze.kernels import CompressedKV, Rope, decode_attention
+from kvsqueeze.kernels import Rope, decode_attention_store
 from kvsqueeze.methods import parse_method
 from kvsqueeze.schemes import VectorQuantizer, build_quantizers
 
@@ -145,9 +146,8 @@ def kernel_rows(args, recipe) -> list[dict]:
             layers = [store] + [copy.deepcopy(store) for _ in range(args.layers - 1)]  # equal, in distinct memory
             turn = itertools.cycle(layers)
 
-            def fused(turn=turn, q=q, positions=positions, backend="numba"):
-                decode_attention(q, CompressedKV.from_store(next(turn), positions, h, d), rope, scaling,
-                                 backend=backend)
+            def fused(turn=turn, q=q, positions=positions, backend="numba"):  # as a decode step of generate()
+                decode_attention_store(q, next(turn), positions, h, d, rope, scaling, backend=backend)
 
             variants[(method, "numba")] = fused
             if not args.no_reference:

@@ -1,7 +1,7 @@
 """Where the fused decode kernel spends its time: each pass of the numba backend timed on its own.
 
 For one context length and each method, on the same synthetic stores as
-`decode.py`: the whole `decode_attention` call, then each pass called alone in
+`decode.py`: the whole `decode_attention_store` call, then each pass called alone in
 a loop (its inputs prepared once): keys, key outliers, row maxima, values with
 the softmax, value outliers; and dense fp32 SDPA over a cache of the same
 shape, in the same loops. Passes called alone keep their data warm in the
@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from decode import DEFAULT_RECIPE, fill_store, machine, prepare, quantizers
 from numba import njit, prange
 
-from kvsqueeze.kernels import CompressedKV, Rope, decode_attention
+from kvsqueeze.kernels import CompressedKV, Rope, decode_attention_store
 from kvsqueeze.kernels import numba_cpu as nc
 from kvsqueeze.kernels.numba_keys import key_scores, row_max
 from kvsqueeze.kernels.numba_sparse import key_outliers, value_outliers, value_outliers_fixed
@@ -71,12 +71,12 @@ def passes(method: str, tokens: int, recipe, heads: int, kv_heads: int, head_dim
     q = torch.randn(1, hq, d)
     rope, scaling = Rope.default(d), d**-0.5
     kv = CompressedKV.from_store(store, positions, h, d)
-    out = {"whole call": _median_ms(lambda: decode_attention(
-        q, CompressedKV.from_store(store, positions, h, d), rope, scaling, backend="numba"), repeats)}
+    out = {"whole call": _median_ms(lambda: decode_attention_store(
+        q, store, positions, h, d, rope, scaling, backend="numba"), repeats)}
     pos = nc._np(kv.positions)
     tab = nc._tables(rope, int(pos.max()))
     rope_args = (pos, tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling))
-    klut, vlut = nc._build_luts(kv)  # the tables the call itself builds
+    klut, vlut = nc._build_luts(kv.k_levels, kv.k_scale, kv.k_zero, kv.v_levels)  # the tables the call itself builds
     qn, sz = nc._np(q), nc._half_bits(kv.v_scale_zero)
     kc, vc = nc._np(kv.k_codes).view(np.uint32), nc._np(kv.v_codes).view(np.uint32)
     chans = nc._channel_maps(h, d)

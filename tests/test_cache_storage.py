@@ -8,6 +8,7 @@ token, so chunking must not matter) and fp16 for each row's first real tokens.
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -40,6 +41,26 @@ def test_growable_appends_are_amortized():
     assert buf.nbytes == 10 * 12 and len(buf.view()) == 10
     with pytest.raises(ValueError, match="rows of shape"):
         buf.append(torch.zeros(1, 4))
+
+
+def test_growable_numpy_view_follows_appends_reallocations_and_edits():
+    buf = GrowableTensor((2,), torch.int16)
+    seen = []
+    for i in range(40):  # crosses reallocations at 16 and 32 rows
+        buf.append(torch.tensor([[i, -i - 1]], dtype=torch.int16))
+        arr, bits = buf.array(), buf.array(np.uint16)
+        assert arr.shape == (i + 1, 2) and np.array_equal(arr, buf.view().numpy())
+        assert np.array_equal(bits, buf.view().numpy().view(np.uint16))  # the same bits, reinterpreted
+        seen.append(arr)
+    assert np.shares_memory(buf.array(), buf._data.numpy())  # a view, not a copy
+    buf.truncate(5)
+    assert buf.array().shape == (5, 2)
+    buf.replace(torch.ones(3, 2, dtype=torch.int16) * 7)  # new storage: the kept view must not be reused
+    assert np.array_equal(buf.array(), np.full((3, 2), 7, np.int16))
+    buf.astype(torch.int32)
+    assert buf.array().dtype == np.int32 and np.array_equal(buf.array(), np.full((3, 2), 7, np.int32))
+    buf.clear()
+    assert buf.array().shape == (0, 2)
 
 
 # ---- CSC / CSR outliers ---------------------------------------------------------------------

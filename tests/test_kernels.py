@@ -23,6 +23,7 @@ from kvsqueeze.kernels import (
     Rope,
     available_backends,
     decode_attention,
+    decode_attention_store,
     resolve_backend,
 )
 from kvsqueeze.schemes import VectorQuantizer
@@ -122,6 +123,48 @@ def test_backend_reads_the_codes_under_outliers_when_they_are_not_known(backend,
     rope = Rope.default(head_dim)
     ref = decode_attention(q, kv, rope, 0.125, backend=Backend.REFERENCE)
     torch.testing.assert_close(decode_attention(q, kv, rope, 0.125, backend=backend), ref, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", [*FAST_BACKENDS, Backend.REFERENCE])
+@pytest.mark.parametrize("case", CASES[1::2], ids=lambda c: "T{}-B{}-H{}-D{}-G{}-b{}-p{}-s{}".format(*c))
+def test_store_entry_equals_compressed_views(backend, case, monkeypatch):
+    """`decode_attention_store` (the store read in place, positions from a longer buffer) computes exactly what
+    `decode_attention` computes over `CompressedKV.from_store`; a backend with its own store path never builds
+    the views, and keeps giving the same result as the store grows."""
+    tokens, batch, heads, head_dim, group, bits, fraction, sinks = case
+    store = make_store(tokens, batch, heads, head_dim, bits, fraction, sinks, seed=tokens)
+    log = PositionLog()
+    log.write(0, positions_for(tokens + 3, batch).t())  # rows past the store's tokens must be ignored
+    q = torch.randn(batch, heads * group, head_dim, generator=torch.Generator().manual_seed(1))
+    rope = Rope.default(head_dim)
+    mask = torch.rand(batch, tokens + 2, generator=torch.Generator().manual_seed(2)) > 0.2
+    mask[:, -1] = True
+    for step in range(3):  # appends reallocate some buffers and not others
+        t = store.tokens
+        views = CompressedKV.from_store(store, positions_for(t, batch), heads, head_dim)
+        want = decode_attention(q, views, rope, 0.125, key_mask=mask[:, :t], backend=backend)
+        with monkeypatch.context() as m:
+            if backend is Backend.NUMBA:
+                m.setattr(CompressedKV, "from_store", None)  # the fast path must not need the views
+            got = decode_attention_store(q, store, log, heads, head_dim, rope, 0.125, key_mask=mask[:, :t],
+                                         backend=backend)
+        assert torch.equal(got, want)
+        store.append(*random_kv(batch, 1, heads * head_dim, torch.Generator().manual_seed(50 + step)))
+
+
+def test_store_entry_explains_bad_inputs_like_the_views():
+    store = make_store(5, 1, 2, 16, 4, 0.01, 0)
+    rope = Rope.default(16)
+    for backend in available_backends("cpu"):
+        with pytest.raises(ValueError, match="not a multiple of 2 KV heads"):
+            decode_attention_store(torch.zeros(1, 3, 16), store, positions_for(5, 1), 2, 16, rope, 1.0,
+                                   backend=backend)
+        with pytest.raises(ValueError, match="positions must be"):
+            decode_attention_store(torch.zeros(1, 4, 16), store, positions_for(4, 1), 2, 16, rope, 1.0,
+                                   backend=backend)
+        with pytest.raises(ValueError, match="key_mask must be bool"):
+            decode_attention_store(torch.zeros(1, 4, 16), store, positions_for(5, 1), 2, 16, rope, 1.0,
+                                   key_mask=torch.ones(1, 4, dtype=torch.bool), backend=backend)
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
@@ -235,13 +278,13 @@ def _counting(monkeypatch):
     from kvsqueeze.integrations import fused
 
     calls = []
-    real = fused.decode_attention
+    real = fused.decode_attention_store
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fused, "decode_attention", counted)
+    monkeypatch.setattr(fused, "decode_attention_store", counted)
     return calls
 
 

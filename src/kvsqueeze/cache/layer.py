@@ -51,6 +51,10 @@ class PositionLog:
     def view(self) -> torch.Tensor:
         return self.buf.view()
 
+    def array(self):
+        """The positions as a numpy view (CPU only), int32 [T, B]."""
+        return self.buf.array()
+
     def write(self, start: int, positions: torch.Tensor) -> None:
         """Positions [B, T] of the tokens at slots start..start+T (a no-op when another layer wrote them)."""
         rows = positions.t().to(torch.int32)  # [T, B]

@@ -14,7 +14,7 @@ How a decode step reaches the kernel without forking a model file:
   [B, H, 0, D] tensor that carries the layer (`MARKER`);
 * the model is switched to the "kvsqueeze" attention implementation
   (`attention.py`), which recognises that marker and calls
-  `kernels.decode_attention` on the layer's store, positions and rotary
+  `kernels.decode_attention_store` on the layer's store, positions and rotary
   embedding. The marker names its own layer, so several caches (or a
   `DynamicCache`) can be used with the same model.
 
@@ -28,7 +28,7 @@ import contextlib
 import torch
 
 from ..cache.layer import KVQuantLayer
-from ..kernels import Backend, CompressedKV, Rope, decode_attention, resolve_backend
+from ..kernels import Backend, Rope, decode_attention_store, resolve_backend
 from .attention import ATTN_NAME, causal_bool_mask, register_attention
 from .modules import attention_modules
 
@@ -90,14 +90,30 @@ def fused_decode_attention(layer: FusedDecodeLayer, query: torch.Tensor, attenti
     if q_len != 1:
         raise RuntimeError(f"fused decode attention got a query of length {q_len}; it attends one new token")
     t = layer.store.tokens
-    kv = CompressedKV.from_store(layer.store, layer.log.view()[:t], layer.heads, layer.head_dim)
     key_mask = None
     if attention_mask is not None:
         key_mask = causal_bool_mask(attention_mask, 1, t, query.device)[:, 0, 0, :].expand(b, t)
     scaling = scaling if scaling is not None else d**-0.5
-    out = decode_attention(query[:, :, 0, :].float(), kv, Rope.from_rotary(layer.rotary), scaling, key_mask,
-                           layer.backend)  # [B, Hq, D]
+    out = decode_attention_store(query[:, :, 0, :].float(), layer.store, layer.log, layer.heads, layer.head_dim,
+                                 _rope(layer.rotary), scaling, key_mask, layer.backend)  # [B, Hq, D]
     return out.to(query.dtype).unsqueeze(1), None
+
+
+_ROPES: dict[int, tuple] = {}  # id(rotary module) -> (its frequency tensor, that tensor's version, `Rope`)
+
+
+def _rope(rotary) -> Rope:
+    """`Rope.from_rotary`, read again only when the module's frequencies are another tensor or were modified."""
+    freq = getattr(rotary, "inv_freq", None)
+    hit = _ROPES.get(id(rotary))
+    if hit is not None and freq is not None and hit[0] is freq and hit[1] == freq._version:
+        return hit[2]
+    rope = Rope.from_rotary(rotary)
+    if len(_ROPES) > 256:
+        _ROPES.clear()
+    if not freq.is_inference():
+        _ROPES[id(rotary)] = (freq, freq._version, rope)
+    return rope
 
 
 class FusedDecode:

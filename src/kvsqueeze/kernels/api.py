@@ -135,9 +135,10 @@ _PREFERENCE = (Backend.NUMBA, Backend.REFERENCE)  # fastest first
 
 
 @functools.cache
-def _load(backend: Backend) -> Callable | None:
+def _load(backend: Backend, entry: str = "decode_attention") -> Callable | None:
+    """The backend module's function `entry` (None if the module cannot be imported or has none)."""
     try:
-        return importlib.import_module(_MODULES[backend], __package__).decode_attention
+        return getattr(importlib.import_module(_MODULES[backend], __package__), entry, None)
     except ImportError:
         return None
 
@@ -204,3 +205,39 @@ def decode_attention(q: torch.Tensor, kv: CompressedKV, rope: Rope, scaling: flo
     _check(q, kv, key_mask)
     impl = _load(resolve_backend(backend, q.device))
     return impl(q.contiguous(), kv, rope, float(scaling), key_mask)
+
+
+@functools.cache
+def _resolved(backend: Backend | str, device_type: str) -> Backend:
+    return resolve_backend(backend, device_type)
+
+
+def decode_attention_store(q: torch.Tensor, store, positions, heads: int, head_dim: int, rope: Rope,
+                           scaling: float, key_mask: torch.Tensor | None = None,
+                           backend: Backend | str = Backend.AUTO) -> torch.Tensor:
+    """`decode_attention` over a layer's `kvsqueeze.cache.storage.QuantizedKV`, read where it lies: the call a
+    decode step of `generate()` makes.
+
+    A backend that reads the store's buffers directly (numba) skips building `CompressedKV` views, whose
+    Python-side cost is a sizeable part of a decode step when the caches are cold; every other backend, and
+    any input the fast path would reject, goes through `CompressedKV.from_store` and `decode_attention`.
+
+    Args:
+        q, rope, scaling, key_mask, backend: as `decode_attention`.
+        store: the layer's `QuantizedKV`, the new token included.
+        positions: int32 [T', B] RoPE positions with T' >= the store's T tokens (rows past T are ignored):
+            a tensor, or the cache's `PositionLog` (numpy views of it are kept between calls).
+        heads, head_dim: the layer's KV heads and head width.
+
+    Returns:
+        float32 [B, Hq, D].
+    """
+    kind = _resolved(backend, q.device.type)
+    fast = _load(kind, "decode_store")
+    if fast is not None:
+        out = fast(q, store, positions, heads, head_dim, rope, float(scaling), key_mask)
+        if out is not None:
+            return out
+    pos = positions.view() if hasattr(positions, "array") else positions
+    kv = CompressedKV.from_store(store, pos[: store.tokens], heads, head_dim)
+    return decode_attention(q, kv, rope, scaling, key_mask, kind)

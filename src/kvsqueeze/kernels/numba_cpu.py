@@ -57,29 +57,39 @@ from .simd import LANES, vadd, vhsum, vload
 _NO_BIAS = np.zeros((0, 0), np.float32)
 _NO_OUTLIERS = (np.zeros(0, np.uint32), np.zeros(0, np.uint16), np.zeros(0, np.uint16), -1)
 _TABLES: dict[tuple, RopeTables] = {}
+_ROPES: dict[int, tuple] = {}  # id(rope) -> (rope, its frequencies' version, tables)
 _LUTS: dict[tuple, tuple] = {}  # ids of a layer's quantizer tensors -> (the tensors, their versions, the tables)
 _SCRATCH = threading.local()  # per thread: float32 buffers a call's scores and value scales live in
 
 
-def _scratch(name: str, shape: tuple[int, ...]) -> np.ndarray:
-    """A float32 array of `shape` in a buffer kept between calls (grown by half again when too small): a fresh
-    array of a megabyte per decode step would be mapped and page-faulted in anew every time."""
-    need = int(np.prod(shape))
+def _scratch(name: str, need: int) -> np.ndarray:
+    """`need` float32 in a buffer kept between calls (grown by half again when too small): a fresh array of a
+    megabyte per decode step would be mapped and page-faulted in anew every time."""
     buf = getattr(_SCRATCH, name, None)
     if buf is None or buf.size < need:
         buf = np.empty(max(need, need * 3 // 2 if buf is not None else need), np.float32)
         setattr(_SCRATCH, name, buf)
-    return buf[:need].reshape(shape)
+    return buf[:need]
 
 
 def _tables(rope: Rope, max_position: int) -> RopeTables:
-    """RoPE tables for `rope`, cached per frequency set and grown by doubling."""
+    """RoPE tables for `rope`, cached per frequency set and grown by doubling; the same `Rope` object (with
+    frequencies unchanged since) finds them without hashing its frequencies."""
+    hit = _ROPES.get(id(rope))
+    if hit is not None and hit[0] is rope and hit[1] == rope.inv_freq._version:
+        tab = hit[2]
+        if tab.max_position >= max_position:
+            return tab
     key = (rope.inv_freq.numpy().tobytes(), rope.scaling)
     tab = _TABLES.get(key)
     if tab is None or tab.max_position < max_position:
         if len(_TABLES) > 16:
             _TABLES.clear()
         tab = _TABLES[key] = build_tables(rope, max_position)
+    if len(_ROPES) > 64:
+        _ROPES.clear()
+    if not rope.inv_freq.is_inference():
+        _ROPES[id(rope)] = (rope, rope.inv_freq._version, tab)
     return tab
 
 
@@ -101,25 +111,27 @@ def _padded(table: torch.Tensor) -> np.ndarray:
     return np.tile(_np(table.float()), (1, LANES // table.shape[1]))
 
 
-def _luts(kv: CompressedKV) -> tuple[np.ndarray, np.ndarray]:
+def _luts(k_levels: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+          v_levels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
     """The layer's key tables LUT[c] = level * scale[c] + zero[c] and its value table, built once per set of
     quantizer tensors (fixed for a layer) and rebuilt if one of them is modified in place. The entry holds the
     tensors, so their ids cannot be reused by other tensors while it lives."""
-    src = (kv.k_levels, kv.k_scale, kv.k_zero, kv.v_levels)
+    src = (k_levels, k_scale, k_zero, v_levels)
     if any(x.is_inference() for x in src):  # inference-mode tensors keep no version counter: build every time
-        return _build_luts(kv)
+        return _build_luts(*src)
     key, versions = tuple(id(x) for x in src), tuple(x._version for x in src)
     hit = _LUTS.get(key)
     if hit is None or hit[1] != versions:
         if len(_LUTS) > 1024:
             _LUTS.clear()
-        hit = _LUTS[key] = (src, versions, *_build_luts(kv))
+        hit = _LUTS[key] = (src, versions, *_build_luts(*src))
     return hit[2], hit[3]
 
 
-def _build_luts(kv: CompressedKV) -> tuple[np.ndarray, np.ndarray]:
-    klut = _padded(kv.k_levels.float()[None, :] * kv.k_scale.float()[:, None] + kv.k_zero.float()[:, None])
-    return klut, _padded(kv.v_levels[None, :])
+def _build_luts(k_levels: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
+                v_levels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+    klut = _padded(k_levels.float()[None, :] * k_scale.float()[:, None] + k_zero.float()[:, None])
+    return klut, _padded(v_levels[None, :])
 
 
 def _sparse(s: Outliers | None):
@@ -147,22 +159,37 @@ def _channel_maps(heads: int, head_dim: int) -> tuple[np.ndarray, np.ndarray]:
     return c // head_dim, c % head_dim
 
 
-def _starts(tokens: int, per_row: int, threads: int) -> np.ndarray:
+@njit(cache=True)
+def _starts(tokens, per_row, threads):
     """Token ranges [items + 1] of the dense passes' work items (each covers every KV head of one row):
     enough items to keep every thread busy."""
     items = max(1, min(-(-8 * threads // per_row), -(-tokens // BLOCK)))
-    return np.array([tokens * i // items for i in range(items + 1)], np.int64)
+    out = np.empty(items + 1, np.int64)
+    for i in range(items + 1):
+        out[i] = tokens * i // items
+    return out
+
+
+@njit(cache=True)
+def _position_range(positions):
+    """(min, max) of int32 positions [T, B]."""
+    flat = positions.reshape(-1)
+    lo = hi = flat[0]
+    for p in flat:
+        lo, hi = min(lo, p), max(hi, p)
+    return lo, hi
 
 
 @njit(cache=True)
 def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo,
-            scaling, starts, k_ptr, k_chan, k_val, k_under, v_ptr, v_chan, v_val, v_under, v_fixed, chan_head,
+            scaling, k_ptr, k_chan, k_val, k_under, v_ptr, v_chan, v_val, v_under, v_fixed, chan_head,
             chan_pos, sink_k, sink_v, sink_slot, scale_zero, bias, threads, scores, sz):
     """All passes in order, one dispatch from Python; returns float32 [B, Hq, D]. Arguments: see the passes;
     k_under, v_under: the code under every key / value outlier (-1: codes vary); v_fixed: the value outliers per
     slot when every slot holds that many (0: counts vary); threads: numba's;
     scores float32 [B, Hq, T], sz float32 [2, B, T]: scratch space (their contents on entry do not matter)."""
     bsz, hq, d = q.shape
+    starts = _starts(k_codes.shape[0], bsz, threads)
     key_scores(q, k_codes, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, starts, scores)
     if k_ptr.shape[0]:
         key_outliers(q, k_codes, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling,
@@ -183,7 +210,7 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, c
             for i in range(items):  # work items in a fixed order
                 out[b, h * (hq // heads):(h + 1) * (hq // heads)] += partial[b, h, i]
                 total[b, h * (hq // heads):(h + 1) * (hq // heads)] += psum[b, h, i]
-    if v_ptr.shape[0] and v_fixed:
+    if v_fixed > 0:
         lanes = np.zeros((threads, bsz, hq, d, LANES), np.float32)
         value_outliers_fixed(scores, v_codes, vlut, v_bits, heads, sz, v_fixed, v_chan, v_val, v_under, chan_head,
                              chan_pos, lanes)
@@ -201,7 +228,8 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, c
         for w in range(4 * threads):
             out += parts[w]
     if has_sinks:
-        sink_values(scores, v_codes, vlut, v_bits, heads, scale_zero, v_ptr, v_chan, v_val, sink_v, sink_slot, out)
+        sink_values(scores, v_codes, vlut, v_bits, heads, scale_zero, v_ptr, v_fixed, v_chan, v_val, sink_v, sink_slot,
+                    out)
     for b in range(bsz):
         for hh in range(hq):
             out[b, hh] /= total[b, hh]
@@ -211,30 +239,87 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, c
 def decode_attention(q: torch.Tensor, kv: CompressedKV, rope: Rope, scaling: float,
                      key_mask: torch.Tensor | None) -> torch.Tensor:
     """See `kvsqueeze.kernels.decode_attention`; q float32 [B, Hq, D] on the CPU -> float32 [B, Hq, D]."""
-    bsz, _, d = q.shape
-    t, h = kv.tokens, kv.heads
-    if bsz * q.shape[1] * t >= 1 << 31:  # vector lanes address the scores with 32-bit offsets
-        raise ValueError(f"{bsz} rows x {q.shape[1]} query heads x {t} tokens is 2**31 scores or more, past what the "
+    klut, vlut = _luts(kv.k_levels, kv.k_scale, kv.k_zero, kv.v_levels)
+    return _run(_np(q), kv.heads, kv.k_bits, kv.v_bits, _np(kv.k_codes).view(np.uint32),
+                _np(kv.v_codes).view(np.uint32), klut, vlut, _half_bits(kv.v_scale_zero), _np(kv.positions),
+                _sparse(kv.k_outliers), _sparse(kv.v_outliers), _fixed(kv.v_outliers, kv.tokens * kv.batch),
+                _half_bits(kv.sink_k), _half_bits(kv.sink_v), _np(kv.sink_slot), rope, scaling, key_mask)
+
+
+def decode_store(q: torch.Tensor, store, positions, heads: int, head_dim: int, rope: Rope, scaling: float,
+                 key_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """See `kvsqueeze.kernels.decode_attention_store`: the store's buffers read as numpy views kept between calls
+    (`GrowableTensor.array`), no `CompressedKV` built. Returns None where the general path must run instead
+    (an input it would reject, with its error message; pointers wider than 32 bits)."""
+    t, b = store.tokens, store.batch
+    bsz, hq, d = q.shape
+    k_out, v_out = store.k_outliers, store.v_outliers
+    if (q.dtype != torch.float32 or d != head_dim or d % 2 or hq % heads or bsz != b or t == 0
+            or heads * head_dim != store.channels or not _pointers_fit(k_out) or not _pointers_fit(v_out)):
+        return None
+    if key_mask is not None and (key_mask.dtype != torch.bool or tuple(key_mask.shape) != (b, t)):
+        return None
+    pos = positions.array() if hasattr(positions, "array") else _np(positions)
+    if pos.ndim != 2 or pos.shape[0] < t or pos.shape[1] != b:
+        return None
+    klut, vlut = _luts(store.kq.levels, store.k_scale, store.k_zero, store.vq.levels)
+    k_sparse = v_sparse = None
+    if k_out is not None and k_out.nnz:
+        k_sparse = (k_out.pointers.array(np.uint32), k_out.channels.array(np.uint16), k_out.values.array(np.uint16),
+                    store.OUTLIER_CODE)
+    v_fixed = 0
+    if v_out is not None and v_out.nnz:
+        v_fixed = v_out.fixed or 0  # a store's fixed-count rows hold exactly that many entries each
+        ptr = _POINTERLESS if v_fixed else v_out.pointers.array(np.uint32)
+        v_sparse = (ptr, v_out.channels.array(np.uint16), v_out.values.array(np.uint16), store.OUTLIER_CODE)
+    sinks = _sink_arrays(store.sink_k, store.sink_v, store.sink_slot)
+    return _run(_np(q), heads, store.k_bits, store.v_bits, store.k_codes.array(np.uint32),
+                store.v_codes.array(np.uint32), klut, vlut, store.v_scale_zero.array(np.uint16), pos[:t],
+                k_sparse, v_sparse, v_fixed, *sinks, rope, scaling, key_mask)
+
+
+def _pointers_fit(sparse) -> bool:
+    """Whether a store's `TokenOutliers` (or None) has no stored row pointers or int32 ones (else: general path)."""
+    return sparse is None or sparse.fixed is not None or sparse.pointers.dtype == torch.int32
+
+
+_POINTERLESS = np.zeros(0, np.uint32)  # fixed-count value outliers: no pass reads row pointers
+_SINKS: dict[int, tuple] = {}  # id(sink_k) -> (the tensors, their numpy views)
+
+
+def _sink_arrays(sink_k: torch.Tensor, sink_v: torch.Tensor, sink_slot: torch.Tensor) -> tuple:
+    """16-bit and int32 numpy views of a store's sink tensors, kept while the store keeps the same tensors."""
+    hit = _SINKS.get(id(sink_k))
+    if hit is None or hit[0][0] is not sink_k or hit[0][1] is not sink_v or hit[0][2] is not sink_slot:
+        if len(_SINKS) > 1024:
+            _SINKS.clear()
+        hit = _SINKS[id(sink_k)] = ((sink_k, sink_v, sink_slot),
+                                    (_half_bits(sink_k), _half_bits(sink_v), _np(sink_slot)))
+    return hit[1]
+
+
+def _run(q, heads, k_bits, v_bits, k_codes, v_codes, klut, vlut, scale_zero, positions, k_sparse, v_sparse, v_fixed,
+         sink_k, sink_v, sink_slot, rope, scaling, key_mask) -> torch.Tensor:
+    """Both entry points end here: numpy inputs (sparse ones from `_sparse` or None) -> float32 [B, Hq, D]."""
+    bsz, hq, d = q.shape
+    t = k_codes.shape[0]
+    if bsz * hq * t >= 1 << 31:  # vector lanes address the scores with 32-bit offsets
+        raise ValueError(f"{bsz} rows x {hq} query heads x {t} tokens is 2**31 scores or more, past what the "
                          "numba backend addresses in one call; use backend='reference' or a shorter cache")
-    positions = _np(kv.positions)
-    if positions.min() < 0:
-        raise ValueError(f"RoPE positions must be >= 0, got {positions.min()}")
-    tab = _tables(rope, int(positions.max()))
-    klut, vlut = _luts(kv)
-    threads = numba.get_num_threads()
+    lo, hi = _position_range(positions)
+    if lo < 0:
+        raise ValueError(f"RoPE positions must be >= 0, got {lo}")
+    tab = _tables(rope, int(hi))
     bias = _NO_BIAS if key_mask is None else np.where(_np(key_mask), np.float32(0), np.float32(-np.inf))
-    args = (
-        _np(q), _np(kv.k_codes).view(np.uint32), _np(kv.v_codes).view(np.uint32), klut, vlut, kv.k_bits, kv.v_bits,
-        h, positions, tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling), _starts(t, bsz, threads),
-        *(_sparse(kv.k_outliers) or _NO_OUTLIERS), *(_sparse(kv.v_outliers) or _NO_OUTLIERS),
-        _fixed(kv.v_outliers, t * bsz), *_channel_maps(h, d),
-        _half_bits(kv.sink_k), _half_bits(kv.sink_v), _np(kv.sink_slot), _half_bits(kv.v_scale_zero),
-        bias.astype(np.float32), threads, _scratch("scores", (bsz, q.shape[1], t)), _scratch("sz", (2, bsz, t)))
     # work items are handed out one at a time: a thread that starts late (woken from sleep after other work,
     # such as torch's, ran on the machine) leaves its items to the others instead of holding up the pass
     chunk = numba.set_parallel_chunksize(1)
     try:
-        out = _attend(*args)
+        out = _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, tab.cos_hi, tab.sin_hi,
+                      tab.cos_lo, tab.sin_lo, np.float32(scaling), *(k_sparse or _NO_OUTLIERS),
+                      *(v_sparse or _NO_OUTLIERS), v_fixed, *_channel_maps(heads, d), sink_k, sink_v, sink_slot,
+                      scale_zero, bias, numba.get_num_threads(), _scratch("scores", bsz * hq * t).reshape(bsz, hq, t),
+                      _scratch("sz", 2 * bsz * t).reshape(2, bsz, t))
     finally:
         numba.set_parallel_chunksize(chunk)
     return torch.from_numpy(out)

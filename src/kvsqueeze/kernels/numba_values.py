@@ -152,10 +152,11 @@ def _dense_value(codes, t, b, c, bits, vlut, scale_zero):
 
 
 @njit(cache=True)
-def sink_values(probs, codes, vlut, bits, heads, scale_zero, pointers, channels, values, sink_v, sink_slot,
+def sink_values(probs, codes, vlut, bits, heads, scale_zero, pointers, fixed, channels, values, sink_v, sink_slot,
                  out):
     """out += probs * (exact - stored) over every channel of every sink, where stored is what the value pass
-    and the outlier pass summed for that slot (its dequantized element or an outlier stored there)."""
+    and the outlier pass summed for that slot (its dequantized element or an outlier stored there).
+    fixed > 0: every slot holds that many outliers (`pointers` is not read); else pointers [T*B + 1] or empty."""
     n_rows = codes.shape[1]
     hq_all, d = out.shape[1], out.shape[2]
     g_size = hq_all // heads
@@ -165,7 +166,9 @@ def sink_values(probs, codes, vlut, bits, heads, scale_zero, pointers, channels,
             if t < 0:
                 continue
             e, e_end = 0, 0
-            if pointers.shape[0] > 0:
+            if fixed > 0:
+                e, e_end = (t * n_rows + b) * fixed, (t * n_rows + b + 1) * fixed
+            elif pointers.shape[0] > 0:
                 e, e_end = pointers[t * n_rows + b], pointers[t * n_rows + b + 1]
             for c in range(heads * d):
                 h, j = c // d, c % d
