@@ -42,6 +42,7 @@ import numba
 import torch
 import torch.nn.functional as F
 
+from kvsqueeze.cache.layer import PositionLog
 from kvsqueeze.cache.storage import QuantizedKV
 from kvsqueeze.datatypes import normal_float_levels
 from kvsqueeze.kernels import Rope, decode_attention_store
@@ -137,7 +138,8 @@ def kernel_rows(args, recipe) -> list[dict]:
     rope, scaling = Rope.default(d), d**-0.5
     rows = []
     for tokens in (int(x) for x in args.contexts.split(",")):
-        positions = torch.arange(tokens, dtype=torch.int32).view(-1, 1)
+        positions = PositionLog()  # the cache's position log, as generate() passes it
+        positions.write(0, torch.arange(tokens, dtype=torch.int32).view(1, -1))
         q = torch.randn(1, hq, d)
         variants = {}
         for i, method in enumerate(args.methods.split(",")):

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from decode import DEFAULT_RECIPE, fill_store, machine, prepare, quantizers
 from numba import njit, prange
 
+from kvsqueeze.cache.layer import PositionLog
 from kvsqueeze.kernels import CompressedKV, Rope, decode_attention_store
 from kvsqueeze.kernels import numba_cpu as nc
 from kvsqueeze.kernels.numba_keys import key_scores, row_max
@@ -71,8 +72,10 @@ def passes(method: str, tokens: int, recipe, heads: int, kv_heads: int, head_dim
     q = torch.randn(1, hq, d)
     rope, scaling = Rope.default(d), d**-0.5
     kv = CompressedKV.from_store(store, positions, h, d)
+    log = PositionLog()  # the cache's position log, as generate() passes it
+    log.write(0, positions.t())
     out = {"whole call": _median_ms(lambda: decode_attention_store(
-        q, store, positions, h, d, rope, scaling, backend="numba"), repeats)}
+        q, store, log, h, d, rope, scaling, backend="numba"), repeats)}
     pos = nc._np(kv.positions)
     tab = nc._tables(rope, int(pos.max()))
     rope_args = (pos, tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling))

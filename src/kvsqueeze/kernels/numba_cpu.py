@@ -117,9 +117,11 @@ def _luts(k_levels: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
     quantizer tensors (fixed for a layer) and rebuilt if one of them is modified in place. The entry holds the
     tensors, so their ids cannot be reused by other tensors while it lives."""
     src = (k_levels, k_scale, k_zero, v_levels)
-    if any(x.is_inference() for x in src):  # inference-mode tensors keep no version counter: build every time
+    try:
+        versions = (k_levels._version, k_scale._version, k_zero._version, v_levels._version)
+    except RuntimeError:  # inference-mode tensors keep no version counter: build every time
         return _build_luts(*src)
-    key, versions = tuple(id(x) for x in src), tuple(x._version for x in src)
+    key = (id(k_levels), id(k_scale), id(k_zero), id(v_levels))
     hit = _LUTS.get(key)
     if hit is None or hit[1] != versions:
         if len(_LUTS) > 1024:
