@@ -1,7 +1,9 @@
 """Where the fused decode kernel spends its time: each pass of the numba backend timed on its own.
 
 For one context length and each method, on the same synthetic stores as
-`decode.py`: the whole `decode_attention_store` call, then each pass called alone in
+`decode.py`: the whole `decode_attention_store` call (the store's buffers read
+in place, as generate() calls it), the whole `decode_attention` call over
+`CompressedKV.from_store` views, then each pass called alone in
 a loop (its inputs prepared once): keys, key outliers, row maxima, values with
 the softmax, value outliers; and dense fp32 SDPA over a cache of the same
 shape, in the same loops. Passes called alone keep their data warm in the
@@ -29,7 +31,7 @@ from decode import DEFAULT_RECIPE, fill_store, machine, prepare, quantizers
 from numba import njit, prange
 
 from kvsqueeze.cache.layer import PositionLog
-from kvsqueeze.kernels import CompressedKV, Rope, decode_attention_store
+from kvsqueeze.kernels import CompressedKV, Rope, decode_attention, decode_attention_store
 from kvsqueeze.kernels import numba_cpu as nc
 from kvsqueeze.kernels.numba_keys import key_scores, row_max
 from kvsqueeze.kernels.numba_sparse import key_outliers, value_outliers, value_outliers_fixed
@@ -75,7 +77,9 @@ def passes(method: str, tokens: int, recipe, heads: int, kv_heads: int, head_dim
     log = PositionLog()  # the cache's position log, as generate() passes it
     log.write(0, positions.t())
     out = {"whole call": _median_ms(lambda: decode_attention_store(
-        q, store, log, h, d, rope, scaling, backend="numba"), repeats)}
+        q, store, log, h, d, rope, scaling, backend="numba"), repeats),
+        "whole call, CompressedKV views": _median_ms(lambda: decode_attention(
+            q, CompressedKV.from_store(store, positions, h, d), rope, scaling, backend="numba"), repeats)}
     pos = nc._np(kv.positions)
     tab = nc._tables(rope, int(pos.max()))
     rope_args = (pos, tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling))
