@@ -21,6 +21,7 @@ from numba import njit
 from .rope import BLOCK
 from .simd import (
     LANES,
+    ushr,
     vadd,
     vfunnel,
     vgather,
@@ -102,10 +103,14 @@ def decode(wb, width, w0, c, bits, lut, row, k):
     Branch-free: one funnel shift of the code's word and the next brings the code to the low bits whether or
     not it straddles them, and the lookup reads only the low four bits; the table repeats with period
     2**bits, so the bits above the code select the same level. wb needs one row past the last word read.
+    2- and 4-bit codes never straddle a word: they take one word and a shift instead.
     """
     off = c * bits
     wi = (off >> 5) - w0
-    words = vfunnel(vload(wb, wi * width + k), vload(wb, (wi + 1) * width + k), off & 31)
+    if bits == 4 or bits == 2:  # such codes never straddle a word: one word, one shift
+        words = ushr(vload(wb, wi * width + k), off & 31)
+    else:
+        words = vfunnel(vload(wb, wi * width + k), vload(wb, (wi + 1) * width + k), off & 31)
     return vlookup(vload(lut, row * LANES), words)
 
 
