@@ -8,6 +8,9 @@ token, so chunking must not matter) and fp16 for each row's first real tokens.
 
 from __future__ import annotations
 
+import copy
+import pickle
+
 import numpy as np
 import pytest
 import torch
@@ -61,6 +64,19 @@ def test_growable_numpy_view_follows_appends_reallocations_and_edits():
     assert buf.array().dtype == np.int32 and np.array_equal(buf.array(), np.full((3, 2), 7, np.int32))
     buf.clear()
     assert buf.array().shape == (0, 2)
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_growable_copies_view_their_own_storage(how):
+    buf = GrowableTensor((2,), torch.int32)
+    buf.append(torch.ones(5, 2, dtype=torch.int32))
+    buf.array()  # a numpy view kept in the original
+    dup = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda b: pickle.loads(pickle.dumps(b))}[how](buf)
+    if how != "copy":  # a shallow copy shares the storage itself
+        assert not np.shares_memory(dup.array(), buf.array())
+    dup.append(torch.full((3, 2), 7, dtype=torch.int32))  # into spare capacity: no reallocation
+    assert np.shares_memory(dup.array(), dup._data.numpy())
+    assert np.array_equal(dup.array(), dup.view().numpy()) and dup.array()[-1].tolist() == [7, 7]
 
 
 # ---- CSC / CSR outliers ---------------------------------------------------------------------

@@ -9,6 +9,7 @@ widths, head widths, GQA ratios, batch, lengths, outliers and sinks; and
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 
 import pytest
@@ -332,6 +333,28 @@ def test_fused_decode_logits_match_dense_step_by_step(tiny_llama, tiny_recipe):
             got += [tiny_llama(ids[:, t : t + 1], cache=fused, use_cache=True).logits[:, -1] for t in range(20, 40)]
         finally:
             handle.close()
+    torch.testing.assert_close(torch.stack(got), torch.stack(expected), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not FAST_BACKENDS, reason="no fast backend on this machine")
+def test_deep_copy_of_a_cache_decodes_like_the_original(tiny_llama, tiny_recipe):
+    """Prompt reuse (deepcopy a filled cache, decode from the copy) after the fast kernel read the original."""
+    from conftest import random_ids
+
+    import kvsqueeze
+    from kvsqueeze.integrations.fused import enable_fused_decode
+
+    ids = random_ids(1, 40, seed=11)
+    with torch.no_grad():
+        dense, fused = (kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq3-1%") for _ in range(2))
+        expected = [tiny_llama(ids[:, :20], cache=dense, use_cache=True).logits[:, -1]]
+        expected += [tiny_llama(ids[:, t : t + 1], cache=dense, use_cache=True).logits[:, -1] for t in range(20, 40)]
+        with enable_fused_decode(tiny_llama, fused, FAST_BACKENDS[0]):
+            got = [tiny_llama(ids[:, :20], cache=fused, use_cache=True).logits[:, -1]]
+            got += [tiny_llama(ids[:, t : t + 1], cache=fused, use_cache=True).logits[:, -1] for t in range(20, 30)]
+        dup = copy.deepcopy(fused)  # 30 tokens in buffers of 32 rows: the copy's next appends need no reallocation
+        with enable_fused_decode(tiny_llama, dup, FAST_BACKENDS[0]):
+            got += [tiny_llama(ids[:, t : t + 1], cache=dup, use_cache=True).logits[:, -1] for t in range(30, 40)]
     torch.testing.assert_close(torch.stack(got), torch.stack(expected), atol=1e-4, rtol=1e-4)
 
 

@@ -34,6 +34,11 @@ class GrowableTensor:
     def __len__(self) -> int:
         return self.length
 
+    def __getstate__(self) -> dict:
+        # a copy (copy.copy, deepcopy, pickle) gets its own views: a copied numpy view would not share the copied
+        # storage, and the copy's appends would never reach it
+        return {**self.__dict__, "_arrays": {}}
+
     def view(self) -> torch.Tensor:
         """The rows in use, [length, *row_shape] (a view: do not keep it across appends)."""
         return self._data[: self.length]
