@@ -358,6 +358,35 @@ def test_deep_copy_of_a_cache_decodes_like_the_original(tiny_llama, tiny_recipe)
     torch.testing.assert_close(torch.stack(got), torch.stack(expected), atol=1e-4, rtol=1e-4)
 
 
+def test_fused_decode_follows_beam_reordering_and_crops(tiny_llama, tiny_recipe):
+    """Beam search reorders the cache's rows between steps; a crop truncates it (speculative decoding)."""
+    from conftest import random_ids
+
+    import kvsqueeze
+    from kvsqueeze.integrations.fused import fused_decode
+
+    model = tiny_llama
+    ids = random_ids(2, 12, seed=3)
+    kw = {"max_new_tokens": 10, "min_new_tokens": 10, "do_sample": False, "num_beams": 3, "pad_token_id": 0}
+    long = random_ids(1, 40, seed=5)
+    with torch.no_grad():
+        expected = model.generate(ids, cache=kvsqueeze.cache_for(model, tiny_recipe, "nuq3-1%"), **kw)
+        dense = kvsqueeze.cache_for(model, tiny_recipe, "nuq3-1%")
+        model(long[:, :20], cache=dense, use_cache=True)
+        steps = [model(long[:, t : t + 1], cache=dense, use_cache=True).logits[:, -1] for t in range(20, 30)]
+        cache, cropped = (kvsqueeze.cache_for(model, tiny_recipe, "nuq3-1%") for _ in range(2))
+        with fused_decode(model, cache):
+            got = model.generate(ids, cache=cache, **kw)
+        with fused_decode(model, cropped):
+            model(long[:, :20], cache=cropped, use_cache=True)
+            for t in range(20, 36):
+                model(long[:, t : t + 1], cache=cropped, use_cache=True)
+            cropped.crop(-16)  # back to the prompt: the steps after it must not see the dropped tokens
+            again = [model(long[:, t : t + 1], cache=cropped, use_cache=True).logits[:, -1] for t in range(20, 30)]
+    assert torch.equal(got, expected)
+    torch.testing.assert_close(torch.stack(again), torch.stack(steps), atol=1e-4, rtol=1e-4)
+
+
 def test_fused_decode_needs_a_compressed_cache(tiny_llama, tiny_recipe):
     import kvsqueeze
     from kvsqueeze.integrations.fused import enable_fused_decode
