@@ -155,6 +155,27 @@ def test_recipe_of_another_seed_is_rejected(tiny_recipe):
         SimulatedQuantization(other, parse_method("nuq3-1%"), tiny_recipe)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_recipe_serves_the_same_model_at_another_precision(tiny_recipe, tiny_recipe_dir, dtype):
+    model = tiny_model("llama", seed=0).to(dtype)  # calibrated in fp32, served in half precision
+    assert model_fingerprint(model)["k_proj_sha256"] != tiny_recipe.meta["model"]["fingerprint"]["k_proj_sha256"]
+    tiny_recipe.check_model(model)  # no error
+    Recipe.load(tiny_recipe_dir).check_model(model)  # the probes survive the JSON round trip
+    SimulatedQuantization(model, parse_method("nuq3-1%"), tiny_recipe)
+    with torch.no_grad():  # a change of the weights far smaller than another model's is still refused
+        model.model.layers[0].self_attn.k_proj.weight.mul_(1.05)
+    with pytest.raises(RecipeError, match="k_proj_sha256.*differ by more than a change of precision"):
+        tiny_recipe.check_model(model)
+
+
+def test_recipe_without_probes_needs_the_exact_weights(tiny_recipe):
+    old = Recipe(meta=json.loads(json.dumps(tiny_recipe.meta)), tensors=tiny_recipe.tensors)
+    del old.meta["model"]["fingerprint"]["k_proj_probe"]
+    old.check_model(tiny_model("llama", seed=0))  # no error
+    with pytest.raises(RecipeError, match="k_proj_sha256"):
+        old.check_model(tiny_model("llama", seed=0).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("overrides,field", [
     (dict(num_key_value_heads=4), "kv_heads"),
     (dict(num_hidden_layers=3), "layers"),

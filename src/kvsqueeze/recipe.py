@@ -45,13 +45,20 @@ def codebook_key(layer: int, kv: str, bits: int, fraction: float, scope: str, fi
     return f"layers.{layer}.codebook.{kv}.b{bits}.{pct_tag(fraction)}.{scope}.{fit}"
 
 
+PROBES = 128  # first-k_proj weights the fingerprint keeps, evenly spaced over the matrix
+PROBE_RTOL = 2.0**-7  # 4x bf16's rounding error: the same weights in fp32, bf16 or fp16 agree within it
+PROBE_ATOL = 2.0**-24  # fp16's subnormal spacing
+
+
 def model_fingerprint(model) -> dict:
-    """Shapes plus a hash of the first key projection's weights: enough to tell models apart."""
+    """Shapes, a hash of the first key projection's weights and a few of those weights (`same_weights`)."""
     from .integrations.models import kv_shape
     from .integrations.modules import attention_modules
 
     shape = kv_shape(model.config)
     first = attention_modules(model)[0].k_proj.weight.detach().float().cpu().contiguous()
+    flat = first.view(-1)
+    probe = flat[torch.linspace(0, flat.numel() - 1, min(PROBES, flat.numel())).round().long()]
     return {
         "layers": shape.layers,
         "heads": shape.heads,
@@ -60,7 +67,24 @@ def model_fingerprint(model) -> dict:
         "hidden_size": int(model.config.hidden_size),
         "vocab_size": int(model.config.vocab_size),
         "k_proj_sha256": hashlib.sha256(first.numpy().tobytes()).hexdigest()[:16],
+        "k_proj_probe": probe.tolist(),
     }
+
+
+def same_weights(recipe_fp: dict, model_fp: dict) -> bool:
+    """Whether two fingerprints of equal shapes come from the same weights, possibly at another precision.
+
+    The hash tells equal weights apart exactly; a model calibrated in fp32 and served in bf16 or fp16 hashes
+    otherwise, but its probed weights agree within that precision's rounding. (A recipe without probes, from
+    before they were recorded, must match the hash.)
+    """
+    if recipe_fp.get("k_proj_sha256") == model_fp["k_proj_sha256"]:
+        return True
+    a, b = recipe_fp.get("k_proj_probe"), model_fp["k_proj_probe"]
+    if not isinstance(a, list) or len(a) != len(b):
+        return False
+    x, y = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return bool(((x - y).abs() <= PROBE_RTOL * torch.maximum(x.abs(), y.abs()) + PROBE_ATOL).all())
 
 
 @dataclass
@@ -93,10 +117,15 @@ class Recipe:
 
     # ---- model check ---------------------------------------------------------------------
     def check_model(self, model) -> None:
-        """Raise RecipeError unless this recipe was calibrated on `model`."""
+        """Raise RecipeError unless this recipe was calibrated on `model` (at any of fp32, bf16, fp16)."""
         want = self.meta.get("model", {}).get("fingerprint", {})
         have = model_fingerprint(model)
-        diff = [f"{k}: recipe {want.get(k)} vs model {have[k]}" for k in have if want.get(k) != have[k]]
+        weights = ("k_proj_sha256", "k_proj_probe")
+        diff = [f"{k}: recipe {want.get(k)} vs model {have[k]}" for k in have
+                if k not in weights and want.get(k) != have[k]]
+        if not diff and not same_weights(want, have):
+            diff = [f"k_proj_sha256: recipe {want.get('k_proj_sha256')} vs model {have['k_proj_sha256']}, "
+                    "and its weights differ by more than a change of precision would"]
         if diff:
             raise RecipeError(
                 f"recipe was calibrated on model {self.meta.get('model', {}).get('id')!r}, not on this one "
