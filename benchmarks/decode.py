@@ -7,7 +7,13 @@ store, the call a decode step of `generate()` makes (numba backend, and the
 pure-torch reference backend) for each method, against torch SDPA
 (`enable_gqa=True`, the fastest dense call) over fp32 and bf16 caches of the
 same shape. Every variant is timed once per round, round after round, so a
-change of machine load hits them all alike; medians are reported.
+change of machine load hits them all alike; medians are reported. The order
+within a round rotates from round to round: a call right after a dense torch
+call (whose threads have just run and filled the caches) is slower than one
+right after another fused call, and in a fixed order the variant that always
+came first carried that alone. The reference backend (hundreds of ms and
+gigabytes of temporaries at long contexts, which leave the next call with
+nothing cached) is timed after the other rounds, in a third as many.
 
 The stores hold synthetic pre-RoPE keys and values with heavy tails (Student
 t, 5 degrees of freedom) whose per-channel key ranges come from the recipe's
@@ -168,12 +174,16 @@ def kernel_rows(args, recipe) -> list[dict]:
         times = {key: [] for key in variants}
         for f in variants.values():
             f()  # warm-up (and numba compilation / cache load)
+        fast = [key for key in variants if key[1] != "reference"]
         for r in range(args.rounds):
-            for key, f in variants.items():
-                if key[1] == "reference" and r % 3:
-                    continue
+            for key in fast[r % len(fast):] + fast[: r % len(fast)]:  # every variant takes every place in turn
                 t0 = time.perf_counter()
-                f()
+                variants[key]()
+                times[key].append(time.perf_counter() - t0)
+        for _ in range(max(1, args.rounds // 3)):  # the reference after them: see the module's docstring
+            for key in [key for key in variants if key not in fast]:
+                t0 = time.perf_counter()
+                variants[key]()
                 times[key].append(time.perf_counter() - t0)
         for (method, backend), ts in times.items():
             rows.append({"context": tokens, "method": method, "backend": backend,
@@ -263,7 +273,8 @@ def main(argv=None) -> None:
     payload = {"rows": rows, "ratios": ratios(rows), "machine": info,
                "shape": {"query_heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "batch": 1},
                "quantizers": f"recipe {args.recipe} (middle layer)" if recipe else "synthetic, NormalFloat levels",
-               "timing": f"median of {args.rounds} interleaved rounds (reference: a third of them)",
+               "timing": f"median of {args.rounds} interleaved rounds, the order rotated each round "
+                         f"(reference: {max(1, args.rounds // 3)} rounds after them)",
                "layers": args.layers}
     if args.e2e:
         payload["e2e"] = e2e_rows(args, recipe)
