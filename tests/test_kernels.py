@@ -316,6 +316,12 @@ def test_generate_fused_equals_dense_path(tiny_llama, tiny_recipe, method, monke
     assert all(type(layer) is KVQuantLayer for layer in cache.layers)
 
 
+def _step_logits(model, cache, ids, start: int, stop: int, prefill: bool = False) -> list[torch.Tensor]:
+    """Last-position logits: of ids[:, :start] in one forward (when `prefill`), then of each token start..stop-1."""
+    out = [model(ids[:, :start], cache=cache, use_cache=True).logits[:, -1]] if prefill else []
+    return out + [model(ids[:, t : t + 1], cache=cache, use_cache=True).logits[:, -1] for t in range(start, stop)]
+
+
 def test_fused_decode_logits_match_dense_step_by_step(tiny_llama, tiny_recipe):
     from conftest import random_ids
 
@@ -325,12 +331,10 @@ def test_fused_decode_logits_match_dense_step_by_step(tiny_llama, tiny_recipe):
     ids = random_ids(1, 40, seed=9)
     with torch.no_grad():
         dense, fused = (kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq3-1%") for _ in range(2))
-        expected = [tiny_llama(ids[:, :20], cache=dense, use_cache=True).logits[:, -1]]
-        expected += [tiny_llama(ids[:, t : t + 1], cache=dense, use_cache=True).logits[:, -1] for t in range(20, 40)]
+        expected = _step_logits(tiny_llama, dense, ids, 20, 40, prefill=True)
         handle = enable_fused_decode(tiny_llama, fused, "reference")
         try:
-            got = [tiny_llama(ids[:, :20], cache=fused, use_cache=True).logits[:, -1]]
-            got += [tiny_llama(ids[:, t : t + 1], cache=fused, use_cache=True).logits[:, -1] for t in range(20, 40)]
+            got = _step_logits(tiny_llama, fused, ids, 20, 40, prefill=True)
         finally:
             handle.close()
     torch.testing.assert_close(torch.stack(got), torch.stack(expected), atol=1e-4, rtol=1e-4)
@@ -347,14 +351,12 @@ def test_deep_copy_of_a_cache_decodes_like_the_original(tiny_llama, tiny_recipe)
     ids = random_ids(1, 40, seed=11)
     with torch.no_grad():
         dense, fused = (kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq3-1%") for _ in range(2))
-        expected = [tiny_llama(ids[:, :20], cache=dense, use_cache=True).logits[:, -1]]
-        expected += [tiny_llama(ids[:, t : t + 1], cache=dense, use_cache=True).logits[:, -1] for t in range(20, 40)]
+        expected = _step_logits(tiny_llama, dense, ids, 20, 40, prefill=True)
         with enable_fused_decode(tiny_llama, fused, FAST_BACKENDS[0]):
-            got = [tiny_llama(ids[:, :20], cache=fused, use_cache=True).logits[:, -1]]
-            got += [tiny_llama(ids[:, t : t + 1], cache=fused, use_cache=True).logits[:, -1] for t in range(20, 30)]
+            got = _step_logits(tiny_llama, fused, ids, 20, 30, prefill=True)
         dup = copy.deepcopy(fused)  # 30 tokens in buffers of 32 rows: the copy's next appends need no reallocation
         with enable_fused_decode(tiny_llama, dup, FAST_BACKENDS[0]):
-            got += [tiny_llama(ids[:, t : t + 1], cache=dup, use_cache=True).logits[:, -1] for t in range(30, 40)]
+            got += _step_logits(tiny_llama, dup, ids, 30, 40)
     torch.testing.assert_close(torch.stack(got), torch.stack(expected), atol=1e-4, rtol=1e-4)
 
 
@@ -372,17 +374,14 @@ def test_fused_decode_follows_beam_reordering_and_crops(tiny_llama, tiny_recipe)
     with torch.no_grad():
         expected = model.generate(ids, cache=kvsqueeze.cache_for(model, tiny_recipe, "nuq3-1%"), **kw)
         dense = kvsqueeze.cache_for(model, tiny_recipe, "nuq3-1%")
-        model(long[:, :20], cache=dense, use_cache=True)
-        steps = [model(long[:, t : t + 1], cache=dense, use_cache=True).logits[:, -1] for t in range(20, 30)]
+        steps = _step_logits(model, dense, long, 20, 30, prefill=True)[1:]
         cache, cropped = (kvsqueeze.cache_for(model, tiny_recipe, "nuq3-1%") for _ in range(2))
         with fused_decode(model, cache):
             got = model.generate(ids, cache=cache, **kw)
         with fused_decode(model, cropped):
-            model(long[:, :20], cache=cropped, use_cache=True)
-            for t in range(20, 36):
-                model(long[:, t : t + 1], cache=cropped, use_cache=True)
+            _step_logits(model, cropped, long, 20, 36, prefill=True)
             cropped.crop(-16)  # back to the prompt: the steps after it must not see the dropped tokens
-            again = [model(long[:, t : t + 1], cache=cropped, use_cache=True).logits[:, -1] for t in range(20, 30)]
+            again = _step_logits(model, cropped, long, 20, 30)
     assert torch.equal(got, expected)
     torch.testing.assert_close(torch.stack(again), torch.stack(steps), atol=1e-4, rtol=1e-4)
 

@@ -124,8 +124,8 @@ class Recipe:
         diff = [f"{k}: recipe {want.get(k)} vs model {have[k]}" for k in have
                 if k not in weights and want.get(k) != have[k]]
         if not diff and not same_weights(want, have):
-            diff = [f"k_proj_sha256: recipe {want.get('k_proj_sha256')} vs model {have['k_proj_sha256']}, "
-                    "and its weights differ by more than a change of precision would"]
+            diff = [(f"k_proj_sha256: recipe {want.get('k_proj_sha256')} vs model {have['k_proj_sha256']}, "
+                     "and its weights differ by more than a change of precision would")]
         if diff:
             raise RecipeError(
                 f"recipe was calibrated on model {self.meta.get('model', {}).get('id')!r}, not on this one "
