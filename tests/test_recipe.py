@@ -174,6 +174,9 @@ def test_recipe_without_probes_needs_the_exact_weights(tiny_recipe):
     old.check_model(tiny_model("llama", seed=0))  # no error
     with pytest.raises(RecipeError, match="k_proj_sha256"):
         old.check_model(tiny_model("llama", seed=0).to(torch.bfloat16))
+    old.meta["model"]["fingerprint"]["k_proj_probe"] = ["x"] * 128  # a hand-edited file: an error, not a crash
+    with pytest.raises(RecipeError, match="k_proj_sha256"):
+        old.check_model(tiny_model("llama", seed=0).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("overrides,field", [
