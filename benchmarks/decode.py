@@ -138,6 +138,11 @@ def fill_store(kq: VectorQuantizer, vq: VectorQuantizer, tokens: int, channels: 
 
 
 # ---- kernel timing -----------------------------------------------------------------------------------
+def reference_rounds(args) -> int:
+    """Rounds of the (slow) reference backend, timed after the others: a third as many."""
+    return max(1, args.rounds // 3)
+
+
 def kernel_rows(args, recipe) -> list[dict]:
     h, d, hq = args.kv_heads, args.head_dim, args.heads
     c = h * d
@@ -175,16 +180,12 @@ def kernel_rows(args, recipe) -> list[dict]:
         for f in variants.values():
             f()  # warm-up (and numba compilation / cache load)
         fast = [key for key in variants if key[1] != "reference"]
-        for r in range(args.rounds):
-            for key in fast[r % len(fast):] + fast[: r % len(fast)]:  # every variant takes every place in turn
-                t0 = time.perf_counter()
-                variants[key]()
-                times[key].append(time.perf_counter() - t0)
-        for _ in range(max(1, args.rounds // 3)):  # the reference after them: see the module's docstring
-            for key in [key for key in variants if key not in fast]:
-                t0 = time.perf_counter()
-                variants[key]()
-                times[key].append(time.perf_counter() - t0)
+        rounds = [fast[r % len(fast):] + fast[: r % len(fast)] for r in range(args.rounds)]  # every place in turn
+        rounds += [[key for key in variants if key not in fast]] * reference_rounds(args)  # see the docstring
+        for key in itertools.chain.from_iterable(rounds):
+            t0 = time.perf_counter()
+            variants[key]()
+            times[key].append(time.perf_counter() - t0)
         for (method, backend), ts in times.items():
             rows.append({"context": tokens, "method": method, "backend": backend,
                          "median_ms": round(1e3 * statistics.median(ts), 3), "min_ms": round(1e3 * min(ts), 3),
@@ -274,7 +275,7 @@ def main(argv=None) -> None:
                "shape": {"query_heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "batch": 1},
                "quantizers": f"recipe {args.recipe} (middle layer)" if recipe else "synthetic, NormalFloat levels",
                "timing": f"median of {args.rounds} interleaved rounds, the order rotated each round "
-                         f"(reference: {max(1, args.rounds // 3)} rounds after them)",
+                         f"(reference: {reference_rounds(args)} rounds after them)",
                "layers": args.layers}
     if args.e2e:
         payload["e2e"] = e2e_rows(args, recipe)
