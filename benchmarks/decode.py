@@ -2,11 +2,12 @@
 
 Kernel rows: one decode step of attention (one query token) for one layer of
 the default model's shape (9 query heads over 3 KV heads, head_dim 64) at each
-context length: `kvsqueeze.kernels.decode_attention_store` over a compressed
-store, the call a decode step of `generate()` makes (numba backend, and the
-pure-torch reference backend) for each method, against torch SDPA
+context length: `kvsqueeze.kernels.decode_attention` over a compressed
+store's view, the call a decode step of `generate()` makes (numba backend, and
+the pure-torch reference backend) for each method, against torch SDPA
 (`enable_gqa=True`, the fastest dense call) over fp32 and bf16 caches of the
-same shape. Every variant is timed once per round, round after round, so a
+same shape. Before any timing, the fused result is checked against the
+reference backend on the very store it is timed on. Every variant is timed once per round, round after round, so a
 change of machine load hits them all alike; medians are reported. The order
 within a round rotates from round to round: a call right after a dense torch
 call (whose threads have just run and filled the caches) is slower than one
@@ -26,6 +27,9 @@ prompt, decode tokens/s (prefill timed apart) for the compressed cache with
 fused decode, `DynamicCache` and transformers' `QuantizedCache` (quanto).
 
     python benchmarks/decode.py --contexts 2048,8192,32768,131072 --threads 2 [--layers 8] [--e2e]
+
+The layer shape is the recipe's model's (`--recipe`, default `out/recipe`, which `make demo` writes);
+without a recipe pass `--heads`, `--kv-heads` and `--head-dim`.
 
 `--layers N` keeps N distinct copies of every cache and calls them in turn:
 once they outgrow the last-level cache, each call reads its cache from
@@ -48,12 +52,13 @@ import numba
 import torch
 import torch.nn.functional as F
 
-from kvsqueeze.cache.layer import PositionLog
-from kvsqueeze.cache.storage import QuantizedKV
+from kvsqueeze.cache.positions import PositionLog
+from kvsqueeze.cache.store import KVStore
+from kvsqueeze.config import DEFAULT_MODEL
 from kvsqueeze.datatypes import normal_float_levels
-from kvsqueeze.kernels import Rope, decode_attention_store
+from kvsqueeze.kernels import Rope, decode_attention
 from kvsqueeze.methods import parse_method
-from kvsqueeze.schemes import VectorQuantizer, build_quantizers
+from kvsqueeze.quantizer import VectorQuantizer, build_quantizers
 
 DEFAULT_RECIPE = "out/recipe"  # where `make demo` writes the default model's recipe
 TAIL_DF = 5.0  # Student-t degrees of freedom of the synthetic activations
@@ -64,9 +69,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--contexts", default="2048,8192,32768,131072", help="cached tokens, comma-separated")
     p.add_argument("--methods", default="nuq4-1%,nuq3-1%,nuq2-1%")
-    p.add_argument("--heads", type=int, default=9, help="query heads (default: the default model's)")
-    p.add_argument("--kv-heads", type=int, default=3)
-    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--heads", type=int, help="query heads (default: the recipe's model's)")
+    p.add_argument("--kv-heads", type=int, help="KV heads (default: the recipe's model's)")
+    p.add_argument("--head-dim", type=int, help="head width (default: the recipe's model's)")
     p.add_argument("--threads", type=int, default=2, help="torch and numba threads")
     p.add_argument("--rounds", type=int, default=15, help="timing rounds (the reference backend: a third)")
     p.add_argument("--layers", type=int, default=1,
@@ -76,7 +81,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recipe", default=DEFAULT_RECIPE if Path(DEFAULT_RECIPE).exists() else None)
     p.add_argument("--no-reference", action="store_true", help="skip the (slow) reference backend")
     p.add_argument("--e2e", action="store_true", help="also time greedy decoding on the default model")
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--prompt", type=int, default=8192, help="e2e prompt tokens")
     p.add_argument("--new", type=int, default=32, help="e2e decoded tokens")
     p.add_argument("--e2e-methods", default="nuq3-1%,nuq4-1%")
@@ -121,13 +126,13 @@ def quantizers(method: str, recipe, channels: int, seed: int = 0) -> tuple[Vecto
     return kq, VectorQuantizer(normal_float_levels(spec.v_bits), "token", spec.outlier_fraction)
 
 
-def fill_store(kq: VectorQuantizer, vq: VectorQuantizer, tokens: int, channels: int, sinks: int,
-               seed: int = 0, chunk: int = 8192) -> QuantizedKV:
+def fill_store(kq: VectorQuantizer, vq: VectorQuantizer, tokens: int, channels: int, head_dim: int, sinks: int,
+               positions: PositionLog, seed: int = 0, chunk: int = 8192) -> KVStore:
     """A one-row store of `tokens` heavy-tailed tokens whose keys fit the key quantizer's channel ranges."""
     g = torch.Generator().manual_seed(seed)
     center, half = (kq.hi + kq.lo) / 2, (kq.hi - kq.lo) / 2
     tdist = torch.distributions.StudentT(TAIL_DF)
-    store = QuantizedKV(kq, vq, channels, sinks)
+    store = KVStore(kq, vq, channels, sinks, head_dim=head_dim, positions=positions)
     for start in range(0, tokens, chunk):
         n = min(chunk, tokens - start)
         torch.manual_seed(seed + start)
@@ -143,24 +148,45 @@ def reference_rounds(args) -> int:
     return max(1, args.rounds // 3)
 
 
+def shape(args, recipe) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim): given, or the recipe's model's."""
+    given = (args.heads, args.kv_heads, args.head_dim)
+    if all(given):
+        return given
+    if recipe is None:
+        raise SystemExit("no recipe to read the layer shape from: pass --recipe DIR, or --heads, --kv-heads and "
+                         "--head-dim")
+    fp = recipe.meta["model"]["fingerprint"]
+    return tuple(g or fp[k] for g, k in zip(given, ("heads", "kv_heads", "head_dim")))
+
+
+def check(q, store: KVStore, rope: Rope, scaling: float, method: str, tokens: int) -> None:
+    """The fused result must equal the reference on the store it is timed on, before it is timed."""
+    got = decode_attention(q, store.view(), rope, scaling, backend="numba")
+    want = decode_attention(q, store.view(), rope, scaling, backend="reference")
+    err = float((got - want).abs().max())
+    if not torch.allclose(got, want, atol=2e-5, rtol=1e-4):
+        raise SystemExit(f"{method} at {tokens} tokens: the numba backend differs from the reference by {err:.3g}")
+
+
 def kernel_rows(args, recipe) -> list[dict]:
-    h, d, hq = args.kv_heads, args.head_dim, args.heads
+    hq, h, d = shape(args, recipe)
     c = h * d
     rope, scaling = Rope.default(d), d**-0.5
     rows = []
     for tokens in (int(x) for x in args.contexts.split(",")):
-        positions = PositionLog()  # the cache's position log, as generate() passes it
-        positions.write(0, torch.arange(tokens, dtype=torch.int32).view(1, -1))
         q = torch.randn(1, hq, d)
         variants = {}
         for i, method in enumerate(args.methods.split(",")):
             kq, vq = quantizers(method, recipe, c, seed=i)
-            store = fill_store(kq, vq, tokens, c, parse_method(method).sinks, seed=i)
+            positions = PositionLog()  # one per cache, as the stores of a generate() cache share theirs
+            store = fill_store(kq, vq, tokens, c, d, parse_method(method).sinks, positions, seed=i)
+            check(q, store, rope, scaling, method, tokens)
             layers = [store] + [copy.deepcopy(store) for _ in range(args.layers - 1)]  # equal, in distinct memory
             turn = itertools.cycle(layers)
 
-            def fused(turn=turn, q=q, positions=positions, backend="numba"):  # as a decode step of generate()
-                decode_attention_store(q, next(turn), positions, h, d, rope, scaling, backend=backend)
+            def fused(turn=turn, q=q, backend="numba"):  # as a decode step of generate()
+                decode_attention(q, next(turn).view(), rope, scaling, backend=backend)
 
             variants[(method, "numba")] = fused
             if not args.no_reference:
@@ -272,7 +298,7 @@ def main(argv=None) -> None:
     info = machine()
     rows = kernel_rows(args, recipe)
     payload = {"rows": rows, "ratios": ratios(rows), "machine": info,
-               "shape": {"query_heads": args.heads, "kv_heads": args.kv_heads, "head_dim": args.head_dim, "batch": 1},
+               "shape": dict(zip(("query_heads", "kv_heads", "head_dim"), shape(args, recipe)), batch=1),
                "quantizers": f"recipe {args.recipe} (middle layer)" if recipe else "synthetic, NormalFloat levels",
                "timing": f"median of {args.rounds} interleaved rounds, the order rotated each round "
                          f"(reference: {reference_rounds(args)} rounds after them)",

@@ -26,11 +26,13 @@ from pathlib import Path
 import torch
 
 from kvsqueeze import cache_for
+from kvsqueeze.config import DEFAULT_MODEL
 from kvsqueeze.eval.texts import DEFAULT_TEXT, load_text, token_windows
-from kvsqueeze.integrations.models import DEFAULT_MODEL, kv_shape, load_model
+from kvsqueeze.integrations.models import load_model
 from kvsqueeze.integrations.modules import attention_modules
 from kvsqueeze.methods import parse_method, storage_bits
 from kvsqueeze.recipe import Recipe
+from kvsqueeze.shape import kv_shape
 
 FP16_BYTES = 2
 

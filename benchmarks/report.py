@@ -1,13 +1,24 @@
-"""Render the benchmark JSON files in benchmarks/results/ as the Markdown tables of the README.
+"""Render the benchmark JSON files in benchmarks/results/ as the Markdown tables of README.md and docs/results.md.
 
-    python benchmarks/report.py [--results benchmarks/results]
+Each table stands in those files between `<!-- report:NAME -->` and `<!-- /report:NAME -->`; this script
+rewrites what is between the markers from the JSON and leaves the prose around them alone.
+
+    python benchmarks/report.py            # rewrite the tables of README.md and docs/results.md
+    python benchmarks/report.py --check    # exit 1 when a table differs from what the JSON gives
+    python benchmarks/report.py --print    # print every table
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
+import sys
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "results.md")
+HEADLINE = ("fp16", "nuq4-1%", "nuq3-1%", "nuq2-1%", "nuq3", "kivi2", "nf3", "int3")  # the `make demo` methods
 
 
 def _load(d: Path, name: str) -> dict | None:
@@ -32,12 +43,16 @@ def describe(name: str) -> str:
     return f"{bits}{dtype}, {keys}{extra}"
 
 
-def ladder(data: dict) -> str:
+def ladder(data: dict, methods: tuple[str, ...] | None = None) -> str:
     base = next(r["ppl"] for r in data["rows"] if r["method"] == "fp16")
     out = [f"{data['model']}, {data['text']}, {data['windows']} windows of {data['seqlen']} tokens "
            f"({data.get('machine', 'x86_64, 2 cores')})\n", "| method | what | avg bits | PPL | vs fp16 |", "|---|---|---:|---:|---:|"]
-    for r in data["rows"]:
-        step = r.get("step", "")
+    rows = data["rows"]
+    if methods is not None:
+        at = {r["method"]: r for r in rows}
+        rows = [at[m] for m in methods if m in at]
+    for r in rows:
+        step = r.get("step", "") if methods is None else ""  # a selection describes each method on its own
         what = step if step and not step.endswith("-bit") else describe(r["method"])
         out.append(f"| `{r['method']}` | {what} | {r['avg_bits']:.2f} | {r['ppl']:.3f} | "
                    f"{(r['ppl'] / base - 1) * 100:+.2f}% |")
@@ -126,11 +141,60 @@ def decode_passes(data: dict) -> str:
     return "\n".join(out)
 
 
-def main() -> None:
+def decode_ratios(data: dict) -> str:
+    """Dense fp32 SDPA time over fused time per method and context (the headline of a decode run)."""
+    table = decode(data).split("\n")
+    start = next(i for i, line in enumerate(table) if line.startswith("Dense fp32 SDPA time over fused time"))
+    end = next((i for i in range(start + 3, len(table)) if not table[i].startswith("|")), len(table))
+    return "\n".join(table[start + 2: end])
+
+
+def e2e(data: dict) -> str:
+    table = decode(data).split("\n")
+    start = next(i for i, line in enumerate(table) if line.startswith("| cache | prompt"))
+    return "\n".join(table[start:])
+
+
+# block name -> (JSON file, renderer)
+BLOCKS = {
+    "ladder": ("ladder.json", ladder),
+    "ladder-headline": ("ladder.json", lambda d: ladder(d, HEADLINE)),
+    "mixed-bits": ("eval_mixed_bits.json", ladder),
+    "memory": ("memory.json", memory),
+    "longctx": ("longctx.json", longctx),
+    "decode": ("decode.json", decode),
+    "decode-ratios": ("decode.json", decode_ratios),
+    "decode-e2e": ("decode.json", e2e),
+    "decode-1thread-ratios": ("decode_1thread.json", decode_ratios),
+    "decode-30layers-ratios": ("decode_30layers.json", decode_ratios),
+    "decode-passes": ("decode_passes.json", decode_passes),
+    "decode-passes-cold": ("decode_passes_cold.json", decode_passes),
+}
+_BLOCK = re.compile(r"(<!-- report:(?P<name>[a-z0-9-]+) -->\n)(?P<body>.*?)(<!-- /report:(?P=name) -->)", re.S)
+
+
+def render(name: str, results: Path) -> str:
+    if name not in BLOCKS:
+        raise SystemExit(f"unknown report block {name!r}; known: {', '.join(BLOCKS)}")
+    file, fn = BLOCKS[name]
+    data = _load(results, file)
+    if data is None:
+        raise SystemExit(f"block {name!r} needs {results / file}, which is missing: run its benchmark")
+    return fn(data)
+
+
+def fill(text: str, results: Path) -> str:
+    """`text` with every marked block rewritten from the JSON."""
+    return _BLOCK.sub(lambda m: m[1] + render(m["name"], results) + "\n" + m[4], text)
+
+
+def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--results", default=str(Path(__file__).parent / "results"))
+    ap.add_argument("--check", action="store_true", help="only check that the documents' tables are current")
+    ap.add_argument("--print", action="store_true", help="print every table instead of writing the documents")
     ap.add_argument("--plot", action="store_true", help="also redraw ppl_by_length.png from longctx.json")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     d = Path(args.results)
     if args.plot and (d / "longctx.json").exists():
         from kvsqueeze.eval.plots import plot_ppl_by_length
@@ -141,14 +205,26 @@ def main() -> None:
             runs.setdefault(r["seqlen"], {"model": data["model"], "text": data["text"], "seqlen": r["seqlen"],
                                           "rows": []})["rows"].append(r)
         plot_ppl_by_length([runs[n] for n in sorted(runs)], str(d / "ppl_by_length.png"))
-    for name, fn in (("ladder.json", ladder), ("eval_mixed_bits.json", ladder), ("memory.json", memory),
-                     ("longctx.json", longctx), ("decode.json", decode), ("decode_1thread.json", decode),
-                     ("decode_30layers.json", decode), ("decode_passes.json", decode_passes),
-                     ("decode_passes_cold.json", decode_passes)):
-        data = _load(d, name)
-        if data is not None:
-            print(f"### {name}\n\n{fn(data)}\n")
+    if args.print:
+        for name, (file, _) in BLOCKS.items():
+            if _load(d, file) is not None:
+                print(f"<!-- report:{name} -->\n{render(name, d)}\n<!-- /report:{name} -->\n")
+        return 0
+    stale = []
+    for doc in DOCUMENTS:
+        text = doc.read_text()
+        new = fill(text, d)
+        if new != text:
+            stale.append(doc)
+            if not args.check:
+                doc.write_text(new)
+                print(f"rewrote the tables of {doc.relative_to(ROOT)}")
+    if args.check and stale:
+        print("tables differ from benchmarks/results/*.json in: " + ", ".join(str(p.relative_to(ROOT)) for p in stale)
+              + "; run `python benchmarks/report.py`", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

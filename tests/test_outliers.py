@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from kvsqueeze.datatypes import fixed_levels, uniform_levels
 from kvsqueeze.methods import max_outliers_per_side
 from kvsqueeze.outliers import calibrated_thresholds, clamp_range, online_thresholds, outlier_mask
-from kvsqueeze.quantizer import choose_qparams
-from kvsqueeze.schemes import VectorQuantizer
+from kvsqueeze.affine import choose_qparams
+from kvsqueeze.quantizer import VectorQuantizer
 
 FAST = settings(max_examples=40, deadline=None)
 

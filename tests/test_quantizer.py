@@ -1,168 +1,136 @@
-"""Tests for kvsqueeze.quantizer: scale/zero-point choice, quantize, dequantize, fake_quantize."""
+"""Tests for kvsqueeze.schemes: VectorQuantizer and build_quantizers (method + recipe -> quantizers)."""
 
 from __future__ import annotations
-
-import math
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsqueeze.datatypes import fixed_levels, normal_float_levels, uniform_levels
-from kvsqueeze.quantizer import check_finite, choose_qparams, dequantize, fake_quantize, quantize
-
-FAST = settings(max_examples=40, deadline=None)
-
-
-def per_token_range(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    return x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+from conftest import CHANNELS
+from kvsqueeze.datatypes import normal_float_levels, uniform_levels
+from kvsqueeze.methods import MethodError, parse_method
+from kvsqueeze.affine import choose_qparams
+from kvsqueeze.recipe import RecipeError
+from kvsqueeze.quantizer import VectorQuantizer, build_quantizers
 
 
-def fp16_slack(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
-    """What storing s and z in fp16 can move the reconstructable range by (a few fp16 ulps)."""
-    return 2.0**-9 * torch.maximum(lo.abs(), hi.abs()) + 1e-6
+def test_fp16_has_no_quantizers():
+    assert build_quantizers(parse_method("fp16"), None, 0, CHANNELS) == (None, None)
 
 
-def sqnr_db(x: torch.Tensor, xq: torch.Tensor) -> float:
-    return 10 * math.log10(float(x.pow(2).sum()) / max(float((x - xq).pow(2).sum()), 1e-30))
+@pytest.mark.parametrize("name", ["nuq3", "nuq2-1%", "int3:kchan:pre", "int3:vchan", "int3-1%:pm"])
+def test_recipe_methods_without_a_recipe(name):
+    with pytest.raises(RecipeError, match=r"offline calibration statistics: pass --recipe DIR"):
+        build_quantizers(parse_method(name), None, 0, CHANNELS)
 
 
-@st.composite
-def matrices(draw):
-    n = draw(st.integers(1, 6))
-    c = draw(st.integers(2, 48))
-    seed = draw(st.integers(0, 2**16))
-    mag = draw(st.sampled_from([1e-3, 1.0, 30.0, 1000.0]))
-    shift = draw(st.sampled_from([0.0, 1.0, -5.0]))
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(n, c, generator=g) + shift) * mag
+@pytest.mark.parametrize("name", ["nuq3:post", "nuq3:ktok", "nuq3-1%:vchan"])
+def test_nuq_on_other_axes_is_a_method_error(name, tiny_recipe):
+    with pytest.raises(MethodError, match=r"nuq codebooks are calibrated for per-channel pre-RoPE keys"):
+        build_quantizers(parse_method(name), tiny_recipe, 0, CHANNELS)
 
 
-@FAST
-@given(x=matrices(), bits=st.integers(2, 8))
-def test_uniform_round_trip_error_bound(x, bits):
-    lo, hi = per_token_range(x)
-    levels = uniform_levels(bits)
-    scale, zero = choose_qparams(lo, hi)
-    xq = fake_quantize(x, lo, hi, levels)
-    bound = scale / (2**bits - 1) + fp16_slack(lo, hi)
-    assert torch.all((x - xq).abs() <= bound)
+def test_int_and_nf_baselines_need_no_recipe():
+    k, v = build_quantizers(parse_method("int3"), None, 0, CHANNELS)
+    assert k.axis == v.axis == "token" and k.bits == v.bits == 3
+    assert torch.equal(k.levels, uniform_levels(3))
+    k, v = build_quantizers(parse_method("nf-k4v2"), None, 1, CHANNELS)
+    assert torch.equal(k.levels, normal_float_levels(4)) and torch.equal(v.levels, normal_float_levels(2))
 
 
-@FAST
-@given(x=matrices(), bits=st.integers(2, 4), family=st.sampled_from(["int", "nf"]))
-def test_codes_in_range_and_dequantize_is_a_level(x, bits, family):
-    levels = fixed_levels(family, bits)
-    lo, hi = per_token_range(x)
-    scale, zero = choose_qparams(lo, hi)
-    codes = quantize(x * 3, scale, zero, levels)  # most values far outside the range
-    assert codes.dtype == torch.uint8 and codes.shape == x.shape
-    assert int(codes.max()) < 2**bits
-    deq = dequantize(codes, scale, zero, levels)
-    assert torch.allclose(deq, levels[codes.long()] * scale + zero)
+def test_nuq_quantizers_read_the_recipe(tiny_recipe):
+    k, v = build_quantizers(parse_method("nuq-k3v2-1%"), tiny_recipe, 1, CHANNELS)
+    assert (k.axis, v.axis) == ("channel", "token") and (k.bits, v.bits) == (3, 2)
+    assert k.fraction == pytest.approx(0.01) and v.fraction == pytest.approx(0.01)
+    assert torch.equal(k.levels, tiny_recipe.codebook(1, "k", 3, 0.01, "vector", "fs2"))
+    assert torch.equal(v.levels, tiny_recipe.codebook(1, "v", 2, 0.01, "vector", "fs2"))
+    lo, hi = tiny_recipe.channel_range(1, "k_pre", 0.01)
+    assert torch.equal(k.lo, lo) and torch.equal(k.hi, hi)
+    unw, _ = build_quantizers(parse_method("nuq3:unw"), tiny_recipe, 0, CHANNELS)
+    assert torch.equal(unw.levels, tiny_recipe.codebook(0, "k", 3, 0.0, "vector", "unw"))
 
 
-def test_values_outside_the_range_clip_to_the_end_levels():
-    levels = normal_float_levels(3)
-    lo, hi = torch.tensor([[-1.0], [2.0]]), torch.tensor([[3.0], [2.5]])
-    x = torch.tensor([[-50.0, -1.5, 3.5, 1e6], [0.0, 1.9, 2.6, 100.0]])
-    scale, zero = choose_qparams(lo, hi)
-    codes = quantize(x, scale, zero, levels)
-    below = x < lo
-    assert torch.all(codes[below] == 0)
-    assert torch.all(codes[~below] == 2**3 - 1)
-    xq = fake_quantize(x, lo, hi, levels)
-    assert torch.allclose(xq[0], torch.tensor([-1.0, -1.0, 3.0, 3.0]), atol=1e-3)
-    assert torch.allclose(xq[1], torch.tensor([2.0, 2.0, 2.5, 2.5]), atol=1e-3)
+def test_per_matrix_channel_range_is_clamped(tiny_recipe):
+    k, v = build_quantizers(parse_method("nuq3-1%:pm"), tiny_recipe, 0, CHANNELS)
+    lo0, hi0 = tiny_recipe.channel_range(0, "k_pre", 0.0)
+    t_lo, t_hi = tiny_recipe.matrix_thresholds(0, "k_pre", 0.01)
+    assert torch.equal(k.lo, torch.maximum(lo0, t_lo)) and torch.equal(k.hi, torch.minimum(hi0, t_hi))
+    assert v.scope == "matrix" and v.mat_lo == pytest.approx(float(tiny_recipe.matrix_thresholds(0, "v", 0.01)[0]))
 
 
-@FAST
-@given(x=matrices(), bits=st.integers(2, 4), family=st.sampled_from(["int", "nf"]), seed=st.integers(0, 999))
-def test_keep_mask_returns_exact_fp16_values(x, bits, family, seed):
-    levels = fixed_levels(family, bits)
-    lo, hi = x.quantile(0.25, dim=-1, keepdim=True), x.quantile(0.75, dim=-1, keepdim=True)
-    keep = torch.rand(x.shape, generator=torch.Generator().manual_seed(seed)) < 0.3
-    xq = fake_quantize(x, lo, hi, levels, keep=keep)
-    plain = fake_quantize(x, lo, hi, levels)
-    assert torch.equal(xq[keep], x[keep].half().float())
-    assert torch.equal(xq[~keep], plain[~keep])
+def test_post_rope_per_channel_keys_use_post_rope_ranges(tiny_recipe):
+    k, _ = build_quantizers(parse_method("int3:kchan"), tiny_recipe, 0, CHANNELS)
+    lo, hi = tiny_recipe.channel_range(0, "k_post", 0.0)
+    assert torch.equal(k.lo, lo) and torch.equal(k.hi, hi)
 
 
-@FAST
-@given(x=matrices(), bits=st.integers(2, 4), family=st.sampled_from(["int", "nf"]))
-def test_quantize_dequantize_is_idempotent(x, bits, family):
-    levels = fixed_levels(family, bits)
-    lo, hi = per_token_range(x)
-    once = fake_quantize(x, lo, hi, levels)
-    twice = fake_quantize(once, lo, hi, levels)
-    assert torch.equal(once, twice)
+def test_kivi_keys_are_left_to_attention():
+    k, v = build_quantizers(parse_method("kivi2"), None, 0, CHANNELS)
+    assert k is None and v.group == 32 and v.bits == 2
 
 
-def test_nearest_level_on_a_non_uniform_codebook():
-    levels = torch.tensor([-1.0, -0.7, -0.1, 0.0, 0.05, 0.3, 0.9, 1.0])
-    norm = torch.linspace(-1.3, 1.3, 2001)
-    codes = quantize(norm, torch.ones(()), torch.zeros(()), levels)
-    dist = (norm[:, None] - levels[None, :]).abs()
-    best = dist.min(1).values
-    got = dist.gather(1, codes.long()[:, None]).squeeze(1)
-    assert torch.allclose(got, best, atol=1e-6)
+# ---- VectorQuantizer ---------------------------------------------------------------------------
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 5), c=st.integers(2, 70), bits=st.integers(2, 4), seed=st.integers(0, 9999))
+def test_token_axis_encode_decode(n, c, bits, seed):
+    x = torch.randn(n, c, generator=torch.Generator().manual_seed(seed)) * 3
+    q = VectorQuantizer(uniform_levels(bits), "token")
+    enc = q.encode(x)
+    assert enc.codes.dtype == torch.uint8 and enc.codes.shape == (n, c) and int(enc.codes.max()) < 2**bits
+    assert enc.outliers is None
+    assert enc.scale.shape == (n, 1)
+    out = q.decode(enc)
+    bound = enc.scale / (2**bits - 1) + 2.0**-9 * x.abs().amax(1, keepdim=True) + 1e-6
+    assert torch.all((out - x).abs() <= bound)
+    assert torch.equal(q.fake(x)[0], out)
 
 
-@pytest.mark.parametrize("family", ["int", "nf"])
-@pytest.mark.parametrize("shape", [(64, 128), (7, 33), (300, 16)])
-@pytest.mark.parametrize("axis", [0, -1])
-def test_sqnr_increases_with_bits(family, shape, axis):
-    g = torch.Generator().manual_seed(sum(shape))
-    x = torch.randn(shape, generator=g) * torch.rand(shape[1], generator=g) * 4 + 0.5
-    lo, hi = x.amin(axis, keepdim=True), x.amax(axis, keepdim=True)
-    sqnr = [sqnr_db(x, fake_quantize(x, lo, hi, fixed_levels(family, b))) for b in (2, 3, 4)]
-    assert sqnr[0] < sqnr[1] < sqnr[2], sqnr
-    assert sqnr[2] - sqnr[0] > 6, f"two more bits should buy well over 6 dB, got {sqnr}"
+def test_decode_without_exact_values_ignores_the_outlier_mask():
+    x = torch.randn(4, 100, generator=torch.Generator().manual_seed(0))
+    q = VectorQuantizer(uniform_levels(2), "token", fraction=0.04)
+    enc = q.encode(x)
+    assert enc.outliers.sum() == 4 * 4
+    dense = q.decode(enc)
+    full = q.decode(enc, x)
+    assert torch.equal(dense[~enc.outliers], full[~enc.outliers])
+    assert torch.equal(full[enc.outliers], x[enc.outliers].half().float())
 
 
-def test_uniform_sqnr_close_to_theory_on_uniform_data():
-    # uniform data on the full range: each extra bit adds ~6.02 dB
-    x = torch.rand(256, 256, generator=torch.Generator().manual_seed(0)) * 2 - 1
-    lo, hi = torch.tensor(-1.0), torch.tensor(1.0)
-    s = [sqnr_db(x, fake_quantize(x, lo, hi, uniform_levels(b))) for b in (2, 3, 4, 8)]
-    for a, b in zip(s, s[1:3]):
-        assert 5.0 < b - a < 7.5, s
-    assert s[3] > 45
+@settings(max_examples=30, deadline=None)
+@given(n=st.integers(1, 4), c=st.sampled_from([8, 32, 40, 100, 192]), g=st.sampled_from([8, 32, 128]),
+       seed=st.integers(0, 9999))
+def test_grouped_scales_come_from_each_group_alone(n, c, g, seed):
+    """Every group's (s, z) must come from its own elements only.
+
+    `_encode_grouped` pads a row whose width is not a multiple of the group with
+    the row's *first* value; that value lands in the last group and can widen its
+    range (e.g. 192 channels in groups of 128 — SmolLM2 with `group3`). Padding
+    with an element of the last group (e.g. the row's last value) would not.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, generator=gen)
+    x[:, 0] = 50.0  # a large first channel
+    q = VectorQuantizer(uniform_levels(3), "token", group=g)
+    enc = q.encode(x)
+    assert enc.codes.shape == (n, c) and enc.scale.shape == (n, c)
+    for start in range(0, c, g):
+        part = x[:, start : start + g]
+        s, z = choose_qparams(part.amin(1, keepdim=True), part.amax(1, keepdim=True))
+        assert torch.equal(enc.scale[:, start : start + g], s.expand_as(part)), f"group at {start}"
+        assert torch.equal(enc.zero[:, start : start + g], z.expand_as(part)), f"group at {start}"
+    out = q.decode(enc)
+    assert torch.all((out - x).abs() <= enc.scale / 7 + 2.0**-9 * 50 + 1e-6)
 
 
-def test_choose_qparams_is_fp16_representable_and_covers_the_range():
-    g = torch.Generator().manual_seed(1)
-    lo = torch.randn(100, generator=g) * 10
-    hi = lo + torch.rand(100, generator=g) * 5
-    scale, zero = choose_qparams(lo, hi)
-    assert scale.dtype == torch.float32 and zero.dtype == torch.float32
-    assert torch.equal(scale, scale.half().float()) and torch.equal(zero, zero.half().float())
-    assert torch.all(scale > 0)
-    assert torch.all((zero - scale - lo).abs() <= fp16_slack(lo, hi))
-    assert torch.all((zero + scale - hi).abs() <= fp16_slack(lo, hi))
+def test_grouped_beats_whole_token_on_channel_outliers():
+    x = torch.randn(16, 128, generator=torch.Generator().manual_seed(1))
+    x[:, 3] *= 30
+    whole = VectorQuantizer(uniform_levels(3), "token").fake(x)[0]
+    grouped = VectorQuantizer(uniform_levels(3), "token", group=32).fake(x)[0]
+    assert (grouped - x).pow(2).mean() < (whole - x).pow(2).mean() / 2
 
 
-def test_constant_vector_reconstructs_to_fp16():
-    x = torch.full((3, 10), 7.123)
-    x[1] = -0.0003
-    x[2] = 0.0
-    lo, hi = per_token_range(x)
-    xq = fake_quantize(x, lo, hi, uniform_levels(2))
-    assert torch.isfinite(xq).all()
-    assert torch.allclose(xq, x, atol=2e-6, rtol=2.0**-10)
-
-
-def test_fake_quantize_keeps_dtype():
-    x = torch.randn(4, 8, dtype=torch.bfloat16)
-    lo, hi = per_token_range(x)
-    assert fake_quantize(x, lo, hi, uniform_levels(3)).dtype == torch.bfloat16
-
-
-def test_check_finite():
-    check_finite(torch.ones(3), "ok")
-    x = torch.ones(5)
-    x[1] = float("nan")
-    x[3] = float("inf")
-    with pytest.raises(FloatingPointError, match=r"layer 3 keys holds 2 NaN/Inf"):
-        check_finite(x, "layer 3 keys")
+def test_bits_property():
+    for b in (2, 3, 4, 8):
+        assert VectorQuantizer(uniform_levels(b), "token").bits == b

@@ -10,6 +10,7 @@ import torch
 
 from conftest import CHANNELS, LAYERS, tiny_model
 from kvsqueeze.datatypes import check_codebook
+from kvsqueeze.integrations.fingerprint import check_recipe, model_fingerprint
 from kvsqueeze.integrations.simulate import SimulatedQuantization
 from kvsqueeze.methods import parse_method
 from kvsqueeze.recipe import (
@@ -20,7 +21,6 @@ from kvsqueeze.recipe import (
     RecipeError,
     codebook_key,
     matrix_key,
-    model_fingerprint,
     pct_tag,
     range_key,
 )
@@ -144,13 +144,13 @@ def test_fingerprint_and_check_model(tiny_llama, tiny_recipe):
     fp = model_fingerprint(tiny_llama)
     assert fp["kv_heads"] == 2 and fp["head_dim"] == 16 and fp["layers"] == LAYERS
     assert tiny_recipe.meta["model"]["fingerprint"] == fp
-    tiny_recipe.check_model(tiny_llama)  # no error
+    check_recipe(tiny_recipe, tiny_llama)  # no error
 
 
 def test_recipe_of_another_seed_is_rejected(tiny_recipe):
     other = tiny_model("llama", seed=99)
     with pytest.raises(RecipeError, match=r"calibrated on model 'tiny-llama'.*k_proj_sha256.*kvsqueeze calibrate"):
-        tiny_recipe.check_model(other)
+        check_recipe(tiny_recipe, other)
     with pytest.raises(RecipeError, match="k_proj_sha256"):
         SimulatedQuantization(other, parse_method("nuq3-1%"), tiny_recipe)
 
@@ -159,24 +159,24 @@ def test_recipe_of_another_seed_is_rejected(tiny_recipe):
 def test_recipe_serves_the_same_model_at_another_precision(tiny_recipe, tiny_recipe_dir, dtype):
     model = tiny_model("llama", seed=0).to(dtype)  # calibrated in fp32, served in half precision
     assert model_fingerprint(model)["k_proj_sha256"] != tiny_recipe.meta["model"]["fingerprint"]["k_proj_sha256"]
-    tiny_recipe.check_model(model)  # no error
-    Recipe.load(tiny_recipe_dir).check_model(model)  # the probes survive the JSON round trip
+    check_recipe(tiny_recipe, model)  # no error
+    check_recipe(Recipe.load(tiny_recipe_dir), model)  # the probes survive the JSON round trip
     SimulatedQuantization(model, parse_method("nuq3-1%"), tiny_recipe)
     with torch.no_grad():  # a change of the weights far smaller than another model's is still refused
         model.model.layers[0].self_attn.k_proj.weight.mul_(1.05)
     with pytest.raises(RecipeError, match="k_proj_sha256.*differ by more than a change of precision"):
-        tiny_recipe.check_model(model)
+        check_recipe(tiny_recipe, model)
 
 
 def test_recipe_without_probes_needs_the_exact_weights(tiny_recipe):
     old = Recipe(meta=json.loads(json.dumps(tiny_recipe.meta)), tensors=tiny_recipe.tensors)
     del old.meta["model"]["fingerprint"]["k_proj_probe"]
-    old.check_model(tiny_model("llama", seed=0))  # no error
+    check_recipe(old, tiny_model("llama", seed=0))  # no error
     with pytest.raises(RecipeError, match="k_proj_sha256"):
-        old.check_model(tiny_model("llama", seed=0).to(torch.bfloat16))
+        check_recipe(old, tiny_model("llama", seed=0).to(torch.bfloat16))
     old.meta["model"]["fingerprint"]["k_proj_probe"] = ["x"] * 128  # a hand-edited file: an error, not a crash
     with pytest.raises(RecipeError, match="k_proj_sha256"):
-        old.check_model(tiny_model("llama", seed=0).to(torch.bfloat16))
+        check_recipe(old, tiny_model("llama", seed=0).to(torch.bfloat16))
 
 
 @pytest.mark.parametrize("overrides,field", [
@@ -187,7 +187,7 @@ def test_recipe_without_probes_needs_the_exact_weights(tiny_recipe):
 def test_recipe_of_another_shape_is_rejected(tiny_recipe, overrides, field):
     other = tiny_model("llama", seed=0, **overrides)
     with pytest.raises(RecipeError, match=rf"{field}: recipe \S+ vs model \S+"):
-        tiny_recipe.check_model(other)
+        check_recipe(tiny_recipe, other)
 
 
 def test_missing_calibration_setting_is_named(tiny_llama, tiny_recipe):
@@ -196,7 +196,7 @@ def test_missing_calibration_setting_is_named(tiny_llama, tiny_recipe):
 
 
 def test_wrong_channel_count_is_rejected(tiny_recipe):
-    from kvsqueeze.schemes import build_quantizers
+    from kvsqueeze.quantizer import build_quantizers
 
     with pytest.raises(RecipeError, match=r"has 32 k_pre channels, the model has 64"):
         build_quantizers(parse_method("nuq3"), tiny_recipe, 0, 64)

@@ -1,14 +1,42 @@
-"""kvsqueeze: KVQuant-style 2/3/4-bit KV-cache quantization for Hugging Face LLaMA-family models."""
+"""kvsqueeze: KVQuant-style 2/3/4-bit KV-cache quantization for Hugging Face decoder models.
+
+Quickstart::
+
+    import kvsqueeze
+
+    model, tok = kvsqueeze.load_model("smollm2-135m")
+    cache = kvsqueeze.cache_for(model, "out/recipe", "nuq3-1%")
+    with kvsqueeze.fused_decode(model, cache):
+        out = model.generate(tok("Hello", return_tensors="pt").input_ids, past_key_values=cache)
+
+Names are imported on first use, so that `import kvsqueeze` (and its numerics)
+does not pull in transformers.
+"""
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-__all__ = ["__version__", "cache_for"]
+_EXPORTS = {  # name -> module that defines it
+    "cache_for": ".integrations.cache",
+    "CompressedCache": ".integrations.cache",
+    "fused_decode": ".integrations.fused",
+    "enable_fused_decode": ".integrations.fused",
+    "load_model": ".integrations.models",
+    "SimulatedQuantization": ".integrations.simulate",
+    "Recipe": ".recipe",
+    "MethodSpec": ".methods",
+    "parse_method": ".methods",
+    "Backend": ".kernels",
+    "decode_attention": ".kernels",
+}
+
+__all__ = ["__version__", *_EXPORTS]
 
 
 def __getattr__(name: str):
-    # Lazy, so that `import kvsqueeze` (and its numerics) does not pull in transformers.
-    if name == "cache_for":
-        from .cache.constructor import cache_for
-
-        return cache_for
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name], __name__), name)
     raise AttributeError(f"module 'kvsqueeze' has no attribute {name!r}")

@@ -12,9 +12,8 @@ import sys
 import time
 from pathlib import Path
 
-from .cache.config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METHOD
 from .calibrate.fit import CalibrationConfig
-from .integrations.models import DEFAULT_MODEL
+from .config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METHOD, DEFAULT_MODEL
 from .eval.texts import DEFAULT_TEXT
 
 _CAL = CalibrationConfig()
@@ -45,11 +44,12 @@ def _recipe_for(specs, path: str | None):
 
 def _check_methods(model, specs, recipe) -> None:
     """Build every method's quantizers once up front so a bad combination fails before minutes of work."""
-    from .integrations.models import kv_shape
-    from .schemes import build_quantizers
+    from .integrations.fingerprint import check_recipe
+    from .quantizer import build_quantizers
+    from .shape import kv_shape
 
     if recipe is not None:
-        recipe.check_model(model)
+        check_recipe(recipe, model)
     shape = kv_shape(model.config)
     for s in specs:
         for layer in range(shape.layers):
@@ -170,7 +170,7 @@ def cmd_passkey(args) -> None:
 def cmd_generate(args) -> None:
     import torch
 
-    from .cache.constructor import cache_for, check_supported
+    from .integrations.cache import cache_for, check_supported
     from .integrations.models import load_model
     from .methods import parse_method
     from .recipe import Recipe

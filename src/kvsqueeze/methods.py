@@ -266,6 +266,16 @@ def max_outliers_per_side(fraction: float, width: int) -> int:
     return int(math.floor(fraction * width / 2 + 0.5))
 
 
+def topk_per_side(fraction: float, width: int) -> int:
+    """Outliers an online per-vector top-k keeps above (and below) one vector: at most half of it."""
+    return min(max_outliers_per_side(fraction, width), (width - 1) // 2)
+
+
+def fixed_outlier_count(axis: str, scope: str, fraction: float) -> bool:
+    """Whether every vector keeps the same number of outliers: per-token top-k (row pointers then implicit)."""
+    return axis == "token" and scope == "vector" and fraction > 0
+
+
 def storage_bits(
     spec: MethodSpec,
     tokens: int,
@@ -320,7 +330,8 @@ def storage_bits(
             out["outlier_indices"] = 16.0 * (ko + vo)
             # CSC for K, CSR for V: one pointer per token each, except where every token keeps the same
             # number of outliers (per-token top-k), whose row pointers are implicit
-            fixed = [axis == "token" and spec.outlier_scope == "vector" for axis in (spec.key_axis, spec.value_axis)]
+            fixed = [fixed_outlier_count(axis, spec.outlier_scope, spec.outlier_fraction)
+                     for axis in (spec.key_axis, spec.value_axis)]
             out["pointers"] = float(POINTER_BITS * (q + 1) * fixed.count(False))
     out["total"] = sum(v for k, v in out.items())
     out["elements"] = elements

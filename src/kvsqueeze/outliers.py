@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .methods import max_outliers_per_side
+from .methods import topk_per_side
 
 
 def online_thresholds(x: torch.Tensor, fraction: float, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -26,7 +26,7 @@ def online_thresholds(x: torch.Tensor, fraction: float, dim: int = -1) -> tuple[
         (k+1)-th smallest, so at most k elements lie strictly above / below.
     """
     n = x.shape[dim]
-    k = min(max_outliers_per_side(fraction, n), (n - 1) // 2)
+    k = topk_per_side(fraction, n)
     if k == 0:
         return x.amin(dim, keepdim=True), x.amax(dim, keepdim=True)
     hi = x.topk(k + 1, dim=dim).values.narrow(dim, k, 1)

@@ -1,78 +1,185 @@
-"""Scale/zero-point quantization onto sorted levels in [-1, 1] (pure torch).
+"""Per-layer key and value quantizers built from a method and a recipe (pure torch).
 
-A vector x is normalized as (x - z) / s with z = (hi + lo) / 2 and
-s = (hi - lo) / 2, so its clipping range [lo, hi] maps onto [-1, 1]; each
-element takes the nearest level and dequantizes as s * level + z. Scales and
-zero-points are rounded to fp16 because that is how they are stored (KVQuant
-keeps key zero-points in fp16: some channels are all-positive or all-negative).
-Which axis shares one (s, z) is decided by the caller through the shapes of
-`lo` and `hi`, which broadcast against x.
+A `VectorQuantizer` quantizes a [N, C] matrix of N tokens by C channels
+(C = kv_heads * head_dim): along the channel axis one (scale, zero) per channel
+comes from offline calibration; along the token axis one per token (or per
+group of channels) is computed online. Outliers outside the per-vector or
+per-matrix thresholds are kept exactly in fp16. `build_quantizers` turns a
+`MethodSpec` plus a `Recipe` into the key and value quantizers of one layer;
+the simulated evaluation and the compressed cache both use them. The
+arithmetic itself (scale, zero-point, nearest level) is `affine.py`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-_MIN_SCALE = 1e-6  # a constant vector still needs a non-zero scale
+from .affine import choose_qparams, dequantize, quantize
+from .datatypes import check_codebook, fixed_levels, uniform_levels
+from .methods import MethodError, MethodSpec, fixed_outlier_count, topk_per_side
+from .outliers import clamp_range, online_thresholds, outlier_mask
+from .recipe import Recipe, RecipeError
 
 
-def choose_qparams(lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scale and zero-point (fp16-rounded, returned as float32) for clipping range [lo, hi]."""
-    zero = ((hi + lo) * 0.5).half().float()
-    scale = ((hi - lo) * 0.5).clamp_min(_MIN_SCALE).half().float().clamp_min(_MIN_SCALE)
-    return scale, zero
+@dataclass(frozen=True)
+class Encoded:
+    """One quantized [N, C] block: codes plus what it takes to decode them."""
+
+    codes: torch.Tensor  # uint8 [N, C]
+    scale: torch.Tensor  # float32, broadcastable to [N, C]
+    zero: torch.Tensor
+    outliers: torch.Tensor | None  # bool [N, C]: elements stored exactly
 
 
-def normalize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """(x - zero) / scale, the domain the levels live in."""
-    return (x - zero) / scale
+@dataclass(frozen=True, eq=False)
+class VectorQuantizer:
+    """Quantizer for [N tokens, C channels] matrices; see the module docstring."""
+
+    levels: torch.Tensor  # float32 [2**bits], sorted, in [-1, 1]
+    axis: str  # "channel" (offline per-channel range) or "token" (online per-token range)
+    fraction: float = 0.0  # outliers kept exactly
+    scope: str = "vector"  # "vector" or "matrix" thresholds
+    lo: torch.Tensor | None = None  # channel axis: per-channel clipping range [C]
+    hi: torch.Tensor | None = None
+    mat_lo: float | None = None  # token axis, per-matrix outliers: thresholds
+    mat_hi: float | None = None
+    group: int = 0  # token axis: channels per (scale, zero) group; 0 = the whole token
+
+    @property
+    def bits(self) -> int:
+        return int(self.levels.numel()).bit_length() - 1
+
+    def outliers_per_side(self, channels: int) -> int:
+        """Per-token top-k: outliers kept above (and below) each token's range."""
+        return topk_per_side(self.fraction, channels)
+
+    def fixed_outliers(self, channels: int) -> int | None:
+        """Outliers every token keeps under per-token top-k thresholds (None when the count varies)."""
+        if not fixed_outlier_count(self.axis, self.scope, self.fraction):
+            return None
+        return 2 * self.outliers_per_side(channels)
+
+    def ranges(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Clipping range [lo, hi] for x [N, C] (shapes [1, C] or [N, 1])."""
+        if self.axis == "channel":
+            return self.lo.view(1, -1), self.hi.view(1, -1)
+        if self.fraction > 0 and self.scope == "matrix":
+            return clamp_range(x, torch.tensor(self.mat_lo), torch.tensor(self.mat_hi), dim=1)
+        return online_thresholds(x, self.fraction, dim=1)
+
+    def encode(self, x: torch.Tensor) -> Encoded:
+        """Quantize x [N, C] (float) into codes, scales, zero-points and an outlier mask."""
+        if self.group:
+            return self._encode_grouped(x)
+        if self.axis == "token" and self.scope == "vector" and self.fraction > 0:
+            lo, hi, mask = self._top_k(x)
+        else:
+            lo, hi = self.ranges(x)
+            mask = outlier_mask(x, lo, hi) if self.fraction > 0 else None
+        scale, zero = choose_qparams(lo, hi)
+        return Encoded(quantize(x, scale, zero, self.levels), scale, zero, mask)
+
+    def _top_k(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Exactly k outliers above and k below per token (ties broken by position), and the range between."""
+        k = self.outliers_per_side(x.shape[1])
+        if k == 0:
+            return x.amin(1, keepdim=True), x.amax(1, keepdim=True), torch.zeros_like(x, dtype=torch.bool)
+        top = x.topk(k + 1, dim=1)
+        bottom = x.topk(k + 1, dim=1, largest=False)
+        mask = torch.zeros_like(x, dtype=torch.bool)
+        mask.scatter_(1, top.indices[:, :k], True)
+        mask.scatter_(1, bottom.indices[:, :k], True)
+        return bottom.values[:, k:], top.values[:, k:], mask
+
+    def _encode_grouped(self, x: torch.Tensor) -> Encoded:
+        n, c = x.shape
+        g = self.group
+        width = -(-c // g) * g
+        # pad with each row's last value, which sits in the last group: no group's min or max changes
+        padded = torch.cat([x, x[:, -1:].expand(n, width - c)], dim=1).view(n, -1, g)
+        scale, zero = choose_qparams(padded.amin(-1, keepdim=True), padded.amax(-1, keepdim=True))
+        codes = quantize(padded, scale, zero, self.levels).view(n, width)[:, :c]
+        expand = lambda t: t.expand(n, width // g, g).reshape(n, width)[:, :c]  # noqa: E731
+        return Encoded(codes, expand(scale), expand(zero), None)
+
+    def decode(self, enc: Encoded, x_exact: torch.Tensor | None = None) -> torch.Tensor:
+        """Dequantize; where `enc.outliers` is set, take x_exact rounded to fp16."""
+        out = dequantize(enc.codes, enc.scale, enc.zero, self.levels)
+        if enc.outliers is not None and x_exact is not None:
+            out = torch.where(enc.outliers, x_exact.half().float(), out)
+        return out
+
+    def fake(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """Quantize-dequantize x [N, C]; returns (x_hat in x's dtype, number of outliers kept)."""
+        xf = x.float()
+        enc = self.encode(xf)
+        n_out = int(enc.outliers.sum()) if enc.outliers is not None else 0
+        return self.decode(enc, xf).to(x.dtype), n_out
 
 
-def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """Nearest-level codes (uint8, same shape as x) of x normalized by scale and zero.
+def _levels(spec: MethodSpec, recipe: Recipe | None, layer: int, kv: str, bits: int) -> torch.Tensor:
+    if spec.family in ("int", "nf"):
+        return fixed_levels(spec.family, bits)
+    if spec.family in ("group", "kivi"):
+        return uniform_levels(bits)
+    cb = recipe.codebook(layer, kv, bits, spec.outlier_fraction, spec.outlier_scope, spec.fit)
+    return check_codebook(cb, bits)
 
-    Values outside [-1, 1] after normalization clip to the end levels.
+
+def _channel_range(spec: MethodSpec, recipe: Recipe, layer: int, tensor: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if spec.outlier_fraction > 0 and spec.outlier_scope == "matrix":
+        lo, hi = recipe.channel_range(layer, tensor, 0.0)
+        t_lo, t_hi = recipe.matrix_thresholds(layer, tensor, spec.outlier_fraction)
+        return torch.maximum(lo, t_lo), torch.minimum(hi, t_hi)
+    return recipe.channel_range(layer, tensor, spec.outlier_fraction)
+
+
+def build_quantizers(
+    spec: MethodSpec, recipe: Recipe | None, layer: int, channels: int
+) -> tuple[VectorQuantizer | None, VectorQuantizer | None]:
+    """Key and value quantizers of one layer (None for fp16; KIVI keys are handled by `kivi.py`).
+
+    Raises:
+        RecipeError: the method needs offline statistics and no recipe (or the
+            wrong one) was given.
+        MethodError: a combination the method family cannot do.
     """
-    norm = normalize(x.float(), scale, zero)
-    mids = (levels[1:] + levels[:-1]) * 0.5
-    return torch.bucketize(norm.contiguous(), mids.to(norm.device)).to(torch.uint8)
-
-
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """s * levels[codes] + z, float32."""
-    return levels.to(scale.device)[codes.long()] * scale + zero
-
-
-def fake_quantize(
-    x: torch.Tensor,
-    lo: torch.Tensor,
-    hi: torch.Tensor,
-    levels: torch.Tensor,
-    keep: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Quantize then dequantize x with clipping range [lo, hi]; `keep` elements stay exact in fp16.
-
-    Args:
-        x: float tensor, any shape.
-        lo, hi: clipping range, broadcastable to x.
-        levels: sorted levels in [-1, 1], float32 [2**bits].
-        keep: optional bool mask broadcastable to x: elements stored exactly
-            (outliers, sinks), returned rounded to fp16 as they are stored.
-    """
-    scale, zero = choose_qparams(lo, hi)
-    xq = dequantize(quantize(x, scale, zero, levels), scale, zero, levels).to(x.dtype)
-    if keep is not None:
-        xq = torch.where(keep, x.half().to(x.dtype), xq)
-    return xq
-
-
-def check_finite(x: torch.Tensor, what: str) -> None:
-    """Raise a clear error when activations hold NaN or Inf (quantizing them would hide the problem)."""
-    if not torch.isfinite(x.sum()):  # NaN and Inf propagate through a sum: one cheap reduction
-        if torch.isfinite(x).all():
-            return  # finite values whose sum overflowed
-        bad = (~torch.isfinite(x)).sum().item()
-        raise FloatingPointError(
-            f"{what} holds {bad} NaN/Inf values; the model's activations overflowed before "
-            "quantization (load the model in float32 or bfloat16, or check the input)"
+    if not spec.quantized:
+        return None, None
+    if spec.needs_recipe and recipe is None:
+        raise RecipeError(
+            f"method {spec.name!r} uses offline calibration statistics: pass --recipe DIR "
+            "(create one with `kvsqueeze calibrate`)"
         )
+    if spec.family == "nuq" and (spec.key_axis, spec.key_rope, spec.value_axis) != ("channel", "pre", "token"):
+        raise MethodError(
+            f"method {spec.name!r}: nuq codebooks are calibrated for per-channel pre-RoPE keys and "
+            "per-token values; use int/nf for other axes"
+        )
+    if spec.family == "group":
+        g = spec.group_size
+        return (VectorQuantizer(uniform_levels(spec.k_bits), "token", group=g),
+                VectorQuantizer(uniform_levels(spec.v_bits), "token", group=g))
+    if spec.family == "kivi":
+        return None, VectorQuantizer(uniform_levels(spec.v_bits), "token", group=spec.group_size)
+
+    def one(kv: str, bits: int, axis: str, tensor: str) -> VectorQuantizer:
+        levels = _levels(spec, recipe, layer, kv, bits)
+        common = dict(levels=levels, axis=axis, fraction=spec.outlier_fraction, scope=spec.outlier_scope)
+        if axis == "channel":
+            lo, hi = _channel_range(spec, recipe, layer, tensor)
+            if lo.numel() != channels:
+                raise RecipeError(
+                    f"recipe layer {layer} has {lo.numel()} {tensor} channels, the model has {channels}: "
+                    "this recipe belongs to another model"
+                )
+            return VectorQuantizer(lo=lo.float(), hi=hi.float(), **common)
+        if spec.outlier_fraction > 0 and spec.outlier_scope == "matrix":
+            t_lo, t_hi = recipe.matrix_thresholds(layer, tensor, spec.outlier_fraction)
+            return VectorQuantizer(mat_lo=float(t_lo), mat_hi=float(t_hi), **common)
+        return VectorQuantizer(**common)
+
+    k_tensor = "k_pre" if spec.key_rope == "pre" else "k_post"
+    return one("k", spec.k_bits, spec.key_axis, k_tensor), one("v", spec.v_bits, spec.value_axis, "v")

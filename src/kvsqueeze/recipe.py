@@ -46,29 +46,9 @@ def codebook_key(layer: int, kv: str, bits: int, fraction: float, scope: str, fi
 
 
 PROBES = 128  # first-k_proj weights the fingerprint keeps, evenly spaced over the matrix
+# (the fingerprint itself is taken from the model by `kvsqueeze.integrations.fingerprint`)
 PROBE_RTOL = 2.0**-7  # 4x bf16's rounding error: the same weights in fp32, bf16 or fp16 agree within it
 PROBE_ATOL = 2.0**-24  # fp16's subnormal spacing
-
-
-def model_fingerprint(model) -> dict:
-    """Shapes, a hash of the first key projection's weights and a few of those weights (`same_weights`)."""
-    from .integrations.models import kv_shape
-    from .integrations.modules import attention_modules
-
-    shape = kv_shape(model.config)
-    first = attention_modules(model)[0].k_proj.weight.detach().float().cpu().contiguous()
-    flat = first.view(-1)
-    probe = flat[torch.linspace(0, flat.numel() - 1, min(PROBES, flat.numel())).round().long()]
-    return {
-        "layers": shape.layers,
-        "heads": shape.heads,
-        "kv_heads": shape.kv_heads,
-        "head_dim": shape.head_dim,
-        "hidden_size": int(model.config.hidden_size),
-        "vocab_size": int(model.config.vocab_size),
-        "k_proj_sha256": hashlib.sha256(first.numpy().tobytes()).hexdigest()[:16],
-        "k_proj_probe": probe.tolist(),
-    }
 
 
 def same_weights(recipe_fp: dict, model_fp: dict) -> bool:
@@ -116,10 +96,10 @@ class Recipe:
         return self._get(codebook_key(layer, kv, bits, fraction, scope, fit), f"{bits}-bit {kv} codebook")
 
     # ---- model check ---------------------------------------------------------------------
-    def check_model(self, model) -> None:
-        """Raise RecipeError unless this recipe was calibrated on `model` (at any of fp32, bf16, fp16)."""
+    def check_fingerprint(self, have: dict) -> None:
+        """Raise RecipeError unless this recipe was calibrated on the model of fingerprint `have` (at any of fp32,
+        bf16, fp16); `kvsqueeze.integrations.fingerprint.check_recipe` takes the model itself."""
         want = self.meta.get("model", {}).get("fingerprint", {})
-        have = model_fingerprint(model)
         weights = ("k_proj_sha256", "k_proj_probe")
         diff = [f"{k}: recipe {want.get(k)} vs model {have[k]}" for k in have
                 if k not in weights and want.get(k) != have[k]]

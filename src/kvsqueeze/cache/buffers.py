@@ -9,7 +9,6 @@ what is allocated (the slack is at most the size in use, plus a small minimum).
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 MIN_ROWS = 16  # first allocation; small enough that an empty cache costs nothing worth reporting
@@ -29,31 +28,19 @@ class GrowableTensor:
         self.device = torch.device(device)
         self._data = torch.empty((0, *self.row_shape), dtype=dtype, device=self.device)
         self.length = 0
-        self._arrays: dict = {}  # numpy dtype -> (the storage viewed, its numpy view), see `array`
 
     def __len__(self) -> int:
         return self.length
-
-    def __getstate__(self) -> dict:
-        # a copy (copy.copy, deepcopy, pickle) gets its own views: a copied numpy view would not share the copied
-        # storage, and the copy's appends would never reach it
-        return {**self.__dict__, "_arrays": {}}
 
     def view(self) -> torch.Tensor:
         """The rows in use, [length, *row_shape] (a view: do not keep it across appends)."""
         return self._data[: self.length]
 
-    def array(self, dtype: np.dtype | type | None = None) -> np.ndarray:
-        """The rows in use as a numpy view (CPU only), reinterpreted as `dtype` of the same width when given.
-
-        The view of the whole allocation is kept until the storage is reallocated, so a call costs one slice
-        (decode kernels read the cache this way every step). Do not keep it across appends.
-        """
-        hit = self._arrays.get(dtype)
-        if hit is None or hit[0] is not self._data:
-            arr = self._data.numpy()
-            hit = self._arrays[dtype] = (self._data, arr if dtype is None else arr.view(dtype))
-        return hit[1][: self.length]
+    @property
+    def storage(self) -> torch.Tensor:
+        """The whole allocation, [capacity, *row_shape]: its first `length` rows are in use. It stays the same
+        tensor until an append outgrows it (or `replace` / `astype` / `clear`)."""
+        return self._data
 
     def append(self, rows: torch.Tensor) -> None:
         """Append rows [n, *row_shape] (cast to this buffer's dtype)."""

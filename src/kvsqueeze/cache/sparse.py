@@ -36,7 +36,6 @@ from .buffers import GrowableTensor
 
 MAX_CHANNELS = 1 << 16  # channel indices are 16 bits
 _INT32_MAX = (1 << 31) - 1
-_IMPLICIT: dict[tuple, torch.Tensor] = {}  # (fixed, device) -> n * fixed for n = 0.. (shared, grown by doubling)
 
 
 def _to_int16_pattern(channels: torch.Tensor) -> torch.Tensor:
@@ -110,18 +109,17 @@ class TokenOutliers:
         return mask
 
     def pointer_view(self) -> torch.Tensor:
-        """Row pointers [tokens + 1]; implicit ones are a view of one table shared by every store with the same
-        count (int32 while the entries fit, as stored pointers are), not a new array per call."""
+        """Row pointers [tokens + 1]; implicit ones written out (int32 while the entries fit, as stored ones are)."""
         if self.fixed is not None:
             n = self._tokens + 1
-            key = (self.fixed, str(self.device))
-            table = _IMPLICIT.get(key)
-            if table is None or table.numel() < n:
-                size = max(n, 2 * table.numel() if table is not None else 1024)
-                dtype = torch.int32 if (size - 1) * self.fixed <= _INT32_MAX else torch.int64
-                table = _IMPLICIT[key] = torch.arange(size, device=self.device, dtype=dtype) * self.fixed
-            return table[:n]
+            dtype = torch.int32 if (n - 1) * self.fixed <= _INT32_MAX else torch.int64
+            return torch.arange(n, device=self.device, dtype=dtype) * self.fixed
         return self.pointers.view()
+
+    @property
+    def storages(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The allocations of pointers, channels and values (see `GrowableTensor.storage`)."""
+        return self.pointers.storage, self.channels.storage, self.values.storage
 
     # ---- size ----------------------------------------------------------------------------
     @property

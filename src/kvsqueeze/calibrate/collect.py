@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from ..integrations.models import kv_shape
+from ..affine import check_finite
 from ..integrations.modules import attention_modules
-from ..quantizer import check_finite
+from ..shape import kv_shape
 
 
 @dataclass

@@ -18,12 +18,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
+from ..affine import choose_qparams
 from ..datatypes import normal_float_levels, uniform_levels
-from ..integrations.models import kv_shape
-from ..integrations.modules import apply_rope, rope_cos_sin
+from ..integrations.fingerprint import model_fingerprint
+from ..integrations.modules import rope_cos_sin
 from ..outliers import calibrated_thresholds, clamp_range, online_thresholds, outlier_mask
-from ..quantizer import choose_qparams
-from ..recipe import Recipe, codebook_key, matrix_key, model_fingerprint, range_key
+from ..recipe import Recipe, codebook_key, matrix_key, range_key
+from ..rope import apply_rope
+from ..shape import kv_shape
 from .collect import Activations
 from .kmeans import WeightedHistogram, fit_codebook
 

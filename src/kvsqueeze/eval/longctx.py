@@ -32,7 +32,7 @@ def greedy_answer(model, tok, text: str, cache, max_new_tokens: int = ANSWER_TOK
 
 
 def _cache_engine_supports(spec: MethodSpec) -> bool:
-    from ..cache.constructor import check_supported
+    from ..integrations.cache import check_supported
     from ..methods import MethodError
 
     try:
@@ -62,7 +62,7 @@ def passkey_eval(model, tok, specs: list[MethodSpec], lengths: list[int], trials
 
     def generate(method: str, prompt: PasskeyPrompt) -> str:
         if engine == "cache" and _cache_engine_supports(by_name[method]):
-            from ..cache.constructor import cache_for
+            from ..integrations.cache import cache_for
 
             with cache_for(model, recipe, by_name[method]) as cache:
                 return greedy_answer(model, tok, prompt.text, cache)

@@ -20,8 +20,9 @@ def _plt():
 @torch.no_grad()
 def capture_kv(model, ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
     """Per layer pre-RoPE keys, post-RoPE keys and values [T, C] for one sequence ids [1, T]."""
-    from ..integrations.models import kv_shape
-    from ..integrations.modules import apply_rope, attention_modules, rope_cos_sin
+    from ..integrations.modules import attention_modules, rope_cos_sin
+    from ..rope import apply_rope
+    from ..shape import kv_shape
 
     shape = kv_shape(model.config)
     got: dict[tuple[int, str], torch.Tensor] = {}

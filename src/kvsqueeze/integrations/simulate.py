@@ -22,12 +22,14 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from ..affine import check_finite
 from ..methods import MethodSpec, storage_bits
-from ..quantizer import check_finite
+from ..quantizer import VectorQuantizer, build_quantizers
 from ..recipe import Recipe
-from ..schemes import VectorQuantizer, build_quantizers
-from .attention import ATTN_NAME, register_attention
-from .models import kv_shape
+from ..shape import kv_shape
+from .attention import ATTN_NAME, register_attention, register_handler
+from .fingerprint import check_recipe
+from .kivi import kivi_handler
 from .modules import attention_modules
 
 
@@ -92,7 +94,7 @@ class SimulatedQuantization:
         self.spec = spec
         self.shape = kv_shape(model.config)
         if recipe is not None:
-            recipe.check_model(model)
+            check_recipe(recipe, model)
         self.attn = attention_modules(model)
         qs = [build_quantizers(spec, recipe, i, self.shape.channels) for i in range(self.shape.layers)]
         pre = spec.key_rope == "pre" and spec.family not in ("group", "kivi")
@@ -133,6 +135,7 @@ class SimulatedQuantization:
             self._handles.append(a.v_proj.register_forward_hook(self._proj_hook(i, "value")))
         if self.spec.family == "kivi":
             register_attention()
+            register_handler(kivi_handler)
             self._saved_attn = self.model.config._attn_implementation
             self.model.set_attn_implementation(ATTN_NAME)
             for a in self.attn:

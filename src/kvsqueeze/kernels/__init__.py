@@ -1,15 +1,7 @@
 """Decode attention over the compressed KV cache: one op (`decode_attention`), explicit backends (`Backend`)."""
 
-from .api import (
-    Backend,
-    CompressedKV,
-    Outliers,
-    available_backends,
-    decode_attention,
-    decode_attention_store,
-    resolve_backend,
-)
-from .rope import Rope
+from ..rope import Rope
+from .api import Backend, available_backends, decode_attention, resolve_backend
+from .view import Outliers, StoreView
 
-__all__ = ["Backend", "CompressedKV", "Outliers", "Rope", "available_backends", "decode_attention",
-           "decode_attention_store", "resolve_backend"]
+__all__ = ["Backend", "Outliers", "Rope", "StoreView", "available_backends", "decode_attention", "resolve_backend"]

@@ -1,23 +1,25 @@
 """Reference backend of `decode_attention`: dequantize the whole cache with torch ops, then softmax attention.
 
 Plain and slow on purpose; it is the oracle the fast backends are tested
-against and runs on any device. The reconstruction follows the store's own
-(`QuantizedKV.dequantize`): element = level[code] * scale + zero in float32;
-each outlier replaces the element at its channel; each sink replaces its
-whole slot. Then RoPE (at the tokens' positions, `rope.py`) and attention.
+against and runs on any device. The reconstruction is the store's own
+(`KVStore.dequantize` reads the same view through `dequantize_view`): element =
+level[code] * scale + zero in float32; each outlier replaces the element at its
+channel; each sink replaces its whole slot. Then RoPE at the tokens' positions
+(`kvsqueeze.rope`) and attention.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..affine import dequantize
 from ..packing import unpack_codes
-from .api import CompressedKV, Outliers
-from .rope import Rope
+from ..rope import Rope, apply_rope
+from .view import Outliers, StoreView
 
 
 def _replace_outliers(dense: torch.Tensor, sparse: Outliers | None) -> None:
-    """Overwrite dense [T*B, C] at the outliers' (slot, channel) with their fp16 values."""
+    """Overwrite dense [T*B, C] at the outliers' (slot, channel) with their fp16 values (sparse trimmed)."""
     if sparse is None or sparse.nnz == 0:
         return
     counts = sparse.pointers.long().diff()
@@ -25,14 +27,15 @@ def _replace_outliers(dense: torch.Tensor, sparse: Outliers | None) -> None:
     dense[slots, sparse.channels.long() & 0xFFFF] = sparse.values.float()
 
 
-def dequantize_kv(kv: CompressedKV) -> tuple[torch.Tensor, torch.Tensor]:
+def dequantize_view(kv: StoreView) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys (pre-RoPE) and values of every slot, float32 [T, B, C] each."""
+    kv = kv.trim()
     t, b, c = kv.tokens, kv.batch, kv.channels
-    k_codes = unpack_codes(kv.k_codes, kv.k_bits, c).long()  # [T, B, C]
-    v_codes = unpack_codes(kv.v_codes, kv.v_bits, c).long()
+    k_codes = unpack_codes(kv.k_codes, kv.k_bits, c)  # [T, B, C]
+    v_codes = unpack_codes(kv.v_codes, kv.v_bits, c)
     sz = kv.v_scale_zero.float()  # [T, B, 2]
-    k = kv.k_levels.float()[k_codes] * kv.k_scale.float() + kv.k_zero.float()
-    v = kv.v_levels.float()[v_codes] * sz[..., :1] + sz[..., 1:]
+    k = dequantize(k_codes, kv.k_scale.float(), kv.k_zero.float(), kv.k_levels.float())
+    v = dequantize(v_codes, sz[..., :1], sz[..., 1:], kv.v_levels.float())
     _replace_outliers(k.view(t * b, c), kv.k_outliers)
     _replace_outliers(v.view(t * b, c), kv.v_outliers)
     rows, ranks = (kv.sink_slot >= 0).nonzero(as_tuple=True)
@@ -43,24 +46,17 @@ def dequantize_kv(kv: CompressedKV) -> tuple[torch.Tensor, torch.Tensor]:
     return k, v
 
 
-def rotate(k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE with rotate-half pairs (i, i + D/2): k [..., D], cos/sin [..., D/2] broadcastable."""
-    half = k.shape[-1] // 2
-    x, y = k[..., :half], k[..., half:]
-    return torch.cat([x * cos - y * sin, y * cos + x * sin], dim=-1)
-
-
-def decode_attention(q: torch.Tensor, kv: CompressedKV, rope: Rope, scaling: float,
+def decode_attention(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
                      key_mask: torch.Tensor | None) -> torch.Tensor:
     """See `kvsqueeze.kernels.decode_attention`; q float32 [B, Hq, D] -> float32 [B, Hq, D]."""
     bsz, hq, d = q.shape
     h, t = kv.heads, kv.tokens
     g = hq // h
-    k, v = dequantize_kv(kv)  # [T, B, C]
+    k, v = dequantize_view(kv)  # [T, B, C]
     k = k.view(t, bsz, h, d).permute(1, 2, 0, 3)  # [B, H, T, D]
     v = v.view(t, bsz, h, d).permute(1, 2, 0, 3)
-    cos, sin = rope.cos_sin(kv.positions.t())  # [B, T, D/2]
-    k = rotate(k, cos[:, None], sin[:, None])
+    cos, sin = rope.cos_sin(kv.positions[:t].t())  # [B, T, D/2]
+    k = apply_rope(k, cos[:, None], sin[:, None])
     qg = q.view(bsz, h, g, d)  # query head h * G + j reads KV head h
     scores = torch.einsum("bhgd,bhtd->bhgt", qg, k) * scaling  # [B, H, G, T]
     if key_mask is not None:

@@ -7,7 +7,7 @@ import pytest
 
 numba = pytest.importorskip("numba")
 
-from kvsqueeze.kernels.simd import (  # noqa: E402
+from kvsqueeze.kernels.numba.simd import (  # noqa: E402
     LANES,
     uadd,
     uand,

@@ -31,7 +31,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .rope import BLOCK
+from .tables import BLOCK
 from .simd import (
     LANES,
     f16,

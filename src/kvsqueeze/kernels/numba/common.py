@@ -1,6 +1,6 @@
 """Pieces shared by the numba decode kernels: token blocks, RoPE blocks, word transposition, code decoding.
 
-Layout conventions (see `numba_cpu.py` for the passes):
+Layout conventions (see `attend.py` for the passes):
 
 * work runs over blocks of `BLOCK` consecutive tokens of one batch row; vector
   lanes are 16 consecutive tokens (`simd.LANES`);
@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .rope import BLOCK
+from .tables import BLOCK
 from .simd import (
     LANES,
     ushr,

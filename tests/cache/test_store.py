@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 from kvsqueeze.cache import sparse as sparse_mod
 from kvsqueeze.cache.buffers import GrowableTensor
 from kvsqueeze.cache.sparse import TokenOutliers
-from kvsqueeze.cache.storage import QuantizedKV
+from kvsqueeze.cache.store import KVStore
 from kvsqueeze.datatypes import normal_float_levels, uniform_levels
 from kvsqueeze.methods import parse_method, storage_bits
 from kvsqueeze.packing import unpack_codes
-from kvsqueeze.schemes import VectorQuantizer
+from kvsqueeze.quantizer import VectorQuantizer
 
 FAST = settings(max_examples=40, deadline=None)
 
@@ -46,37 +46,35 @@ def test_growable_appends_are_amortized():
         buf.append(torch.zeros(1, 4))
 
 
-def test_growable_numpy_view_follows_appends_reallocations_and_edits():
+def test_growable_storage_stays_until_a_reallocation_and_holds_the_rows():
+    """`storage` is what the store's views hand the kernels: the same tensor while appends fit."""
     buf = GrowableTensor((2,), torch.int16)
-    seen = []
+    storages = []
     for i in range(40):  # crosses reallocations at 16 and 32 rows
         buf.append(torch.tensor([[i, -i - 1]], dtype=torch.int16))
-        arr, bits = buf.array(), buf.array(np.uint16)
-        assert arr.shape == (i + 1, 2) and np.array_equal(arr, buf.view().numpy())
-        assert np.array_equal(bits, buf.view().numpy().view(np.uint16))  # the same bits, reinterpreted
-        seen.append(arr)
-    assert np.shares_memory(buf.array(), buf._data.numpy())  # a view, not a copy
+        assert torch.equal(buf.storage[: len(buf)], buf.view()) and buf.storage.shape[0] >= len(buf)
+        if not storages or storages[-1] is not buf.storage:
+            storages.append(buf.storage)
+    assert len(storages) == 3  # 16, 32, 64 rows
+    kept = buf.storage
     buf.truncate(5)
-    assert buf.array().shape == (5, 2)
-    buf.replace(torch.ones(3, 2, dtype=torch.int16) * 7)  # new storage: the kept view must not be reused
-    assert np.array_equal(buf.array(), np.full((3, 2), 7, np.int16))
-    buf.astype(torch.int32)
-    assert buf.array().dtype == np.int32 and np.array_equal(buf.array(), np.full((3, 2), 7, np.int32))
-    buf.clear()
-    assert buf.array().shape == (0, 2)
+    assert buf.storage is kept and torch.equal(buf.view(), kept[:5])
+    for edit in (lambda: buf.replace(torch.ones(3, 2, dtype=torch.int16) * 7), lambda: buf.astype(torch.int32),
+                 buf.clear):
+        before = buf.storage
+        edit()
+        assert buf.storage is not before and torch.equal(buf.storage[: len(buf)], buf.view())
+    assert buf.storage.dtype == torch.int32 and len(buf) == 0
 
 
-@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
-def test_growable_copies_view_their_own_storage(how):
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_growable_copies_own_their_storage(how):
     buf = GrowableTensor((2,), torch.int32)
     buf.append(torch.ones(5, 2, dtype=torch.int32))
-    buf.array()  # a numpy view kept in the original
-    dup = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": lambda b: pickle.loads(pickle.dumps(b))}[how](buf)
-    if how != "copy":  # a shallow copy shares the storage itself
-        assert not np.shares_memory(dup.array(), buf.array())
+    dup = {"deepcopy": copy.deepcopy, "pickle": lambda b: pickle.loads(pickle.dumps(b))}[how](buf)
+    assert dup.storage.data_ptr() != buf.storage.data_ptr()
     dup.append(torch.full((3, 2), 7, dtype=torch.int32))  # into spare capacity: no reallocation
-    assert np.shares_memory(dup.array(), dup._data.numpy())
-    assert np.array_equal(dup.array(), dup.view().numpy()) and dup.array()[-1].tolist() == [7, 7]
+    assert dup.view()[-1].tolist() == [7, 7] and len(buf) == 5
 
 
 # ---- CSC / CSR outliers ---------------------------------------------------------------------
@@ -208,7 +206,7 @@ ops = st.lists(st.tuples(st.sampled_from(["append", "append", "crop", "reorder"]
 def test_store_holds_exactly_the_simulated_quantization_of_the_sequence(ops, batch, c, bits, outliers, sinks, seed):
     """Random prefills, appends, crops and row reorders never lose, duplicate or reorder a token."""
     kq, vq = _quantizers(c, bits, *outliers)
-    store = QuantizedKV(kq, vq, c, sinks)
+    store = KVStore(kq, vq, c, sinks)
     g = torch.Generator().manual_seed(seed)
     pads = torch.randint(0, 3, (batch,), generator=g)  # left padding: leading tokens that are not real
     keys = torch.zeros(batch, 0, c)
@@ -237,7 +235,7 @@ def test_store_holds_exactly_the_simulated_quantization_of_the_sequence(ops, bat
             _assert_replaced_codes_are_outlier_code(store)
 
 
-def _assert_replaced_codes_are_outlier_code(store: QuantizedKV) -> None:
+def _assert_replaced_codes_are_outlier_code(store: KVStore) -> None:
     """Codes under every stored outlier (padding entries included) and in sink slots are OUTLIER_CODE: the kernels
     take the element an outlier replaces from that code without reading the codes."""
     t, b, c = store.tokens, store.batch, store.channels
@@ -254,7 +252,7 @@ def _assert_replaced_codes_are_outlier_code(store: QuantizedKV) -> None:
 
 def test_store_reset_empties_it():
     kq, vq = _quantizers(32, 3, 0.05, "vector")
-    store = QuantizedKV(kq, vq, 32, sinks=1)
+    store = KVStore(kq, vq, 32, sinks=1)
     store.append(*_tokens(2, 5, 32, 0))
     store.reset()
     assert store.tokens == 0 and store.batch == 0
@@ -270,7 +268,7 @@ def test_store_memory_is_exact_and_matches_storage_bits(method, padded):
     spec = parse_method(method)
     c, t = 64, 37
     kq, vq = _quantizers(c, spec.k_bits, spec.outlier_fraction, spec.outlier_scope, spec.family)
-    store = QuantizedKV(kq, vq, c, spec.sinks)
+    store = KVStore(kq, vq, c, spec.sinks)
     k, v = _tokens(1, t, c, 3)
     real = (torch.arange(t) >= 4).view(1, -1) if padded else None
     store.append(k[:, :20], v[:, :20], None if real is None else real[:, :20])
@@ -296,4 +294,4 @@ def test_store_memory_is_exact_and_matches_storage_bits(method, padded):
 def test_store_rejects_other_axes():
     kq, vq = _quantizers(32, 3, 0.0, "vector")
     with pytest.raises(ValueError, match="per-channel keys and per-token values"):
-        QuantizedKV(vq, kq, 32, 1)
+        KVStore(vq, kq, 32, 1)

@@ -1,7 +1,7 @@
 """Tests for kvsqueeze.kernels: fused decode attention over the compressed cache.
 
 Oracles, innermost first: the reference backend equals plain softmax attention
-over what the cache layer itself reads back (`KVQuantLayer.read()`, RoPE by the
+over what the cache layer itself reads back (`CompressedLayer.read()`, RoPE by the
 model's rotary module); every other backend equals the reference across bit
 widths, head widths, GQA ratios, batch, lengths, outliers and sinks; and
 `generate()` through the fused path equals the dense path token for token.
@@ -10,26 +10,24 @@ widths, head widths, GQA ratios, batch, lengths, outliers and sinks; and
 from __future__ import annotations
 
 import copy
-import dataclasses
+import os
+import warnings
 
 import pytest
 import torch
 
-from kvsqueeze.cache.layer import KVQuantLayer, PositionLog
-from kvsqueeze.cache.storage import QuantizedKV
+from kvsqueeze.cache.positions import PositionLog
+from kvsqueeze.cache.store import KVStore
 from kvsqueeze.datatypes import normal_float_levels, uniform_levels
-from kvsqueeze.kernels import (
-    Backend,
-    CompressedKV,
-    Rope,
-    available_backends,
-    decode_attention,
-    decode_attention_store,
-    resolve_backend,
-)
-from kvsqueeze.schemes import VectorQuantizer
+from kvsqueeze.integrations.layers import CompressedLayer
+from kvsqueeze.kernels import Backend, Rope, StoreView, available_backends, decode_attention, resolve_backend
+from kvsqueeze.kernels import api as kernels_api
+from kvsqueeze.quantizer import VectorQuantizer
 
-FAST_BACKENDS = [b for b in available_backends("cpu") if b is not Backend.REFERENCE]
+# The fast backends are held to the reference; a fast backend that fails to import fails these tests instead of
+# leaving them out, unless KVSQUEEZE_ALLOW_NO_NUMBA=1 says this machine is known to lack numba.
+NO_NUMBA = os.environ.get("KVSQUEEZE_ALLOW_NO_NUMBA") == "1"
+FAST_BACKENDS = [] if NO_NUMBA else [Backend.NUMBA]
 
 
 def make_quantizers(sample_keys: torch.Tensor, bits: int, fraction: float, v_bits: int | None = None):
@@ -48,12 +46,20 @@ def random_kv(batch: int, tokens: int, channels: int, g: torch.Generator) -> tup
 
 
 def make_store(tokens: int, batch: int, heads: int, head_dim: int, bits: int, fraction: float, sinks: int,
-               v_bits: int | None = None, real: torch.Tensor | None = None, seed: int = 0) -> QuantizedKV:
+               v_bits: int | None = None, real: torch.Tensor | None = None, seed: int = 0,
+               positions: torch.Tensor | None = None, log: PositionLog | None = None) -> KVStore:
+    """A store of random tokens; positions int32 [T, B] (default: 0..T-1 in every row)."""
     c = heads * head_dim
     keys, values = random_kv(batch, tokens, c, torch.Generator().manual_seed(seed))
-    store = QuantizedKV(*make_quantizers(keys.reshape(-1, c), bits, fraction, v_bits), c, sinks)
-    store.append(keys, values, real)
+    store = KVStore(*make_quantizers(keys.reshape(-1, c), bits, fraction, v_bits), c, sinks, head_dim=head_dim,
+                    positions=log)
+    store.append(keys, values, real, None if positions is None else positions.t())
     return store
+
+
+def view_of(store: KVStore) -> StoreView:
+    """The store's view cut to the rows in use (what tests edit field by field)."""
+    return store.view().trim()
 
 
 def positions_for(tokens: int, batch: int, real: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,7 +89,7 @@ CASES = [  # tokens, batch, kv heads, head_dim, G (query heads per KV head), bit
 def test_backend_equals_reference(backend, case):
     tokens, batch, heads, head_dim, group, bits, fraction, sinks = case
     store = make_store(tokens, batch, heads, head_dim, bits, fraction, sinks, seed=tokens)
-    kv = CompressedKV.from_store(store, positions_for(tokens, batch), heads, head_dim)
+    kv = view_of(store)
     q = torch.randn(batch, heads * group, head_dim, generator=torch.Generator().manual_seed(1))
     rope = Rope.default(head_dim)
     ref = decode_attention(q, kv, rope, head_dim**-0.5, backend=Backend.REFERENCE)
@@ -94,18 +100,18 @@ def test_backend_equals_reference(backend, case):
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
-def outlier_variants(kv: CompressedKV) -> list[CompressedKV]:
+def outlier_variants(kv: StoreView) -> list[StoreView]:
     """kv with its outliers described less precisely: value outliers as general CSR (counts per slot not known
     to be equal), and codes under the outliers not known (the backend must read them), alone and together."""
     k, v = kv.k_outliers, kv.v_outliers
-    assert all(s.code == QuantizedKV.OUTLIER_CODE for s in (k, v) if s is not None)
+    assert all(s.code == KVStore.OUTLIER_CODE for s in (k, v) if s is not None)
     unknown = {"k_outliers": k and k._replace(code=None), "v_outliers": v and v._replace(code=None)}
     if v is None or not v.nnz:
-        return [dataclasses.replace(kv, **unknown)] if k is not None and k.nnz else []
+        return [kv._replace(**unknown)] if k is not None and k.nnz else []
     assert v.fixed
     counted = v._replace(fixed=None)
-    return [dataclasses.replace(kv, v_outliers=counted), dataclasses.replace(kv, **unknown),
-            dataclasses.replace(kv, k_outliers=unknown["k_outliers"], v_outliers=counted._replace(code=None))]
+    return [kv._replace(v_outliers=counted), kv._replace(**unknown),
+            kv._replace(k_outliers=unknown["k_outliers"], v_outliers=counted._replace(code=None))]
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
@@ -114,11 +120,11 @@ def test_backend_reads_the_codes_under_outliers_when_they_are_not_known(backend,
     """Codes under outliers are any codes (a cache built elsewhere): with `code=None` the backend must read them."""
     tokens, batch, heads, head_dim = 70, 2, 2, 64
     store = make_store(tokens, batch, heads, head_dim, 3, 0.05, 1, seed=11)
-    kv = CompressedKV.from_store(store, positions_for(tokens, batch), heads, head_dim)
+    kv = view_of(store)
     g = torch.Generator().manual_seed(12)
     scrambled = {name: torch.randint(-2**31, 2**31 - 1, getattr(kv, name).shape, generator=g, dtype=torch.int32)
                  for name in ("k_codes", "v_codes")}
-    kv = dataclasses.replace(kv, **scrambled, k_outliers=kv.k_outliers._replace(code=None),
+    kv = kv._replace(**scrambled, k_outliers=kv.k_outliers._replace(code=None),
                              v_outliers=kv.v_outliers._replace(code=None, fixed=kv.v_outliers.fixed if fixed else None))
     q = torch.randn(batch, heads * 3, head_dim, generator=g)
     rope = Rope.default(head_dim)
@@ -128,51 +134,47 @@ def test_backend_reads_the_codes_under_outliers_when_they_are_not_known(backend,
 
 @pytest.mark.parametrize("backend", [*FAST_BACKENDS, Backend.REFERENCE])
 @pytest.mark.parametrize("case", CASES[1::2], ids=lambda c: "T{}-B{}-H{}-D{}-G{}-b{}-p{}-s{}".format(*c))
-def test_store_entry_equals_compressed_views(backend, case, monkeypatch):
-    """`decode_attention_store` (the store read in place, positions from a longer buffer) computes exactly what
-    `decode_attention` computes over `CompressedKV.from_store`; a backend with its own store path never builds
-    the views, and keeps giving the same result as the store grows."""
+def test_store_view_equals_its_trimmed_view(backend, case):
+    """`KVStore.view()` (the store's allocations, positions from a longer shared log) computes exactly what the
+    view cut to the rows in use computes, and keeps doing so as the store grows and reallocates."""
     tokens, batch, heads, head_dim, group, bits, fraction, sinks = case
-    store = make_store(tokens, batch, heads, head_dim, bits, fraction, sinks, seed=tokens)
     log = PositionLog()
     log.write(0, positions_for(tokens + 3, batch).t())  # rows past the store's tokens must be ignored
+    store = make_store(tokens, batch, heads, head_dim, bits, fraction, sinks, seed=tokens,
+                       positions=positions_for(tokens, batch), log=log)
+    assert len(log) == tokens + 3
     q = torch.randn(batch, heads * group, head_dim, generator=torch.Generator().manual_seed(1))
     rope = Rope.default(head_dim)
     mask = torch.rand(batch, tokens + 2, generator=torch.Generator().manual_seed(2)) > 0.2
     mask[:, -1] = True
     for step in range(3):  # appends reallocate some buffers and not others
         t = store.tokens
-        views = CompressedKV.from_store(store, positions_for(t, batch), heads, head_dim)
-        want = decode_attention(q, views, rope, 0.125, key_mask=mask[:, :t], backend=backend)
-        with monkeypatch.context() as m:
-            if backend is Backend.NUMBA:
-                m.setattr(CompressedKV, "from_store", None)  # the fast path must not need the views
-            got = decode_attention_store(q, store, log, heads, head_dim, rope, 0.125, key_mask=mask[:, :t],
-                                         backend=backend)
+        want = decode_attention(q, view_of(store), rope, 0.125, key_mask=mask[:, :t], backend=backend)
+        got = decode_attention(q, store.view(), rope, 0.125, key_mask=mask[:, :t], backend=backend)
         assert torch.equal(got, want)
         store.append(*random_kv(batch, 1, heads * head_dim, torch.Generator().manual_seed(50 + step)))
 
 
-def test_store_entry_explains_bad_inputs_like_the_views():
+def test_store_view_explains_bad_inputs_like_the_trimmed_view():
     store = make_store(5, 1, 2, 16, 4, 0.01, 0)
     rope = Rope.default(16)
     for backend in available_backends("cpu"):
-        with pytest.raises(ValueError, match="not a multiple of 2 KV heads"):
-            decode_attention_store(torch.zeros(1, 3, 16), store, positions_for(5, 1), 2, 16, rope, 1.0,
-                                   backend=backend)
-        with pytest.raises(ValueError, match="positions must be"):
-            decode_attention_store(torch.zeros(1, 4, 16), store, positions_for(4, 1), 2, 16, rope, 1.0,
-                                   backend=backend)
-        with pytest.raises(ValueError, match="key_mask must be bool"):
-            decode_attention_store(torch.zeros(1, 4, 16), store, positions_for(5, 1), 2, 16, rope, 1.0,
-                                   key_mask=torch.ones(1, 4, dtype=torch.bool), backend=backend)
+        for kv in (store.view(), view_of(store)):
+            with pytest.raises(ValueError, match="not a multiple of 2 KV heads"):
+                decode_attention(torch.zeros(1, 3, 16), kv, rope, 1.0, backend=backend)
+            with pytest.raises(ValueError, match="positions must be"):
+                decode_attention(torch.zeros(1, 4, 16), kv._replace(positions=positions_for(4, 1)), rope, 1.0,
+                                 backend=backend)
+            with pytest.raises(ValueError, match="key_mask must be bool"):
+                decode_attention(torch.zeros(1, 4, 16), kv, rope, 1.0, key_mask=torch.ones(1, 4, dtype=torch.bool),
+                                 backend=backend)
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_backend_follows_quantizer_tensors_changed_in_place(backend):
     """Backends may keep tables derived from a layer's scales between calls; changing them must be seen."""
     store = make_store(40, 1, 2, 64, 3, 0.01, 1, seed=5)
-    kv = CompressedKV.from_store(store, positions_for(40, 1), 2, 64)
+    kv = view_of(store)
     q = torch.randn(1, 6, 64, generator=torch.Generator().manual_seed(3))
     rope = Rope.default(64)
     before = decode_attention(q, kv, rope, 0.125, backend=backend)
@@ -188,7 +190,7 @@ def test_backend_follows_quantizer_tensors_changed_in_place(backend):
 def test_backend_runs_on_a_cache_built_in_inference_mode(backend):
     with torch.inference_mode():
         store = make_store(33, 1, 2, 64, 3, 0.01, 1, seed=6)
-        kv = CompressedKV.from_store(store, positions_for(33, 1), 2, 64)
+        kv = view_of(store)
         q = torch.randn(1, 4, 64, generator=torch.Generator().manual_seed(4))
         rope = Rope.default(64)
         ref = decode_attention(q, kv, rope, 0.125, backend=Backend.REFERENCE)
@@ -203,9 +205,9 @@ def test_backend_equals_reference_mixed_bits_padding_and_long_positions(backend)
     batch, tokens, heads, head_dim = 2, 150, 2, 64
     real = torch.ones(batch, tokens, dtype=torch.bool)
     real[1, :37] = False  # left padding: not sinks, masked, positions restart after it
-    store = make_store(tokens, batch, heads, head_dim, 4, 0.01, 2, v_bits=2, real=real)
     pos = positions_for(tokens, batch, real) + 70_000  # past the first table rows
-    kv = CompressedKV.from_store(store, pos, heads, head_dim)
+    store = make_store(tokens, batch, heads, head_dim, 4, 0.01, 2, v_bits=2, real=real, positions=pos)
+    kv = store.view()
     q = torch.randn(batch, heads * 3, head_dim, generator=torch.Generator().manual_seed(2))
     rope = Rope(Rope.default(head_dim, theta=500_000.0).inv_freq, scaling=1.2)
     ref = decode_attention(q, kv, rope, 0.1, key_mask=real, backend=Backend.REFERENCE)
@@ -217,7 +219,7 @@ def test_backend_equals_reference_mixed_bits_padding_and_long_positions(backend)
 def test_backend_equals_reference_beyond_65536_tokens(backend):
     tokens, heads, head_dim = 65_600, 1, 64
     store = make_store(tokens, 1, heads, head_dim, 3, 0.01, 1)
-    kv = CompressedKV.from_store(store, positions_for(tokens, 1), heads, head_dim)
+    kv = view_of(store)
     q = torch.randn(1, 3, head_dim, generator=torch.Generator().manual_seed(3)) * 3  # peaked attention
     rope = Rope.default(head_dim)
     ref = decode_attention(q, kv, rope, head_dim**-0.5, backend=Backend.REFERENCE)
@@ -233,9 +235,8 @@ def test_reference_equals_attention_over_the_layer_read(tiny_llama):
     c = heads * head_dim
     g = torch.Generator().manual_seed(4)
     keys, values = random_kv(batch, tokens, c, g)
-    store = QuantizedKV(*make_quantizers(keys.reshape(-1, c), 3, 0.01), c, sinks=2)
-    log = PositionLog()
-    layer = KVQuantLayer(store, 0, heads, head_dim, rotary_module(tiny_llama), log, None)
+    store = KVStore(*make_quantizers(keys.reshape(-1, c), 3, 0.01), c, sinks=2, head_dim=head_dim)
+    layer = CompressedLayer(store, 0, rotary_module(tiny_llama))
     for start, stop in ((0, 60), (60, 61), (61, tokens)):  # a prefill, a decode step, more tokens
         layer.append_pre_rope(keys[:, start:stop], values[:, start:stop],
                               torch.arange(start, stop).expand(batch, stop - start))
@@ -243,12 +244,39 @@ def test_reference_equals_attention_over_the_layer_read(tiny_llama):
     q = torch.randn(batch, heads * group, head_dim, generator=g)
     scores = torch.einsum("bhgd,bhtd->bhgt", q.view(batch, heads, group, head_dim), k) * 0.25
     expected = torch.einsum("bhgt,bhtd->bhgd", scores.softmax(-1), v).reshape(batch, heads * group, head_dim)
-    kv = CompressedKV.from_store(store, log.view(), heads, head_dim)
+    kv = store.view()
     got = decode_attention(q, kv, Rope.from_rotary(rotary_module(tiny_llama)), 0.25, backend=Backend.REFERENCE)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 
 # ---- the backend choice ---------------------------------------------------------------------------
+@pytest.mark.skipif(NO_NUMBA, reason="KVSQUEEZE_ALLOW_NO_NUMBA=1: this machine is known to lack numba")
+def test_the_numba_backend_loads():
+    assert resolve_backend("numba", "cpu") is Backend.NUMBA  # its real import error, if any, fails this test
+    assert available_backends("cpu")[0] is Backend.NUMBA and resolve_backend("auto", "cpu") is Backend.NUMBA
+
+
+def test_a_backend_that_cannot_load_raises_by_name_and_auto_warns_once(monkeypatch):
+    def clear():
+        for f in (kernels_api._load, kernels_api._entry, kernels_api._warn_fallback):
+            f.cache_clear()
+
+    monkeypatch.setitem(kernels_api._MODULES, Backend.NUMBA, ".no_such_backend")
+    clear()
+    try:
+        with pytest.raises(ImportError, match="no_such_backend"):
+            resolve_backend("numba", "cpu")
+        with pytest.warns(RuntimeWarning, match="numba decode backend cannot be loaded"):
+            assert resolve_backend("auto", "cpu") is Backend.REFERENCE
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert resolve_backend("auto", "cpu") is Backend.REFERENCE  # once
+        assert available_backends("cpu") == [Backend.REFERENCE]
+    finally:
+        monkeypatch.undo()
+        clear()
+
+
 def test_backends_are_explicit():
     assert Backend.REFERENCE in available_backends("cpu")
     assert available_backends("cpu")[-1] is Backend.REFERENCE  # fastest first, the reference last
@@ -263,7 +291,7 @@ def test_backends_are_explicit():
 
 def test_bad_inputs_are_explained():
     store = make_store(5, 1, 2, 16, 4, 0.0, 0)
-    kv = CompressedKV.from_store(store, positions_for(5, 1), 2, 16)
+    kv = view_of(store)
     rope = Rope.default(16)
     with pytest.raises(ValueError, match="not a multiple of 2 KV heads"):
         decode_attention(torch.zeros(1, 3, 16), kv, rope, 1.0)
@@ -279,13 +307,13 @@ def _counting(monkeypatch):
     from kvsqueeze.integrations import fused
 
     calls = []
-    real = fused.decode_attention_store
+    real = fused.decode_attention
 
     def counted(*args, **kwargs):
         calls.append(1)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(fused, "decode_attention_store", counted)
+    monkeypatch.setattr(fused, "decode_attention", counted)
     return calls
 
 
@@ -294,7 +322,7 @@ def test_generate_fused_equals_dense_path(tiny_llama, tiny_recipe, method, monke
     from conftest import LAYERS, random_ids
 
     import kvsqueeze
-    from kvsqueeze.integrations.fused import FusedDecodeLayer, fused_decode
+    from kvsqueeze.integrations.fused import fused_decode
 
     ids = random_ids(2, 14, seed=7)
     mask = torch.ones_like(ids)
@@ -308,12 +336,12 @@ def test_generate_fused_equals_dense_path(tiny_llama, tiny_recipe, method, monke
         cache = kvsqueeze.cache_for(tiny_llama, tiny_recipe, method)
         calls = _counting(monkeypatch)
         with fused_decode(tiny_llama, cache) as handle:
-            assert all(isinstance(layer, FusedDecodeLayer) for layer in cache.layers)
+            assert all(layer.decode_backend is handle.backend for layer in cache.layers)
             got = tiny_llama.generate(ids, cache=cache, **kw)
     assert torch.equal(got, expected)
     assert len(calls) == LAYERS * (new - 1)  # every decode step of every layer, never the prefill
     assert handle.closed and tiny_llama.config._attn_implementation == "sdpa"
-    assert all(type(layer) is KVQuantLayer for layer in cache.layers)
+    assert all(isinstance(layer, CompressedLayer) and layer.decode_backend is None for layer in cache.layers)
 
 
 def _step_logits(model, cache, ids, start: int, stop: int, prefill: bool = False) -> list[torch.Tensor]:
@@ -402,11 +430,11 @@ def test_backend_refuses_more_scores_than_it_addresses(backend):
     """2**31 scores in one call (rows x query heads x tokens) would overflow the kernel's 32-bit lane offsets:
     a clear error naming the way out, before anything is read (the long tensors are stride-0 views)."""
     store = make_store(2, 1, 1, 64, 3, 0.0, 0)
-    kv = CompressedKV.from_store(store, positions_for(2, 1), 1, 64)
+    kv = view_of(store)
     tokens = (1 << 31) // 8 + 1
     long = {name: getattr(kv, name)[:1].expand(tokens, *getattr(kv, name).shape[1:])
             for name in ("k_codes", "v_codes", "v_scale_zero", "positions")}
-    kv = dataclasses.replace(kv, **long)
+    kv = kv._replace(**long, tokens=tokens)
     q = torch.randn(1, 8, 64)
     with pytest.raises(ValueError, match=r"2\*\*31 scores.*backend='reference'"):
         decode_attention(q, kv, Rope.default(64), 0.125, backend=backend)

@@ -16,10 +16,10 @@ import torch
 
 import kvsqueeze
 from conftest import random_ids
-from kvsqueeze.cache.constructor import KVQuantCache
+from kvsqueeze.integrations.cache import CompressedCache
 from kvsqueeze.calibrate.collect import collect
 from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
-from kvsqueeze.integrations.modules import apply_rope
+from kvsqueeze.rope import apply_rope
 from kvsqueeze.integrations.simulate import SimulatedQuantization
 from kvsqueeze.methods import MethodError, parse_method, storage_bits
 from kvsqueeze.recipe import RecipeError
@@ -114,7 +114,7 @@ def test_left_padded_batch_equals_each_row_alone(llama):
     store = cache.layers[0].store
     pad = width - len(rows[1])
     assert store.sink_slot.tolist() == [[0, 1, 2], [pad, pad + 1, pad + 2]]  # first real tokens, not pads
-    positions = cache.log.view().t()  # [B, T]: what RoPE was applied with
+    positions = cache.positions.view().t()  # [B, T]: what RoPE was applied with
     assert positions[1, pad:].tolist() == list(range(positions.shape[1] - pad))
     assert positions[0].tolist() == list(range(positions.shape[1]))
 
@@ -126,7 +126,7 @@ def test_batch_row_operations(llama):
         model(random_ids(2, 8, seed=1), cache=cache, use_cache=True)
     before = [layer.read() for layer in cache.layers]
     cache.batch_repeat_interleave(2)
-    assert cache.layers[0].batch_size == 4 and cache.log.view().shape == (8, 4)
+    assert cache.layers[0].batch_size == 4 and cache.positions.view().shape == (8, 4)
     for (k, v), layer in zip(before, cache.layers):
         k2, v2 = layer.read()
         assert torch.equal(k2, k.repeat_interleave(2, dim=0)) and torch.equal(v2, v.repeat_interleave(2, dim=0))
@@ -245,7 +245,7 @@ def test_hooks_are_shared_and_removed_with_the_last_cache(llama):
     gc.collect()
     assert _hook_count(model) == base
     with cache_for(model, recipe, "nuq3-1%") as c:
-        assert isinstance(c, KVQuantCache) and _hook_count(model) == once
+        assert isinstance(c, CompressedCache) and _hook_count(model) == once
     assert _hook_count(model) == base
 
 

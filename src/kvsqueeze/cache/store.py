@@ -4,8 +4,9 @@ This is the storage half of KVQuant's cache (Hooper et al., arXiv 2401.18079):
 keys are quantized per channel before RoPE with the recipe's offline scales,
 zero-points, thresholds and codebook; values per token, with the scale,
 zero-point and top-k outliers of each new token computed online. Encoding is
-`schemes.VectorQuantizer.encode`, decoding is `quantizer.dequantize`: the very
-functions of the simulated path, so the store reproduces it exactly.
+`quantizer.VectorQuantizer.encode`, decoding is `affine.dequantize` (through
+`kernels.reference.dequantize_view`): the very functions of the simulated
+path, so the store reproduces it exactly.
 
 Layout, token-major (a slot is one token of one batch row; slot n = t * B + b):
 
@@ -25,30 +26,30 @@ Layout, token-major (a slot is one token of one batch row; slot n = t * B + b):
   pre-RoPE keys and values [B, S, C] plus their slot [B, S] (int32, -1 empty).
   A sink keeps a slot in the dense grids (zero codes, zero scales, no outliers)
   so the grids stay rectangular; `memory` reports those bytes apart.
+* positions: the RoPE position of every slot (`PositionLog`, int32 [T, B]),
+  shared by the stores of all layers of one cache.
 
 Everything grows by capacity doubling (`buffers.py`); crop and batch gathers
-edit the arrays in place of rebuilding them from the model.
+edit the arrays in place of rebuilding them from the model. `view()` is what
+the decode kernels read (`kernels.StoreView`): the store's allocations and
+how many of their rows are in use, nothing copied.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..packing import pack_codes, unpack_codes, words_per_vector
-from ..quantizer import choose_qparams, dequantize
-from ..schemes import VectorQuantizer
+from ..affine import choose_qparams
+from ..kernels.reference import dequantize_view
+from ..kernels.view import Outliers, StoreView
+from ..packing import pack_codes, words_per_vector
+from ..quantizer import VectorQuantizer
 from .buffers import GrowableTensor
+from .positions import PositionLog
 from .sparse import TokenOutliers
 
 
-def _fixed_outliers(q: VectorQuantizer, channels: int) -> int | None:
-    """Outliers every token has under per-token top-k thresholds (None when the count varies)."""
-    if q.axis != "token" or q.scope != "vector" or q.fraction <= 0:
-        return None
-    return 2 * q.outliers_per_side(channels)
-
-
-class QuantizedKV:
+class KVStore:
     """Compressed keys (pre-RoPE) and values of one layer; see the module docstring.
 
     Args:
@@ -56,22 +57,34 @@ class QuantizedKV:
         v_quant: per-token value quantizer (`axis="token"`, no channel groups).
         channels: C = kv_heads * head_dim.
         sinks: leading real tokens of each row kept exactly in fp16.
+        device: where every array lives.
+        head_dim: D, the width of one KV head (default: C, one head).
+        positions: the cache's `PositionLog`, shared by its layers (default: a log of this store's own).
     """
 
     OUTLIER_CODE = 0  # the code stored under every outlier (and in sink slots)
 
-    def __init__(self, k_quant: VectorQuantizer, v_quant: VectorQuantizer, channels: int, sinks: int,
-                 device: torch.device | str = "cpu"):
+    def __init__(self, k_quant: VectorQuantizer, v_quant: VectorQuantizer, channels: int, sinks: int = 0,
+                 device: torch.device | str = "cpu", head_dim: int | None = None,
+                 positions: PositionLog | None = None):
         if k_quant.axis != "channel" or v_quant.axis != "token" or v_quant.group:
-            raise ValueError("QuantizedKV stores per-channel keys and per-token values (KVQuant's axes)")
-        self.kq, self.vq = k_quant, v_quant
-        self.channels = channels
+            raise ValueError("KVStore stores per-channel keys and per-token values (KVQuant's axes)")
+        head_dim = head_dim or channels
+        if channels % head_dim:
+            raise ValueError(f"{channels} channels are not a whole number of heads of width {head_dim}")
+        self.key_quantizer, self.value_quantizer = k_quant, v_quant
+        self.channels, self.head_dim, self.heads = channels, head_dim, channels // head_dim
         self.sinks = sinks
         self.device = torch.device(device)
+        # a log of its own is edited with the store; a shared one by the cache that shares it, once for all layers
+        self.owns_positions = positions is None
+        self.positions = positions if positions is not None else PositionLog(self.device)
         self.k_bits, self.v_bits = k_quant.bits, v_quant.bits
         scale, zero = choose_qparams(k_quant.lo.view(1, -1), k_quant.hi.view(1, -1))  # fp16-exact float32 [1, C]
         self.k_scale, self.k_zero = scale.view(-1).half().to(self.device), zero.view(-1).half().to(self.device)
         self.batch = 0
+        self._view: StoreView | None = None
+        self._allocations: tuple = ()
         self._allocate(0)
 
     def _allocate(self, batch: int) -> None:
@@ -81,13 +94,18 @@ class QuantizedKV:
         self.v_codes = GrowableTensor((batch, words_per_vector(c, self.v_bits)), torch.int32, dev)
         self.v_scale_zero = GrowableTensor((batch, 2), torch.float16, dev)
         # methods without outliers store no sparse arrays at all (storage_bits counts no pointers then)
-        self.k_outliers = TokenOutliers(c, dev) if self.kq.fraction > 0 else None
+        self.k_outliers = TokenOutliers(c, dev) if self.key_quantizer.fraction > 0 else None
         # per-token top-k value outliers: the same count every token, so CSR row pointers are implicit
-        self.v_fixed = _fixed_outliers(self.vq, c)
-        self.v_outliers = TokenOutliers(c, dev, fixed=self.v_fixed) if self.vq.fraction > 0 else None
+        self.v_fixed = self.value_quantizer.fixed_outliers(c)
+        self.v_outliers = TokenOutliers(c, dev, fixed=self.v_fixed) if self.value_quantizer.fraction > 0 else None
         self.sink_k = torch.zeros(batch, self.sinks, c, dtype=torch.float16, device=dev)
         self.sink_v = torch.zeros_like(self.sink_k)
         self.sink_slot = torch.full((batch, self.sinks), -1, dtype=torch.int32, device=dev)
+
+    def __getstate__(self) -> dict:
+        # a copy (copy.copy, deepcopy, pickle) builds its own view: numpy views kept in the memo would not share
+        # the copied storage
+        return {**self.__dict__, "_view": None, "_allocations": ()}
 
     # ---- size ----------------------------------------------------------------------------
     @property
@@ -101,7 +119,8 @@ class QuantizedKV:
         return (self.sink_slot >= 0).sum(dim=1)
 
     # ---- writing -------------------------------------------------------------------------
-    def append(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None) -> None:
+    def append(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None,
+               positions: torch.Tensor | None = None) -> None:
         """Quantize and append T tokens of every row.
 
         Args:
@@ -110,17 +129,22 @@ class QuantizedKV:
             real: bool [B, T], False at padding tokens (they are stored like any
                 token, since attention masks them, but never become sinks).
                 None: every token is real.
+            positions: the RoPE position of each token [B, T] (int); None: counted on from the tokens held.
         """
         b, t, c = keys.shape
         if self.batch == 0 and self.tokens == 0:
             self._allocate(b)
         if b != self.batch or c != self.channels:
             raise ValueError(f"appending [B={b}, C={c}] to a cache of batch {self.batch} and {self.channels} channels")
+        start = self.tokens
+        if positions is None:
+            positions = torch.arange(start, start + t, device=keys.device).expand(b, t)
+        self.positions.write(start, positions)
         sink = self._take_sinks(keys, values, real)  # [B, T]
         xk = keys.transpose(0, 1).reshape(t * b, c).float()  # [T*B, C], slot order
         xv = values.transpose(0, 1).reshape(t * b, c).float()
         flat_sink = sink.t().reshape(-1, 1)  # [T*B, 1]
-        enc_k, enc_v = self.kq.encode(xk), self.vq.encode(xv)
+        enc_k, enc_v = self.key_quantizer.encode(xk), self.value_quantizer.encode(xv)
         # codes never read back (under outliers, padding entries of fixed-count rows included, and in sink
         # slots) are OUTLIER_CODE
         k_replaced, v_replaced = flat_sink, flat_sink
@@ -152,24 +176,36 @@ class QuantizedKV:
         return sink
 
     # ---- reading -------------------------------------------------------------------------
+    def view(self) -> StoreView:
+        """What the decode kernels read: this store's allocations and the rows in use (see `kernels.StoreView`).
+
+        Successive views share one memo for as long as the store keeps the same allocations."""
+        k_out, v_out = self.k_outliers, self.v_outliers
+        allocations = (self.k_codes.storage, self.v_codes.storage, self.v_scale_zero.storage, self.sink_k,
+                       self.sink_v, self.sink_slot, self.positions.storage,
+                       *(s.storages if s is not None else () for s in (k_out, v_out)))
+        view = self._view
+        if view is None or len(allocations) != len(self._allocations) or any(
+                a is not b for a, b in zip(allocations, self._allocations)):
+            view = self._view = StoreView(
+                self.heads, self.head_dim, self.k_bits, self.v_bits, 0, self.k_codes.storage, self.v_codes.storage,
+                self.k_scale, self.k_zero, self.key_quantizer.levels, self.value_quantizer.levels,
+                self.v_scale_zero.storage, None, None, self.sink_k, self.sink_v, self.sink_slot,
+                self.positions.storage, {})
+            self._allocations = allocations
+        return view._replace(tokens=self.tokens, k_outliers=self._outliers(k_out),
+                             v_outliers=self._outliers(v_out))
+
+    def _outliers(self, sparse: TokenOutliers | None) -> Outliers | None:
+        if sparse is None:
+            return None
+        pointers = None if sparse.fixed is not None else sparse.pointers.storage
+        return Outliers(pointers, sparse.channels.storage, sparse.values.storage, sparse.nnz, sparse.fixed,
+                        self.OUTLIER_CODE)
+
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys (pre-RoPE) and values of every slot, float32 [T, B, C] each."""
-        t, b, c = self.tokens, self.batch, self.channels
-        k_codes = unpack_codes(self.k_codes.view(), self.k_bits, c).view(t * b, c)
-        v_codes = unpack_codes(self.v_codes.view(), self.v_bits, c).view(t * b, c)
-        sz = self.v_scale_zero.view().float().view(t * b, 2)
-        k = dequantize(k_codes, self.k_scale.float().view(1, c), self.k_zero.float().view(1, c), self.kq.levels)
-        v = dequantize(v_codes, sz[:, :1], sz[:, 1:], self.vq.levels)
-        for sparse, dense in ((self.k_outliers, k), (self.v_outliers, v)):
-            if sparse is not None:
-                sparse.scatter_into(dense)
-        k, v = k.view(t, b, c), v.view(t, b, c)
-        rows, ranks = (self.sink_slot >= 0).nonzero(as_tuple=True)
-        if rows.numel():
-            slots = self.sink_slot[rows, ranks].long()
-            k[slots, rows] = self.sink_k[rows, ranks].float()
-            v[slots, rows] = self.sink_v[rows, ranks].float()
-        return k, v
+        return dequantize_view(self.view())
 
     # ---- editing -------------------------------------------------------------------------
     def crop(self, tokens: int) -> None:
@@ -182,6 +218,8 @@ class QuantizedKV:
         self.sink_slot[gone] = -1
         self.sink_k[gone] = 0
         self.sink_v[gone] = 0
+        if self.owns_positions:
+            self.positions.truncate(tokens)
 
     def gather_rows(self, index: torch.Tensor) -> None:
         """Make row i the old row index[i] (beam reorder, batch select, repeat-interleave)."""
@@ -195,9 +233,13 @@ class QuantizedKV:
         self.sink_k, self.sink_v = self.sink_k[index], self.sink_v[index]
         self.sink_slot = self.sink_slot[index]
         self.batch = index.numel()
+        if self.owns_positions and len(self.positions):
+            self.positions.gather_rows(index)
 
     def reset(self) -> None:
         self._allocate(0)
+        if self.owns_positions:
+            self.positions.clear()
 
     def _sparse(self) -> list[TokenOutliers]:
         return [s for s in (self.k_outliers, self.v_outliers) if s is not None]
@@ -232,9 +274,9 @@ class QuantizedKV:
 
     def _quantizer_nbytes(self) -> int:
         """Codebooks (float32 levels, exactly what decoding reads) and the key thresholds encoding reads."""
-        held = [self.kq.levels, self.vq.levels, self.kq.lo, self.kq.hi]
-        n = sum(x.nbytes for x in held)
-        if self.vq.mat_lo is not None:
+        kq, vq = self.key_quantizer, self.value_quantizer
+        n = sum(x.nbytes for x in (kq.levels, vq.levels, kq.lo, kq.hi))
+        if vq.mat_lo is not None:
             n += 8  # per-matrix value thresholds, two float32
         return n
 

@@ -16,7 +16,7 @@ from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
 from kvsqueeze.cli import main
 from kvsqueeze.eval.perplexity import evaluate
 from kvsqueeze.eval.texts import TextError, calibration_windows, load_text, token_windows
-from kvsqueeze.integrations.models import kv_shape
+from kvsqueeze.shape import kv_shape
 from kvsqueeze.integrations.simulate import SimulatedQuantization
 from kvsqueeze.methods import parse_method
 from kvsqueeze.recipe import Recipe, RecipeError

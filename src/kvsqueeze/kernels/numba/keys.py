@@ -1,6 +1,6 @@
-"""Key side of the numba decode kernel: scores over packed keys, sinks, softmax (outliers: `numba_sparse`).
+"""Key side of the numba decode kernel: scores over packed keys, sinks, softmax (outliers: `sparse.py`).
 
-See `numba_cpu.py` for the order of the passes and `numba_common.py` for the layout.
+See `attend.py` for the order of the passes and `common.py` for the layout.
 """
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .numba_common import ZERO, block_rotation, cos_sin_at, decode, gather_words
-from .rope import BLOCK
+from .common import ZERO, block_rotation, cos_sin_at, decode, gather_words
+from .tables import BLOCK
 from .simd import (
     LANES,
     f16,
@@ -25,7 +25,7 @@ from .simd import (
 
 KEY_TILE = 3  # query heads per pass over a block: 3 x 4 accumulator vectors in registers
 if BLOCK != 4 * LANES:  # `_dot_group` covers a block with four vectors
-    raise ImportError(f"numba_keys assumes a block of {4 * LANES} tokens, got {BLOCK}")
+    raise ImportError(f"keys.py assumes a block of {4 * LANES} tokens, got {BLOCK}")
 
 
 @njit(parallel=True, cache=True)

@@ -12,7 +12,7 @@ from kvsqueeze.eval.perplexity import evaluate, format_table, window_nll
 from kvsqueeze.integrations.kivi import fake_quantize_channel_groups, fake_quantize_token_groups, kivi_attention
 from kvsqueeze.integrations.simulate import SimulatedQuantization
 from kvsqueeze.methods import parse_method, storage_bits
-from kvsqueeze.quantizer import choose_qparams
+from kvsqueeze.affine import choose_qparams
 
 BROAD = [
     "int3", "nf3", "int3:kchan:pre", "nuq2", "nuq3", "nuq4", "nuq2-1%", "nuq3-1%", "nuq4-1%",

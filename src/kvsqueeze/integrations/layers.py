@@ -1,7 +1,7 @@
 """transformers cache layers over the compressed store: pre-RoPE keys in, RoPE re-applied on read.
 
-`KVQuantLayer` implements transformers' `CacheLayerMixin` contract on top of
-`QuantizedKV` (one per model layer); `Fp16Layer` is the fp16 baseline with the
+`CompressedLayer` implements transformers' `CacheLayerMixin` contract on top of
+one `KVStore` (one per model layer); `Fp16Layer` is the fp16 baseline with the
 same memory accounting. No model code is forked.
 
 Why hooks rather than un-rotating: `update` receives post-RoPE keys. Undoing
@@ -15,10 +15,13 @@ layer fed by hand, or a model whose keys were not seen) keys are un-rotated as
 a fallback, dividing by cos² + sin² so scaled RoPE variants invert too.
 
 Positions: RoPE is re-applied at read time with the positions the model used,
-taken from the `position_ids` that reach `update` (with left padding,
-generate() shifts each row so its first real token is position 0). They are
-kept once per cache in a `PositionLog` shared by all layers, int32 per token
-and row, and counted in the memory report.
+taken from the `position_ids` that reach `update`; the stores of one cache
+share one `PositionLog` (`kvsqueeze.cache.positions`).
+
+Fused decode (`fused.py`): a layer given a decode backend compresses a single
+new token as usual but, instead of dequantizing the whole cache, returns empty
+[B, H, 0, D] tensors that name the layer (`decode_marker`); the attention
+function then reads the layer's store through the kernels.
 
 Padding: pad tokens are stored like any token (attention masks them, keys use
 offline statistics and values per-token ones, so they cannot disturb real
@@ -33,63 +36,14 @@ import warnings
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
-from ..integrations.modules import apply_rope, unapply_rope
-from .buffers import GrowableTensor
-from .capture import ForwardCapture
-from .storage import QuantizedKV
+from ..cache.buffers import GrowableTensor
+from ..cache.store import KVStore
+from ..rope import Rope, apply_rope, unapply_rope
+
+MARKER = "kvsqueeze_layer"  # attribute of the empty key tensor a fused decode step returns
 
 
-class PositionLog:
-    """The RoPE position of every cached token, int32 [T, B], written by the first layer of each forward."""
-
-    def __init__(self, device: torch.device | str = "cpu"):
-        self.buf = GrowableTensor((0,), torch.int32, device)
-
-    def __len__(self) -> int:
-        return len(self.buf)
-
-    def view(self) -> torch.Tensor:
-        return self.buf.view()
-
-    def array(self):
-        """The positions as a numpy view (CPU only), int32 [T, B]."""
-        return self.buf.array()
-
-    def write(self, start: int, positions: torch.Tensor) -> None:
-        """Positions [B, T] of the tokens at slots start..start+T (a no-op when another layer wrote them)."""
-        rows = positions.t().to(torch.int32)  # [T, B]
-        t = rows.shape[0]
-        if start + t <= len(self.buf) and torch.equal(self.buf.view()[start : start + t], rows):
-            return
-        if start > len(self.buf):
-            raise RuntimeError(f"positions written at slot {start} of a log of {len(self.buf)}: layers out of step")
-        if self.buf.row_shape != tuple(rows.shape[1:]):
-            if start:
-                raise RuntimeError(f"batch of {rows.shape[1]} rows written into a cache of {self.buf.row_shape[0]}; "
-                                   "change the batch with reorder_cache / batch_select_indices")
-            self.buf = GrowableTensor(tuple(rows.shape[1:]), torch.int32, self.buf.device)
-        self.buf.truncate(start)
-        self.buf.append(rows)
-
-    def truncate(self, tokens: int) -> None:
-        self.buf.truncate(min(tokens, len(self.buf)))
-
-    def gather_rows(self, index: torch.Tensor) -> None:
-        self.buf.replace(self.buf.view().index_select(1, index.to(self.buf.device).long()))
-
-    def clear(self) -> None:
-        self.buf.clear()
-
-    @property
-    def nbytes(self) -> int:
-        return self.buf.nbytes
-
-    @property
-    def capacity_nbytes(self) -> int:
-        return self.buf.capacity_nbytes
-
-
-class CompressedLayerBase(CacheLayerMixin):
+class LayerBase(CacheLayerMixin):
     """What both kvsqueeze layers share: length bookkeeping and the batch-row operations generate() uses."""
 
     is_croppable = True  # crop leaves exactly the state the cache had at that length
@@ -143,25 +97,24 @@ def _positions(position_ids, batch: int, tokens: int, start: int, device) -> tor
     return position_ids.to(device).long().expand(batch, tokens)
 
 
-class KVQuantLayer(CompressedLayerBase):
-    """One layer of the KVQuant cache; see the module docstring.
+class CompressedLayer(LayerBase):
+    """One layer of the compressed cache; see the module docstring.
 
     Args:
-        store: the layer's compressed storage.
+        store: the layer's compressed storage (its positions shared with the other layers).
         layer_idx: index of the attention module (its `k_proj` is hooked).
-        heads, head_dim: KV heads and their width.
         rotary: the model's rotary-embedding module (forward(x, position_ids) -> cos, sin).
-        log: positions shared by all layers of the cache.
-        capture: the model's forward capture (None: always un-rotate).
+        capture: the model's `ForwardCapture` (None: always un-rotate).
     """
 
-    def __init__(self, store: QuantizedKV, layer_idx: int, heads: int, head_dim: int, rotary,
-                 log: PositionLog, capture: ForwardCapture | None):
+    def __init__(self, store: KVStore, layer_idx: int, rotary, capture=None):
         super().__init__()
         self.store, self.layer_idx = store, layer_idx
-        self.heads, self.head_dim = heads, head_dim
-        self.rotary, self.log, self.capture = rotary, log, capture
+        self.heads, self.head_dim = store.heads, store.head_dim
+        self.rotary, self.capture = rotary, capture
         self.closed = False
+        self.decode_backend = None  # a `kernels.Backend`: single-token updates return a marker (`fused.py`)
+        self._rope: tuple | None = None  # (the rotary module's frequency tensor, its version, `Rope`)
 
     @property
     def batch_size(self) -> int:
@@ -189,6 +142,8 @@ class KVQuantLayer(CompressedLayerBase):
         values = value_states.transpose(1, 2).reshape(b, t, h * d)  # [B, T, C]
         real = self.capture.real_tokens(b, t) if self.capture is not None else None
         self.append_pre_rope(keys, values, positions, real)
+        if self.decode_backend is not None and t == 1:
+            return self.decode_marker(key_states.dtype)
         return self.read(key_states.dtype)
 
     def append_pre_rope(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
@@ -203,8 +158,7 @@ class KVQuantLayer(CompressedLayerBase):
         if not self.is_initialized:
             self.device, self.dtype = keys.device, keys.dtype
             self.is_initialized = True
-        self.log.write(self.get_seq_length(), positions)
-        self.store.append(keys, values, real)
+        self.store.append(keys, values, real, positions)
 
     def read(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every cached key (RoPE applied) and value, [B, H, T, D] in `dtype` (default: the model's)."""
@@ -213,8 +167,25 @@ class KVQuantLayer(CompressedLayerBase):
         t, b = k.shape[:2]
         k = k.view(t, b, self.heads, self.head_dim).permute(1, 2, 0, 3).to(dtype)  # [B, H, T, D]
         v = v.view(t, b, self.heads, self.head_dim).permute(1, 2, 0, 3).to(dtype)
-        cos, sin = self._cos_sin(self.log.view()[:t].t(), dtype)
+        cos, sin = self._cos_sin(self.store.positions.view()[:t].t(), dtype)
         return apply_rope(k, cos, sin), v
+
+    def decode_marker(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Empty keys and values [B, H, 0, D] that carry this layer, for the attention function to find."""
+        marker = torch.empty(self.store.batch, self.heads, 0, self.head_dim, dtype=dtype, device=self.store.device)
+        setattr(marker, MARKER, self)
+        return marker, marker
+
+    @property
+    def rope(self) -> Rope:
+        """The model's RoPE frequencies (`Rope.from_rotary`), read again only when they change."""
+        freq = getattr(self.rotary, "inv_freq", None)
+        hit = self._rope
+        if hit is not None and hit[0] is freq and not freq.is_inference() and hit[1] == freq._version:
+            return hit[2]
+        rope = Rope.from_rotary(self.rotary)
+        self._rope = (freq, freq._version if not freq.is_inference() else None, rope)
+        return rope
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [B, 1, T, D] from the model's own rotary module, as its attention gets them."""
@@ -253,7 +224,7 @@ class KVQuantLayer(CompressedLayerBase):
         return self.store.capacity_nbytes()
 
 
-class Fp16Layer(CompressedLayerBase):
+class Fp16Layer(LayerBase):
     """The fp16 baseline: post-RoPE keys and values rounded to fp16, [T, B, H, D] growable buffers."""
 
     def __init__(self):

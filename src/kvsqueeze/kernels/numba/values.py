@@ -1,6 +1,6 @@
-"""Value side of the numba decode kernel: weights times packed values, sinks (outliers: `numba_sparse`).
+"""Value side of the numba decode kernel: weights times packed values, sinks (outliers: `sparse.py`).
 
-See `numba_cpu.py` for the order of the passes and `numba_common.py` for the layout.
+See `attend.py` for the order of the passes and `common.py` for the layout.
 """
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .numba_common import SPAN, TILE, ZERO, code_at, decode, gather_words
+from .common import SPAN, TILE, ZERO, code_at, decode, gather_words
 from .simd import (
     LANES,
     f16,

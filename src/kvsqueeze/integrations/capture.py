@@ -26,7 +26,8 @@ import weakref
 
 import torch
 
-from ..integrations.modules import attention_modules
+from .layers import LayerBase
+from .modules import attention_modules
 
 _CAPTURES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> ForwardCapture
 
@@ -69,14 +70,12 @@ class ForwardCapture:
         return bool(self._handles)
 
     def _install(self, model) -> None:
-        from .layer import CompressedLayerBase  # a cache of ours is what turns the capture on
-
         def before(module, args, kwargs):
             bound = self._signature.bind_partial(*args, **kwargs).arguments
             extra = bound.get("kwargs", {})
             cache = bound.get("cache", extra.get("cache", extra.get("past_key_values")))
             layers = getattr(cache, "layers", None) or []
-            self.active = any(isinstance(layer, CompressedLayerBase) for layer in layers)
+            self.active = any(isinstance(layer, LayerBase) for layer in layers)  # a cache of ours turns it on
             mask = bound.get("attention_mask")
             self.mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
             self.keys = {}

@@ -26,16 +26,18 @@ from pathlib import Path
 import torch
 from transformers.cache_utils import Cache
 
-from ..integrations.models import KVShape, kv_shape
-from ..integrations.modules import attention_modules, rotary_module
+from ..cache.positions import PositionLog
+from ..cache.report import COMPONENTS, MemoryReport
+from ..cache.store import KVStore
+from ..config import DEFAULT_METHOD
 from ..methods import MethodError, MethodSpec, parse_method
+from ..quantizer import VectorQuantizer, build_quantizers
 from ..recipe import Recipe
-from ..schemes import VectorQuantizer, build_quantizers
+from ..shape import KVShape, kv_shape
 from .capture import ForwardCapture
-from .config import DEFAULT_METHOD
-from .layer import Fp16Layer, KVQuantLayer, PositionLog
-from .report import COMPONENTS, MemoryReport
-from .storage import QuantizedKV
+from .fingerprint import check_recipe
+from .layers import CompressedLayer, Fp16Layer
+from .modules import attention_modules, rotary_module
 
 SUPPORTED = ("fp16, and int / nf / nuq with keys per channel before RoPE and values per token, outliers per "
              "vector or per matrix, any sinks: e.g. 'nuq3-1%', 'nuq4', 'nuq2-1%:pm', 'nf3-1%:kchan:pre', "
@@ -65,17 +67,17 @@ def _to_device(q: VectorQuantizer, device: torch.device) -> VectorQuantizer:
     return replace(q, **moved)
 
 
-class KVQuantCache(Cache):
+class CompressedCache(Cache):
     """A transformers `Cache` of kvsqueeze layers, plus the positions they share and the memory report.
 
     Build it with `cache_for`. Use one cache per batch of sequences; `reset()`
     empties it for the next batch.
     """
 
-    def __init__(self, layers: list, spec: MethodSpec, shape: KVShape, log: PositionLog | None,
+    def __init__(self, layers: list, spec: MethodSpec, shape: KVShape, positions: PositionLog | None,
                  capture: ForwardCapture | None):
         super().__init__(layers=layers)
-        self.spec, self.shape, self.log = spec, shape, log
+        self.spec, self.shape, self.positions = spec, shape, positions
         self._release = weakref.finalize(self, capture.release) if capture is not None else None
 
     # ---- lifetime ------------------------------------------------------------------------
@@ -86,7 +88,7 @@ class KVQuantCache(Cache):
         for layer in self.layers:
             layer.closed = True
 
-    def __enter__(self) -> "KVQuantCache":
+    def __enter__(self) -> "CompressedCache":
         return self
 
     def __exit__(self, *exc) -> None:
@@ -95,28 +97,28 @@ class KVQuantCache(Cache):
     # ---- operations that also touch the shared positions ---------------------------------
     def crop(self, tokens_to_remove: int) -> None:
         super().crop(tokens_to_remove)
-        if self.log is not None:
-            self.log.truncate(self.get_seq_length())
+        if self.positions is not None:
+            self.positions.truncate(self.get_seq_length())
 
     def reset(self) -> None:
         super().reset()
-        if self.log is not None:
-            self.log.clear()
+        if self.positions is not None:
+            self.positions.clear()
 
-    def _gather_log(self, index: torch.Tensor) -> None:
-        if self.log is not None and len(self.log):
-            self.log.gather_rows(index)
+    def _gather_positions(self, index: torch.Tensor) -> None:
+        if self.positions is not None and len(self.positions):
+            self.positions.gather_rows(index)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        self._gather_log(beam_idx)
+        self._gather_positions(beam_idx)
         super().reorder_cache(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self._gather_log(indices.nonzero().view(-1) if indices.dtype == torch.bool else indices)
+        self._gather_positions(indices.nonzero().view(-1) if indices.dtype == torch.bool else indices)
         super().batch_select_indices(indices)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._gather_log(torch.arange(self.layers[0].batch_size).repeat_interleave(repeats))
+        self._gather_positions(torch.arange(self.layers[0].batch_size).repeat_interleave(repeats))
         super().batch_repeat_interleave(repeats)
 
     # ---- accounting ----------------------------------------------------------------------
@@ -128,15 +130,15 @@ class KVQuantCache(Cache):
             for name, n in layer.memory().items():
                 comps[name] += n
             capacity += layer.capacity_nbytes()
-        if self.log is not None:
-            comps["positions"] = self.log.nbytes
-            capacity += self.log.capacity_nbytes
+        if self.positions is not None:
+            comps["positions"] = self.positions.nbytes
+            capacity += self.positions.capacity_nbytes
         return MemoryReport(self.spec.name, self.shape.layers, self.layers[0].batch_size, self.get_seq_length(),
                             self.shape.channels, comps, capacity)
 
 
 def cache_for(model, recipe: Recipe | str | Path | None = None,
-              method: str | MethodSpec = DEFAULT_METHOD) -> KVQuantCache:
+              method: str | MethodSpec = DEFAULT_METHOD) -> CompressedCache:
     """A compressed KV cache for `model` that `model.generate(..., past_key_values=cache)` fills.
 
     Args:
@@ -155,20 +157,21 @@ def cache_for(model, recipe: Recipe | str | Path | None = None,
     if isinstance(recipe, (str, Path)):
         recipe = Recipe.load(recipe)
     if recipe is not None:
-        recipe.check_model(model)
+        check_recipe(recipe, model)
     if spec.family == "fp16":
-        return KVQuantCache([Fp16Layer() for _ in range(shape.layers)], spec, shape, None, None)
+        return CompressedCache([Fp16Layer() for _ in range(shape.layers)], spec, shape, None, None)
     attn = attention_modules(model)
     if len(attn) != shape.layers:
         raise ValueError(f"{type(model).__name__} has {len(attn)} attention modules for {shape.layers} layers; "
                          "kvsqueeze caches need one self-attention per layer")
     rotary = rotary_module(model)
     device = next(model.parameters()).device
+    positions = PositionLog(device)  # one for all layers
     stores = []
     for i in range(shape.layers):
         kq, vq = build_quantizers(spec, recipe, i, shape.channels)
-        stores.append(QuantizedKV(_to_device(kq, device), _to_device(vq, device), shape.channels, spec.sinks, device))
+        stores.append(KVStore(_to_device(kq, device), _to_device(vq, device), shape.channels, spec.sinks, device,
+                              head_dim=shape.head_dim, positions=positions))
     capture = ForwardCapture.acquire(model)  # last, so that a failure above leaves no hooks behind
-    log = PositionLog(device)
-    layers = [KVQuantLayer(s, i, shape.kv_heads, shape.head_dim, rotary, log, capture) for i, s in enumerate(stores)]
-    return KVQuantCache(layers, spec, shape, log, capture)
+    layers = [CompressedLayer(s, i, rotary, capture) for i, s in enumerate(stores)]
+    return CompressedCache(layers, spec, shape, positions, capture)

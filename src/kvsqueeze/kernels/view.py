@@ -1,0 +1,112 @@
+"""The contract between the compressed cache and the decode kernels: `StoreView` and its `Outliers`.
+
+A layer's store (`kvsqueeze.cache.store.KVStore`) builds this view and keeps it
+current; kernels read nothing else of the store. The token-major arrays are
+the store's own allocations, which grow by capacity doubling: only their first
+`tokens` rows (and the first `nnz` outlier entries) are in use, so a view costs
+no copy and no slicing, and between two reallocations every view of a store
+holds the very same tensors. `trim()` cuts every array to the rows in use.
+
+Slots: slot n = t * B + b is token t of batch row b.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Outliers(NamedTuple):
+    """Sparse exact values per slot: CSC of K^T for keys, CSR of V for values.
+
+    An outlier *replaces* the dequantized element at its channel.
+
+    Attributes:
+        pointers: int32 or int64 [>= slots + 1]: the entries of slot n are pointers[n] : pointers[n + 1].
+            None when `fixed` is set: then pointers[n] = n * fixed.
+        channels: int16 [>= nnz], the 16-bit pattern of a channel in [0, C) (read back with `& 0xFFFF`).
+        values: fp16 [>= nnz].
+        nnz: entries in use.
+        fixed: k when every slot holds exactly k entries (backends may then vectorize over slots);
+            None: counts vary.
+        code: the code every outlier's element holds in the packed codes (backends may then take the
+            element it replaces without reading the codes); None: any code.
+    """
+
+    pointers: torch.Tensor | None
+    channels: torch.Tensor
+    values: torch.Tensor
+    nnz: int
+    fixed: int | None = None
+    code: int | None = None
+
+    def trim(self, slots: int) -> Outliers:
+        """The entries in use, with implicit pointers written out: pointers [slots + 1], channels/values [nnz]."""
+        pointers = self.pointers
+        if self.fixed is not None and pointers is None:
+            dtype = torch.int32 if slots * self.fixed < 1 << 31 else torch.int64
+            pointers = torch.arange(slots + 1, dtype=dtype, device=self.values.device) * self.fixed
+        return self._replace(pointers=pointers[: slots + 1], channels=self.channels[: self.nnz],
+                             values=self.values[: self.nnz])
+
+
+class StoreView(NamedTuple):
+    """One layer's compressed cache as the kernels read it; see the module docstring.
+
+    Attributes:
+        heads, head_dim: KV heads H and their width D; C = H * D channels per token.
+        k_bits, v_bits: code widths.
+        tokens: T, the rows in use of every token-major array; B rows each.
+        k_codes, v_codes: int32 [>= T, B, W]: each slot's C codes packed along channels (`kvsqueeze.packing`).
+        k_scale, k_zero: fp16 [C], offline per-channel key scale and zero-point.
+        k_levels, v_levels: float32 [2**bits], the layer's codebooks; element = scale * level + zero.
+        v_scale_zero: fp16 [>= T, B, 2], per-slot value scale and zero-point.
+        k_outliers, v_outliers: `Outliers` or None.
+        sink_k, sink_v: fp16 [B, S, C], exact pre-RoPE keys and values of each row's sinks.
+        sink_slot: int32 [B, S], the token index t of each sink (-1: none); its slot's codes are ignored.
+        positions: int32 [>= T, B], the RoPE position of every cached token.
+        memo: a dict that lives as long as these allocations: a backend keeps there what it derives from
+            them (numpy views, lookup tables), checking that they are still the arrays it was built from.
+    """
+
+    heads: int
+    head_dim: int
+    k_bits: int
+    v_bits: int
+    tokens: int
+    k_codes: torch.Tensor
+    v_codes: torch.Tensor
+    k_scale: torch.Tensor
+    k_zero: torch.Tensor
+    k_levels: torch.Tensor
+    v_levels: torch.Tensor
+    v_scale_zero: torch.Tensor
+    k_outliers: Outliers | None
+    v_outliers: Outliers | None
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    sink_slot: torch.Tensor
+    positions: torch.Tensor
+    memo: dict | None = None
+
+    @property
+    def batch(self) -> int:
+        return self.k_codes.shape[1]
+
+    @property
+    def channels(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def device(self) -> torch.device:
+        return self.k_codes.device
+
+    def trim(self) -> StoreView:
+        """The same view with every array cut to the rows in use (a new memo: the arrays are other tensors)."""
+        t, slots = self.tokens, self.tokens * self.batch
+        return self._replace(
+            k_codes=self.k_codes[:t], v_codes=self.v_codes[:t], v_scale_zero=self.v_scale_zero[:t],
+            k_outliers=self.k_outliers and self.k_outliers.trim(slots),
+            v_outliers=self.v_outliers and self.v_outliers.trim(slots),
+            positions=self.positions[:t], memo={})

@@ -1,0 +1,111 @@
+"""The package's layers and the one-way arrows between them, read from the source (every import, lazy ones too).
+
+numerics (datatypes, affine, quantizer, outliers, packing, rope, methods, shape,
+recipe, config) <- cache (the store) <- kernels' view; only `integrations/`,
+`calibrate/`, `eval/` and the CLI may import transformers.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import kvsqueeze
+
+ROOT = Path(kvsqueeze.__file__).parent
+NUMERICS = {"datatypes", "affine", "quantizer", "outliers", "packing", "rope", "methods", "shape", "recipe", "config"}
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(p for p in parts if p != "__init__")
+
+
+def _imports(path: Path) -> set[str]:
+    """Modules `path` imports anywhere (kvsqueeze-relative names such as 'cache.store', or top-level
+    packages such as 'transformers')."""
+    name = _module_name(path)
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                mod = node.module or ""
+                out.add(mod[len("kvsqueeze."):] if mod.startswith("kvsqueeze.") else mod)
+                continue
+            base = package[: len(package) - node.level + 1]
+            target = ".".join([*base, node.module] if node.module else base)
+            out.add(target)
+            out |= {f"{target}.{a.name}" if target else a.name for a in node.names}  # `from . import x`
+    return out
+
+
+def _graph() -> dict[str, set[str]]:
+    mods = {_module_name(p): p for p in ROOT.rglob("*.py")}
+    mods.pop("", None)
+    graph = {}
+    for name, path in mods.items():
+        graph[name] = {m for m in _imports(path) if m in mods and m != name}
+    return graph
+
+
+def _external(name: str) -> set[str]:
+    path = next(p for p in ROOT.rglob("*.py") if _module_name(p) == name)
+    return {m.split(".")[0] for m in _imports(path)}
+
+
+def _lower(name: str) -> bool:
+    """Numerics, the cache store and the kernels: the layers that must not know transformers."""
+    top = name.split(".")[0]
+    return top in NUMERICS or top in ("cache", "kernels")
+
+
+def test_no_import_cycles():
+    graph = _graph()
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph[m]):
+            # a package's __init__ importing its own submodules is how a package exports them, not a cycle
+            if m and n.startswith(m + "."):
+                continue
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(n):] + [n]))
+            if n not in state:
+                visit(n)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_lower_layers_do_not_import_transformers_or_upper_layers():
+    graph = _graph()
+    for name in graph:
+        if not _lower(name):
+            continue
+        assert "transformers" not in _external(name), f"kvsqueeze.{name} imports transformers"
+        upper = [m for m in graph[name] if not _lower(m)]
+        assert not upper, f"kvsqueeze.{name} imports {upper}, a layer above it"
+
+
+def test_numerics_do_not_import_the_cache_or_the_kernels():
+    graph = _graph()
+    for name in graph:
+        if name.split(".")[0] in NUMERICS:
+            below = [m for m in graph[name] if m.split(".")[0] in ("cache", "kernels")]
+            assert not below, f"kvsqueeze.{name} imports {below}"
+
+
+def test_the_kernels_do_not_import_the_cache():
+    graph = _graph()
+    for name in graph:
+        if name.startswith("kernels"):
+            assert not [m for m in graph[name] if m.startswith("cache")], f"kvsqueeze.{name} reads the cache"
