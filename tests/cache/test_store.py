@@ -295,3 +295,32 @@ def test_store_rejects_other_axes():
     kq, vq = _quantizers(32, 3, 0.0, "vector")
     with pytest.raises(ValueError, match="per-channel keys and per-token values"):
         KVStore(vq, kq, 32, 1)
+
+
+def test_store_views_share_one_memo_until_an_allocation_changes():
+    """A decode step builds a view; a backend keeps its derived data in the memo, which must survive from one
+    step to the next while the store keeps its allocations, and must be dropped with them."""
+    kq, vq = _quantizers(32, 3, 0.05, "vector")
+    store = KVStore(kq, vq, 32, sinks=1, head_dim=16)
+    store.append(*_tokens(2, 5, 32, 0))
+
+    def allocations():
+        sparse = [t for s in (store.k_outliers, store.v_outliers) for t in s.storages]
+        return [store.k_codes.storage, store.v_codes.storage, store.v_scale_zero.storage, *sparse]
+
+    before, view = allocations(), store.view()
+    view.memo["derived"] = 1
+    kept = grown = 0
+    for step in range(40):
+        assert store.view().memo is view.memo
+        store.append(*_tokens(2, 1, 32, step + 1))
+        same = all(a is b for a, b in zip(allocations(), before))
+        new = store.view()
+        assert (new.memo is view.memo) == same and ("derived" in new.memo) == same
+        assert new.tokens == 6 + step and torch.equal(new.trim().k_codes, store.k_codes.view())
+        kept, grown = kept + same, grown + (not same)
+        before, view = allocations(), new
+        view.memo["derived"] = 1
+    assert kept > 20 and grown >= 2  # most steps append into spare capacity; some reallocate
+    store.gather_rows(torch.tensor([1, 0]))  # a batch edit replaces the arrays too
+    assert "derived" not in store.view().memo

@@ -37,6 +37,8 @@ how many of their rows are in use, nothing copied.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 
 from ..affine import choose_qparams
@@ -83,8 +85,8 @@ class KVStore:
         scale, zero = choose_qparams(k_quant.lo.view(1, -1), k_quant.hi.view(1, -1))  # fp16-exact float32 [1, C]
         self.k_scale, self.k_zero = scale.view(-1).half().to(self.device), zero.view(-1).half().to(self.device)
         self.batch = 0
-        self._view: StoreView | None = None
-        self._allocations: tuple = ()
+        self._allocations: tuple = ()  # what the last view held, and the memo its views share
+        self._memo: dict = {}
         self._allocate(0)
 
     def _allocate(self, batch: int) -> None:
@@ -105,7 +107,7 @@ class KVStore:
     def __getstate__(self) -> dict:
         # a copy (copy.copy, deepcopy, pickle) builds its own view: numpy views kept in the memo would not share
         # the copied storage
-        return {**self.__dict__, "_view": None, "_allocations": ()}
+        return {**self.__dict__, "_allocations": (), "_memo": {}}
 
     # ---- size ----------------------------------------------------------------------------
     @property
@@ -183,18 +185,13 @@ class KVStore:
         k_out, v_out = self.k_outliers, self.v_outliers
         allocations = (self.k_codes.storage, self.v_codes.storage, self.v_scale_zero.storage, self.sink_k,
                        self.sink_v, self.sink_slot, self.positions.storage,
-                       *(s.storages if s is not None else () for s in (k_out, v_out)))
-        view = self._view
-        if view is None or len(allocations) != len(self._allocations) or any(
-                a is not b for a, b in zip(allocations, self._allocations)):
-            view = self._view = StoreView(
-                self.heads, self.head_dim, self.k_bits, self.v_bits, 0, self.k_codes.storage, self.v_codes.storage,
-                self.k_scale, self.k_zero, self.key_quantizer.levels, self.value_quantizer.levels,
-                self.v_scale_zero.storage, None, None, self.sink_k, self.sink_v, self.sink_slot,
-                self.positions.storage, {})
-            self._allocations = allocations
-        return view._replace(tokens=self.tokens, k_outliers=self._outliers(k_out),
-                             v_outliers=self._outliers(v_out))
+                       *(k_out.storages if k_out is not None else ()), *(v_out.storages if v_out is not None else ()))
+        if len(allocations) != len(self._allocations) or not all(map(operator.is_, allocations, self._allocations)):
+            self._allocations, self._memo = allocations, {}  # derived data of other allocations must go with them
+        return StoreView(self.heads, self.head_dim, self.k_bits, self.v_bits, self.tokens, allocations[0],
+                         allocations[1], self.k_scale, self.k_zero, self.key_quantizer.levels,
+                         self.value_quantizer.levels, allocations[2], self._outliers(k_out), self._outliers(v_out),
+                         self.sink_k, self.sink_v, self.sink_slot, allocations[6], self._memo)
 
     def _outliers(self, sparse: TokenOutliers | None) -> Outliers | None:
         if sparse is None:

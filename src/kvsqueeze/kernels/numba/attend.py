@@ -40,6 +40,7 @@ numba's never wait on each other.
 from __future__ import annotations
 
 import functools
+import operator
 import threading
 from typing import NamedTuple
 
@@ -180,7 +181,7 @@ def _arrays(kv: StoreView) -> _Arrays:
     src = _sources(kv)
     memo = kv.memo if kv.memo is not None else {}
     hit = memo.get("numba")
-    if hit is not None and len(hit.sources) == len(src) and all(a is b for a, b in zip(hit.sources, src)):
+    if hit is not None and len(hit.sources) == len(src) and all(map(operator.is_, hit.sources, src)):
         return hit
     views = [_np(x) if x is not None else None for x in src]
     bits16 = lambda x: x.view(np.uint16)  # noqa: E731  numba has no float16: kernels read the bits with `f16`
@@ -231,12 +232,12 @@ def _luts(kv: StoreView) -> tuple[np.ndarray, np.ndarray]:
     and rebuilt if a quantizer tensor is another one or was modified in place."""
     src = (kv.k_levels, kv.k_scale, kv.k_zero, kv.v_levels)
     try:
-        versions = tuple(x._version for x in src)
+        versions = (src[0]._version, src[1]._version, src[2]._version, src[3]._version)
     except RuntimeError:  # inference-mode tensors keep no version counter: build every time
         return _build_luts(*src)
     memo = kv.memo if kv.memo is not None else {}
     hit = memo.get("numba.luts")
-    if hit is None or hit[1] != versions or any(a is not b for a, b in zip(hit[0], src)):
+    if hit is None or hit[1] != versions or not all(map(operator.is_, hit[0], src)):
         hit = memo["numba.luts"] = (src, versions, *_build_luts(*src))
     return hit[2], hit[3]
 
