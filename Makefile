@@ -3,7 +3,7 @@ PY ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 OUT ?= out
-METHODS ?= fp16,int3,nf3,kivi2,nuq4-1%,nuq3,nuq3-1%,nuq2-1%
+METHODS ?=  # empty: the default methods of `kvsqueeze eval` (kvsqueeze/config.py)
 
 .PHONY: setup demo test test-fast ladder clean
 
@@ -23,7 +23,7 @@ $(OUT)/recipe/recipe.json: | setup
 
 demo: setup $(OUT)/recipe/recipe.json
 	$(BIN)/kvsqueeze eval --model smollm2-135m --text bbc --recipe $(OUT)/recipe \
-		--methods "$(METHODS)" --seqlen 2048 --max-windows 4 --json $(OUT)/eval.json
+		$(if $(strip $(METHODS)),--methods "$(METHODS)") --max-windows 4 --json $(OUT)/eval.json
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -253,7 +253,7 @@ def e2e_rows(args, recipe) -> list[dict]:
     import kvsqueeze
     from kvsqueeze.eval.texts import load_text, token_windows
     from kvsqueeze.integrations.fused import enable_fused_decode
-    from kvsqueeze.integrations.models import load_model
+    from kvsqueeze.integrations.loading import load_model
 
     model, tok = load_model(args.model)
     ids = token_windows(tok, load_text().evaluation, args.prompt, 1)

@@ -19,7 +19,7 @@ import torch
 
 from kvsqueeze.eval.perplexity import evaluate
 from kvsqueeze.eval.texts import load_text, token_windows
-from kvsqueeze.integrations.models import load_model
+from kvsqueeze.integrations.loading import load_model
 from kvsqueeze.methods import parse_method
 from kvsqueeze.recipe import Recipe
 

@@ -27,7 +27,7 @@ from kvsqueeze.eval.passkey import format_passkey_table
 from kvsqueeze.eval.perplexity import evaluate, format_table
 from kvsqueeze.eval.plots import plot_ppl_by_length
 from kvsqueeze.eval.texts import load_text, token_windows
-from kvsqueeze.integrations.models import load_model
+from kvsqueeze.integrations.loading import load_model
 from kvsqueeze.methods import parse_methods
 from kvsqueeze.recipe import Recipe
 

@@ -28,8 +28,8 @@ import torch
 from kvsqueeze import cache_for
 from kvsqueeze.config import DEFAULT_MODEL
 from kvsqueeze.eval.texts import DEFAULT_TEXT, load_text, token_windows
-from kvsqueeze.integrations.models import load_model
-from kvsqueeze.integrations.modules import attention_modules
+from kvsqueeze.integrations.loading import load_model
+from kvsqueeze.integrations.parts import hook_projections
 from kvsqueeze.methods import parse_method, storage_bits
 from kvsqueeze.recipe import Recipe
 from kvsqueeze.shape import kv_shape
@@ -56,12 +56,8 @@ def capture_kv(model, ids: torch.Tensor) -> tuple[list, list, list, list]:
     """One forward: per layer the pre-RoPE keys and values [1, T, C] and post-RoPE K, V [1, H, T, D]."""
     from transformers import DynamicCache
 
-    pre: dict[int, torch.Tensor] = {}
-    vals: dict[int, torch.Tensor] = {}
-    handles = []
-    for i, attn in enumerate(attention_modules(model)):
-        handles.append(attn.k_proj.register_forward_hook(lambda m, a, out, i=i: pre.__setitem__(i, out)))
-        handles.append(attn.v_proj.register_forward_hook(lambda m, a, out, i=i: vals.__setitem__(i, out)))
+    got: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}}
+    handles = hook_projections(model, lambda layer, kind, out: got[kind].__setitem__(layer, out))
     dyn = DynamicCache(config=model.config)
     try:
         with torch.no_grad():
@@ -69,6 +65,7 @@ def capture_kv(model, ids: torch.Tensor) -> tuple[list, list, list, list]:
     finally:
         for h in handles:
             h.remove()
+    pre, vals = got["k"], got["v"]
     n = len(pre)
     return [pre[i] for i in range(n)], [vals[i] for i in range(n)], \
         [dyn.layers[i].keys for i in range(n)], [dyn.layers[i].values for i in range(n)]

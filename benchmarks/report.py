@@ -16,9 +16,11 @@ import re
 import sys
 from pathlib import Path
 
+from kvsqueeze.config import EvalConfig
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "results.md")
-HEADLINE = ("fp16", "nuq4-1%", "nuq3-1%", "nuq2-1%", "nuq3", "kivi2", "nf3", "int3")  # the `make demo` methods
+HEADLINE = tuple(EvalConfig().methods.split(","))  # the methods `make demo` evaluates
 
 
 def _load(d: Path, name: str) -> dict | None:

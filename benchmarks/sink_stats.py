@@ -18,7 +18,7 @@ import torch
 
 from kvsqueeze.eval.plots import capture_kv
 from kvsqueeze.eval.texts import load_text, token_windows
-from kvsqueeze.integrations.models import load_model
+from kvsqueeze.integrations.loading import load_model
 from kvsqueeze.recipe import Recipe
 
 

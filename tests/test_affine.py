@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsqueeze.datatypes import fixed_levels, normal_float_levels, uniform_levels
+from kvsqueeze.datatypes import standard_levels, normal_float_levels, uniform_levels
 from kvsqueeze.affine import check_finite, choose_qparams, dequantize, fake_quantize, quantize
 
 FAST = settings(max_examples=40, deadline=None)
@@ -53,7 +53,7 @@ def test_uniform_round_trip_error_bound(x, bits):
 @FAST
 @given(x=matrices(), bits=st.integers(2, 4), family=st.sampled_from(["int", "nf"]))
 def test_codes_in_range_and_dequantize_is_a_level(x, bits, family):
-    levels = fixed_levels(family, bits)
+    levels = standard_levels(family, bits)
     lo, hi = per_token_range(x)
     scale, zero = choose_qparams(lo, hi)
     codes = quantize(x * 3, scale, zero, levels)  # most values far outside the range
@@ -80,7 +80,7 @@ def test_values_outside_the_range_clip_to_the_end_levels():
 @FAST
 @given(x=matrices(), bits=st.integers(2, 4), family=st.sampled_from(["int", "nf"]), seed=st.integers(0, 999))
 def test_keep_mask_returns_exact_fp16_values(x, bits, family, seed):
-    levels = fixed_levels(family, bits)
+    levels = standard_levels(family, bits)
     lo, hi = x.quantile(0.25, dim=-1, keepdim=True), x.quantile(0.75, dim=-1, keepdim=True)
     keep = torch.rand(x.shape, generator=torch.Generator().manual_seed(seed)) < 0.3
     xq = fake_quantize(x, lo, hi, levels, keep=keep)
@@ -92,7 +92,7 @@ def test_keep_mask_returns_exact_fp16_values(x, bits, family, seed):
 @FAST
 @given(x=matrices(), bits=st.integers(2, 4), family=st.sampled_from(["int", "nf"]))
 def test_quantize_dequantize_is_idempotent(x, bits, family):
-    levels = fixed_levels(family, bits)
+    levels = standard_levels(family, bits)
     lo, hi = per_token_range(x)
     once = fake_quantize(x, lo, hi, levels)
     twice = fake_quantize(once, lo, hi, levels)
@@ -116,7 +116,7 @@ def test_sqnr_increases_with_bits(family, shape, axis):
     g = torch.Generator().manual_seed(sum(shape))
     x = torch.randn(shape, generator=g) * torch.rand(shape[1], generator=g) * 4 + 0.5
     lo, hi = x.amin(axis, keepdim=True), x.amax(axis, keepdim=True)
-    sqnr = [sqnr_db(x, fake_quantize(x, lo, hi, fixed_levels(family, b))) for b in (2, 3, 4)]
+    sqnr = [sqnr_db(x, fake_quantize(x, lo, hi, standard_levels(family, b))) for b in (2, 3, 4)]
     assert sqnr[0] < sqnr[1] < sqnr[2], sqnr
     assert sqnr[2] - sqnr[0] > 6, f"two more bits should buy well over 6 dB, got {sqnr}"
 

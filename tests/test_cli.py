@@ -54,3 +54,38 @@ def test_generate_fused_and_dense_decode_print_the_same(tiny_model_dir, tiny_rec
                      "--decode", decode]) == 0
         outs.append(capsys.readouterr().out.split("\n\nKV cache")[0])
     assert outs[0] == outs[1]
+
+
+def test_command_defaults_are_the_config_defaults():
+    """Every default of the command comes from kvsqueeze.config, so the CLI and the Python API cannot drift."""
+    import dataclasses
+
+    from kvsqueeze.cli import build_parser
+    from kvsqueeze.config import (
+        DEFAULT_MODEL,
+        DEFAULT_TEXT,
+        CalibrationConfig,
+        EvalConfig,
+        GenerateConfig,
+        InspectConfig,
+        MemoryConfig,
+        PasskeyConfig,
+    )
+
+    p = build_parser()
+    cal = p.parse_args(["calibrate", "--out", "x"])
+    c = CalibrationConfig()
+    assert (cal.model, cal.text, cal.samples, cal.seqlen, cal.sinks) == (DEFAULT_MODEL, DEFAULT_TEXT, c.samples,
+                                                                         c.seqlen, c.sinks)
+    assert cal.bits == ",".join(map(str, c.bits))
+    assert sorted({0.0, *(float(x) / 100 for x in cal.outliers.split(","))}) == sorted(c.fractions)
+    for command, config, extra in (("eval", EvalConfig(), []), ("passkey", PasskeyConfig(), []),
+                                   ("generate", GenerateConfig(), ["--prompt", "x"]),
+                                   ("inspect", InspectConfig(), ["--out", "x"])):
+        args = p.parse_args([command, *extra])
+        for f in dataclasses.fields(config):
+            assert getattr(args, f.name) == getattr(config, f.name), (command, f.name)
+    mem = p.parse_args(["memory"])
+    m = MemoryConfig()
+    assert (mem.model, mem.context, mem.methods, mem.batch, mem.gpus, mem.gpu_mem) == (
+        m.model, m.contexts, m.methods, m.batch, m.gpus, m.gpu_mem)

@@ -7,7 +7,7 @@ from statistics import NormalDist
 import pytest
 import torch
 
-from kvsqueeze.datatypes import check_codebook, fixed_levels, normal_float_levels, uniform_levels
+from kvsqueeze.datatypes import check_codebook, standard_levels, normal_float_levels, uniform_levels
 
 # NF4 as published with QLoRA (Dettmers et al., 2023, Appendix E / bitsandbytes' table).
 QLORA_NF4 = [
@@ -39,7 +39,7 @@ def nf_reference(bits: int) -> list[float]:
 
 @pytest.mark.parametrize("family,bits", [("int", b) for b in range(1, 9)] + [("nf", b) for b in range(2, 9)])
 def test_levels_sorted_in_range_and_span_both_ends(family, bits):
-    lv = fixed_levels(family, bits)
+    lv = standard_levels(family, bits)
     assert lv.dtype == torch.float32
     assert lv.shape == (2**bits,)
     assert torch.all(lv.diff() > 0), "levels must be strictly increasing"
@@ -106,7 +106,7 @@ def test_bad_bits_rejected(fn, bad):
 
 def test_unknown_family_rejected_with_the_known_ones():
     with pytest.raises(ValueError, match=r"'int'.*'nf'|\['int', 'nf'\]"):
-        fixed_levels("nuq", 3)
+        standard_levels("nuq", 3)
 
 
 def test_check_codebook_accepts_a_valid_one():

@@ -53,7 +53,7 @@ def test_defaults_follow_the_papers():
     assert parse_method("group3").group_size == 128
     mixed = parse_method("nuq-k3v2-1%")
     assert (mixed.k_bits, mixed.v_bits) == (3, 2)
-    assert parse_method("fp16") == MethodSpec(family="fp16", name="fp16")
+    assert parse_method("fp16") == MethodSpec(family="fp16") and parse_method("fp16").name == "fp16"
 
 
 def test_names_are_case_and_space_insensitive():
@@ -244,3 +244,17 @@ def test_group_scales_per_group_per_token():
     b = storage_bits(parse_method("group3:g64"), 100, 192)
     assert b["scales"] == 2 * 32 * 100 * 3  # K and V, 3 groups of 64 per token
     assert b["sinks"] == 0 and b["codebook"] == 0
+
+
+@pytest.mark.parametrize("name", ["nuq3", "nuq2-1%", "int4", "nf3", "kivi2", "group3", "fp16"])
+def test_a_spec_built_directly_takes_its_family_defaults(name):
+    spec = parse_method(name)
+    direct = MethodSpec(spec.family, spec.k_bits, spec.v_bits, spec.outlier_fraction)
+    assert direct == spec and direct.name == spec.name
+
+
+def test_a_spec_built_directly_is_checked():
+    with pytest.raises(MethodError, match="unknown method family"):
+        MethodSpec("nuq7")
+    with pytest.raises(MethodError, match="bit width 5"):
+        MethodSpec("nuq", 5, 5)

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsqueeze.datatypes import fixed_levels, uniform_levels
+from kvsqueeze.datatypes import standard_levels, uniform_levels
 from kvsqueeze.methods import max_outliers_per_side
 from kvsqueeze.outliers import calibrated_thresholds, clamp_range, online_thresholds, outlier_mask
 from kvsqueeze.affine import choose_qparams
@@ -72,7 +72,7 @@ def test_online_thresholds_pick_the_right_tails():
 @given(x=data(), fraction=st.sampled_from([0.01, 0.05, 0.2]), bits=st.integers(2, 4),
        family=st.sampled_from(["int", "nf"]))
 def test_token_outliers_reconstructed_exactly(x, fraction, bits, family):
-    q = VectorQuantizer(fixed_levels(family, bits), "token", fraction=fraction)
+    q = VectorQuantizer(standard_levels(family, bits), "token", fraction=fraction)
     xq, n_out = q.fake(x)
     lo, hi = online_thresholds(x, fraction, dim=1)
     mask = outlier_mask(x, lo, hi)
@@ -82,7 +82,7 @@ def test_token_outliers_reconstructed_exactly(x, fraction, bits, family):
     assert torch.all(mask.sum(1) <= 2 * k)
     assert n_out == 2 * k * x.shape[0]
     # inliers are quantized inside the narrowed range: error at most half the widest level gap
-    levels = fixed_levels(family, bits)
+    levels = standard_levels(family, bits)
     scale, _ = choose_qparams(lo, hi)
     half_gap = float(levels.diff().max()) / 2
     bound = (scale * half_gap + 2.0**-9 * torch.maximum(lo.abs(), hi.abs()) + 1e-6).expand_as(x)

@@ -2,18 +2,87 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvsqueeze.packing import (
+    _WORD_MASK,
+    _check_bits,
+    _check_codes,
+    _check_n,
+    _check_words,
     pack_codes,
-    pack_codes_reference,
     unpack_codes,
-    unpack_codes_reference,
     words_per_vector,
 )
+
+
+# ---- the oracles: one flat bit stream per vector, written and read bit by bit -------------------------
+def pack_codes_reference(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Slow, loop-based pack_codes: the oracle of these tests.
+
+    Writes every code bit by bit into one flat bit array per vector, then reads
+    the array back 32 bits at a time. A group of 32 codes fills exactly ``bits``
+    words, so one continuous stream per vector is the same as stream-per-group.
+
+    Args:
+        codes: integer tensor [..., n], values in [0, 2**bits).
+        bits: code width, 1..8.
+
+    Returns:
+        int32 tensor [..., words_per_vector(n, bits)] on the CPU.
+    """
+    _check_bits(bits)
+    _check_codes(codes, bits)
+    *lead, n = codes.shape
+    n_words = words_per_vector(n, bits)
+    # Explicit row count: reshape(-1, 0) is ambiguous when n == 0.
+    n_rows = int(np.prod(lead, dtype=np.int64))
+    rows = codes.to(torch.int64).cpu().numpy().reshape(n_rows, n)
+    out = np.zeros((rows.shape[0], n_words), dtype=np.int64)
+    for r, row in enumerate(rows):
+        stream = np.zeros(n_words * 32, dtype=np.int64)
+        for i, code in enumerate(row):
+            for b in range(bits):
+                stream[i * bits + b] = (int(code) >> b) & 1
+        for j in range(n_words):
+            value = 0
+            for k in range(32):
+                value |= int(stream[32 * j + k]) << k
+            out[r, j] = value - (1 << 32) if value >= 1 << 31 else value
+    return torch.from_numpy(out.astype(np.int32)).reshape(*lead, n_words)
+
+
+def unpack_codes_reference(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Slow, loop-based unpack_codes: the oracle of these tests.
+
+    Args:
+        words: int32 tensor [..., words_per_vector(n, bits)].
+        bits: code width used when packing, 1..8.
+        n: number of codes per vector, >= 0.
+
+    Returns:
+        uint8 tensor [..., n] on the CPU.
+    """
+    _check_bits(bits)
+    _check_n(n)
+    _check_words(words, bits, n)
+    *lead, n_words = words.shape
+    n_rows = int(np.prod(lead, dtype=np.int64))
+    rows = words.cpu().numpy().reshape(n_rows, n_words)
+    out = np.zeros((rows.shape[0], n), dtype=np.uint8)
+    for r, row in enumerate(rows):
+        stream = []
+        for word in row:
+            unsigned = int(word) & _WORD_MASK
+            stream.extend((unsigned >> k) & 1 for k in range(32))
+        for i in range(n):
+            out[r, i] = sum(stream[i * bits + b] << b for b in range(bits))
+    return torch.from_numpy(out).reshape(*lead, n)
+
 
 ALL_BITS = list(range(1, 9))
 LENGTHS = [0, 1, 31, 32, 33, 64, 100, 1000]

@@ -24,7 +24,7 @@ _EXPORTS = {  # name -> module that defines it
     "CompressedCache": ".integrations.cache",
     "fused_decode": ".integrations.fused",
     "enable_fused_decode": ".integrations.fused",
-    "load_model": ".integrations.models",
+    "load_model": ".integrations.loading",
     "SimulatedQuantization": ".integrations.simulate",
     "Recipe": ".recipe",
     "MethodSpec": ".methods",

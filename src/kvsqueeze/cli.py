@@ -1,7 +1,8 @@
-"""The `kvsqueeze` command: calibrate, eval, inspect, memory, passkey.
+"""The `kvsqueeze` command: calibrate, eval, inspect, memory, passkey, generate.
 
-Every subcommand takes its defaults from the config dataclasses of the module
-that does the work, so the CLI and the Python API cannot drift apart.
+Every option takes its default from the config dataclasses in `config.py`,
+which are also the defaults of the Python functions that do the work, so the
+CLI and the Python API cannot drift apart.
 """
 
 from __future__ import annotations
@@ -12,11 +13,19 @@ import sys
 import time
 from pathlib import Path
 
-from .calibrate.fit import CalibrationConfig
-from .config import DEFAULT_MAX_NEW_TOKENS, DEFAULT_METHOD, DEFAULT_MODEL
-from .eval.texts import DEFAULT_TEXT
+from .config import (
+    DEFAULT_MODEL,
+    DEFAULT_TEXT,
+    CalibrationConfig,
+    EvalConfig,
+    GenerateConfig,
+    InspectConfig,
+    MemoryConfig,
+    PasskeyConfig,
+)
 
-_CAL = CalibrationConfig()
+_CAL, _EVAL, _PASSKEY = CalibrationConfig(), EvalConfig(), PasskeyConfig()
+_GEN, _MEM, _INSPECT = GenerateConfig(), MemoryConfig(), InspectConfig()
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -67,7 +76,7 @@ def cmd_calibrate(args) -> None:
     from .calibrate.collect import collect
     from .calibrate.fit import fit_recipe
     from .eval.texts import calibration_windows, load_text
-    from .integrations.models import load_model
+    from .integrations.loading import load_model
 
     bits = tuple(_int_list(args.bits, "--bits"))
     for b in bits:
@@ -103,7 +112,7 @@ def cmd_calibrate(args) -> None:
 def cmd_eval(args) -> None:
     from .eval.perplexity import evaluate, format_table
     from .eval.texts import load_text, token_windows
-    from .integrations.models import load_model
+    from .integrations.loading import load_model
     from .methods import parse_methods
 
     specs = parse_methods(args.methods)
@@ -139,7 +148,7 @@ def cmd_inspect(args) -> None:
 
 
 def cmd_memory(args) -> None:
-    from .eval.memory import run_memory_command
+    from .eval.planner import run_memory_command
 
     run_memory_command(args.model, args.context, args.methods, batch=args.batch, gpus=args.gpus,
                        gpu_mem=args.gpu_mem, json_out=args.json)
@@ -148,7 +157,7 @@ def cmd_memory(args) -> None:
 def cmd_passkey(args) -> None:
     from .eval.longctx import passkey_eval
     from .eval.passkey import format_passkey_table
-    from .integrations.models import load_model
+    from .integrations.loading import load_model
     from .methods import parse_methods
 
     specs = parse_methods(args.methods)
@@ -171,7 +180,7 @@ def cmd_generate(args) -> None:
     import torch
 
     from .integrations.cache import cache_for, check_supported
-    from .integrations.models import load_model
+    from .integrations.loading import load_model
     from .methods import parse_method
     from .recipe import Recipe
 
@@ -214,7 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--samples", type=int, default=_CAL.samples)
     c.add_argument("--seqlen", type=int, default=_CAL.seqlen)
     c.add_argument("--bits", default=",".join(map(str, _CAL.bits)))
-    c.add_argument("--outliers", default="0.1,1", help="outlier percentages to calibrate, e.g. 0.1,1")
+    c.add_argument("--outliers", default=",".join(f"{100 * f:g}" for f in _CAL.fractions if f),
+                   help="outlier percentages to calibrate, e.g. 0.1,1")
     c.add_argument("--sinks", type=int, default=_CAL.sinks, help="leading tokens left out of statistics")
     c.set_defaults(fn=cmd_calibrate)
 
@@ -222,9 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--model", default=DEFAULT_MODEL)
     e.add_argument("--text", default=DEFAULT_TEXT, help="'bbc' (evaluation part) or a text file (whole)")
     e.add_argument("--recipe", help="recipe directory (needed by nuq and per-channel methods)")
-    e.add_argument("--methods", default="fp16,int3,nf3,nuq3,nuq3-1%")
-    e.add_argument("--seqlen", default=str(_CAL.seqlen), help="window length(s), e.g. 2048 or 1024,2048,4096")
-    e.add_argument("--max-windows", type=int, default=None)
+    e.add_argument("--methods", default=_EVAL.methods)
+    e.add_argument("--seqlen", default=_EVAL.seqlen, help="window length(s), e.g. 2048 or 1024,2048,4096")
+    e.add_argument("--max-windows", type=int, default=_EVAL.max_windows)
     e.add_argument("--json", help="write the results as JSON here")
     e.add_argument("--plot", help="PNG of PPL against window length (with several --seqlen)")
     e.set_defaults(fn=cmd_eval)
@@ -233,39 +243,39 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--model", default=DEFAULT_MODEL)
     i.add_argument("--text", default=DEFAULT_TEXT)
     i.add_argument("--out", required=True)
-    i.add_argument("--layer", type=int, default=None, help="layer for the per-channel plot (default: middle)")
-    i.add_argument("--seqlen", type=int, default=512)
+    i.add_argument("--layer", type=int, default=_INSPECT.layer, help="layer for the per-channel plot (default: middle)")
+    i.add_argument("--seqlen", type=int, default=_INSPECT.seqlen)
     i.set_defaults(fn=cmd_inspect)
 
     k = sub.add_parser("passkey", help="passkey retrieval accuracy per method and prompt length")
     k.add_argument("--model", default=DEFAULT_MODEL)
     k.add_argument("--recipe")
-    k.add_argument("--methods", default="fp16,nuq4-1%,nuq3-1%,nuq2-1%,kivi2,int3")
-    k.add_argument("--lengths", default="1024,2048,4096,8192")
-    k.add_argument("--trials", type=int, default=10)
-    k.add_argument("--seed", type=int, default=0)
-    k.add_argument("--engine", choices=("sim", "cache"), default="sim",
+    k.add_argument("--methods", default=_PASSKEY.methods)
+    k.add_argument("--lengths", default=_PASSKEY.lengths)
+    k.add_argument("--trials", type=int, default=_PASSKEY.trials)
+    k.add_argument("--seed", type=int, default=_PASSKEY.seed)
+    k.add_argument("--engine", choices=("sim", "cache"), default=_PASSKEY.engine,
                    help="simulated quantization, or the compressed cache where the method has one")
     k.add_argument("--json")
     k.set_defaults(fn=cmd_passkey)
 
     m = sub.add_parser("memory", help="KV-cache memory planner")
-    m.add_argument("--model", default="llama-7b", help="built-in shape name or a config.json path")
-    m.add_argument("--context", default="32K,128K,1M,10M")
-    m.add_argument("--methods", default="fp16,nuq4-1%,nuq3-1%,nuq2,nuq2-1%")
-    m.add_argument("--batch", type=int, default=1)
-    m.add_argument("--gpus", type=int, default=1)
-    m.add_argument("--gpu-mem", default="80GB")
+    m.add_argument("--model", default=_MEM.model, help="built-in shape name or a config.json path")
+    m.add_argument("--context", default=_MEM.contexts)
+    m.add_argument("--methods", default=_MEM.methods)
+    m.add_argument("--batch", type=int, default=_MEM.batch)
+    m.add_argument("--gpus", type=int, default=_MEM.gpus)
+    m.add_argument("--gpu-mem", default=_MEM.gpu_mem)
     m.add_argument("--json")
     m.set_defaults(fn=cmd_memory)
 
     g = sub.add_parser("generate", help="greedy generation through the compressed KV cache, with its memory report")
     g.add_argument("--model", default=DEFAULT_MODEL)
     g.add_argument("--recipe", help="recipe directory (needed by nuq and per-channel int/nf methods)")
-    g.add_argument("--method", default=DEFAULT_METHOD, help="fp16 or a KVQuant-style method, e.g. nuq3-1%%")
+    g.add_argument("--method", default=_GEN.method, help="fp16 or a KVQuant-style method, e.g. nuq3-1%%")
     g.add_argument("--prompt", required=True, help="text to continue")
-    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS)
-    g.add_argument("--decode", choices=("auto", "numba", "reference", "dense"), default="auto",
+    g.add_argument("--max-new-tokens", type=int, default=_GEN.max_new_tokens)
+    g.add_argument("--decode", choices=("auto", "numba", "reference", "dense"), default=_GEN.decode,
                    help="decode attention: the fused kernel over the compressed cache (auto picks the fastest "
                         "backend) or dense attention over the dequantized cache")
     g.set_defaults(fn=cmd_generate)
@@ -274,7 +284,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     from .eval.texts import TextError
-    from .integrations.models import ModelLoadError
+    from .integrations.loading import ModelLoadError
     from .methods import MethodError
     from .recipe import RecipeError
 

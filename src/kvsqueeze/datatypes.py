@@ -36,14 +36,14 @@ def normal_float_levels(bits: int) -> torch.Tensor:
     return (levels / levels.abs().max()).float()
 
 
-FIXED_LEVELS = {"int": uniform_levels, "nf": normal_float_levels}
+STANDARD_LEVELS = {"int": uniform_levels, "nf": normal_float_levels}
 
 
-def fixed_levels(family: str, bits: int) -> torch.Tensor:
+def standard_levels(family: str, bits: int) -> torch.Tensor:
     """Levels of a datatype that needs no calibration ("int" or "nf")."""
-    if family not in FIXED_LEVELS:
-        raise ValueError(f"datatype {family!r} has no fixed levels; fixed ones are {sorted(FIXED_LEVELS)}")
-    return FIXED_LEVELS[family](bits)
+    if family not in STANDARD_LEVELS:
+        raise ValueError(f"datatype {family!r} has no standard levels (it is calibrated); standard ones are {sorted(STANDARD_LEVELS)}")
+    return STANDARD_LEVELS[family](bits)
 
 
 def check_codebook(levels: torch.Tensor, bits: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field
 
 FAMILIES = ("fp16", "int", "nf", "nuq", "kivi", "group")
 SUPPORTED_BITS = (2, 3, 4)
@@ -58,21 +58,38 @@ class MethodError(ValueError):
 
 @dataclass(frozen=True)
 class MethodSpec:
-    """Everything that decides how one KV cache is quantized."""
+    """Everything that decides how one KV cache is quantized.
+
+    Fields left at None take the family's defaults (`FAMILY_DEFAULTS`), so `MethodSpec("nuq", 3, 3)` is
+    `parse_method("nuq3")`; `name` is always the canonical name.
+    """
 
     family: str
     k_bits: int = 16
     v_bits: int = 16
     outlier_fraction: float = 0.0  # of the elements of each vector, half above and half below
     outlier_scope: str = "vector"  # "vector": per channel for K / per token for V; "matrix": one per layer
-    key_axis: str = "channel"  # the axis that shares one scale: "channel" or "token"
-    key_rope: str = "pre"  # quantize keys before ("pre") or after ("post") RoPE
-    value_axis: str = "token"
-    sinks: int = 0  # first tokens kept in fp16 and left out of calibration
+    key_axis: str | None = None  # the axis that shares one scale: "channel" or "token"
+    key_rope: str | None = None  # quantize keys before ("pre") or after ("post") RoPE
+    value_axis: str | None = None
+    sinks: int | None = None  # first tokens kept in fp16 and left out of calibration
     fit: str = "fs2"
-    group_size: int = 0  # kivi / group only
-    window: int = 0  # kivi only: recent tokens kept fp16
-    name: str = ""
+    group_size: int | None = None  # kivi / group only
+    window: int | None = None  # kivi only: recent tokens kept fp16
+    name: str = field(default="", init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.family not in FAMILY_DEFAULTS:
+            raise MethodError(f"unknown method family {self.family!r}; families: {', '.join(FAMILIES)}")
+        for key, value in FAMILY_DEFAULTS[self.family].items():
+            if getattr(self, key) is None:
+                object.__setattr__(self, key, value)
+        if self.family != "fp16":
+            for which, b in (("key", self.k_bits), ("value", self.v_bits)):
+                if b not in SUPPORTED_BITS:
+                    raise MethodError(f"{self.family}: {which} bit width {b} is not supported; use one of "
+                                      f"{', '.join(map(str, SUPPORTED_BITS))}")
+        object.__setattr__(self, "name", canonical_name(self))
 
     @property
     def quantized(self) -> bool:
@@ -104,13 +121,16 @@ _NAME_RE = re.compile(
     r"(?P<flags>(?::[a-z0-9]+)*)$"
 )
 
-_DEFAULTS = {
-    "fp16": dict(),
-    "int": dict(key_axis="token", key_rope="post", value_axis="token", sinks=0),
-    "nf": dict(key_axis="token", key_rope="post", value_axis="token", sinks=0),
-    "nuq": dict(key_axis="channel", key_rope="pre", value_axis="token", sinks=1),
-    "kivi": dict(key_axis="channel", key_rope="post", value_axis="token", group_size=32, window=128),
-    "group": dict(key_axis="token", key_rope="post", value_axis="token", group_size=128),
+# Each family's defaults follow its paper (see the module docstring); every field a family leaves out is
+# the same for all: keys per channel before RoPE, values per token, no sinks, no groups, no fp16 window.
+_COMMON = dict(key_axis="channel", key_rope="pre", value_axis="token", sinks=0, group_size=0, window=0)
+FAMILY_DEFAULTS = {
+    "fp16": dict(_COMMON),
+    "int": dict(_COMMON, key_axis="token", key_rope="post"),
+    "nf": dict(_COMMON, key_axis="token", key_rope="post"),
+    "nuq": dict(_COMMON, sinks=1),
+    "kivi": dict(_COMMON, key_rope="post", group_size=32, window=128),
+    "group": dict(_COMMON, key_axis="token", key_rope="post", group_size=128),
 }
 
 
@@ -135,11 +155,11 @@ def parse_method(name: str) -> MethodSpec:
             "'int3:kchan:pre' (families: " + ", ".join(FAMILIES) + ")"
         )
     family = m["family"]
-    fields: dict = dict(_DEFAULTS[family])
+    fields: dict = dict(FAMILY_DEFAULTS[family])
     if family == "fp16":
         if m["bits"] or m["kb"] or m["pct"] or m["flags"]:
             raise MethodError(f"method {name!r}: 'fp16' takes no bits, outliers or flags")
-        return MethodSpec(family="fp16", name="fp16")
+        return MethodSpec(family="fp16")
     if m["bits"]:
         kb = vb = int(m["bits"])
     elif m["kb"]:
@@ -173,7 +193,7 @@ def parse_method(name: str) -> MethodSpec:
             )
         if spec.sinks:
             raise MethodError(f"method {name!r}: KIVI has no attention sinks; drop ':sink{spec.sinks}'")
-    return replace(spec, name=canonical_name(spec))
+    return spec
 
 
 def _apply_flag(name: str, family: str, flag: str, fields: dict) -> None:
@@ -195,7 +215,7 @@ def _apply_flag(name: str, family: str, flag: str, fields: dict) -> None:
         if family in ("kivi", "group") and key in ("key_axis", "value_axis", "key_rope"):
             raise MethodError(f"method {name!r}: {family} has fixed axes; flag ':{flag}' does not apply")
         if key == "fit" and family != "nuq":
-            raise MethodError(f"method {name!r}: ':{flag}' chooses a nuq codebook fit; {family} has fixed levels")
+            raise MethodError(f"method {name!r}: ':{flag}' chooses a nuq codebook fit; {family} has standard levels")
         fields[key] = value
         return
     m = re.fullmatch(r"(sink|g|r)(\d+)", flag)
@@ -225,7 +245,7 @@ def canonical_name(spec: MethodSpec) -> str:
     out = spec.family + bits
     if spec.outlier_fraction:
         out += "-" + _pct_label(spec.outlier_fraction)
-    d = _DEFAULTS[spec.family]
+    d = FAMILY_DEFAULTS[spec.family]
     flags = []
     if spec.family not in ("kivi", "group"):
         if spec.key_axis != d["key_axis"]:

@@ -1,17 +1,16 @@
 """Exact bit-packing of small integer quantization codes into int32 words.
 
 The KV cache stores 2/3/4-bit codes, so they are packed densely along the last
-dimension: every group of 32 codes of ``bits`` bits becomes exactly ``bits``
-int32 words, read as one little-endian bit stream. Code ``i`` of a group
-occupies stream bits ``[i*bits, (i+1)*bits)``, word ``j`` holds stream bits
-``[32j, 32j+32)`` and bit 0 is the least significant bit of a word, so a 3-bit
+dimension: every group of 32 codes of `bits` bits becomes exactly `bits`
+int32 words, read as one little-endian bit stream. Code `i` of a group
+occupies stream bits `[i*bits, (i+1)*bits)`, word `j` holds stream bits
+`[32j, 32j+32)` and bit 0 is the least significant bit of a word, so a 3-bit
 code may straddle two words. Only the final group is padded (with zero codes).
 Words are int32 because torch lacks uint32 arithmetic on many ops; they are raw
 bit patterns, so a word with its top bit set reads as negative.
 
-``pack_codes``/``unpack_codes`` are the vectorized implementations;
-``pack_codes_reference``/``unpack_codes_reference`` are slow, loop-based
-oracles for the tests.
+`pack_codes`/`unpack_codes` are the vectorized implementations (the tests
+hold them to slow, loop-based oracles of their own).
 """
 
 from __future__ import annotations
@@ -25,8 +24,6 @@ __all__ = [
     "words_per_vector",
     "pack_codes",
     "unpack_codes",
-    "pack_codes_reference",
-    "unpack_codes_reference",
 ]
 
 GROUP_SIZE = 32
@@ -218,66 +215,3 @@ def unpack_codes(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     high = unsigned.index_select(-1, word + 1) & 0xFF
     codes = ((low | (high << 32)) >> shift) & ((1 << bits) - 1)
     return codes.reshape(*lead, n_groups * GROUP_SIZE)[..., :n].to(torch.uint8)
-
-
-def pack_codes_reference(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Slow, loop-based pack_codes used as a test oracle.
-
-    Writes every code bit by bit into one flat bit array per vector, then reads
-    the array back 32 bits at a time. A group of 32 codes fills exactly ``bits``
-    words, so one continuous stream per vector is the same as stream-per-group.
-
-    Args:
-        codes: integer tensor [..., n], values in [0, 2**bits).
-        bits: code width, 1..8.
-
-    Returns:
-        int32 tensor [..., words_per_vector(n, bits)] on the CPU.
-    """
-    _check_bits(bits)
-    _check_codes(codes, bits)
-    *lead, n = codes.shape
-    n_words = words_per_vector(n, bits)
-    # Explicit row count: reshape(-1, 0) is ambiguous when n == 0.
-    n_rows = int(np.prod(lead, dtype=np.int64))
-    rows = codes.to(torch.int64).cpu().numpy().reshape(n_rows, n)
-    out = np.zeros((rows.shape[0], n_words), dtype=np.int64)
-    for r, row in enumerate(rows):
-        stream = np.zeros(n_words * 32, dtype=np.int64)
-        for i, code in enumerate(row):
-            for b in range(bits):
-                stream[i * bits + b] = (int(code) >> b) & 1
-        for j in range(n_words):
-            value = 0
-            for k in range(32):
-                value |= int(stream[32 * j + k]) << k
-            out[r, j] = value - (1 << 32) if value >= 1 << 31 else value
-    return torch.from_numpy(out.astype(np.int32)).reshape(*lead, n_words)
-
-
-def unpack_codes_reference(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Slow, loop-based unpack_codes used as a test oracle.
-
-    Args:
-        words: int32 tensor [..., words_per_vector(n, bits)].
-        bits: code width used when packing, 1..8.
-        n: number of codes per vector, >= 0.
-
-    Returns:
-        uint8 tensor [..., n] on the CPU.
-    """
-    _check_bits(bits)
-    _check_n(n)
-    _check_words(words, bits, n)
-    *lead, n_words = words.shape
-    n_rows = int(np.prod(lead, dtype=np.int64))
-    rows = words.cpu().numpy().reshape(n_rows, n_words)
-    out = np.zeros((rows.shape[0], n), dtype=np.uint8)
-    for r, row in enumerate(rows):
-        stream = []
-        for word in row:
-            unsigned = int(word) & _WORD_MASK
-            stream.extend((unsigned >> k) & 1 for k in range(32))
-        for i in range(n):
-            out[r, i] = sum(stream[i * bits + b] << b for b in range(bits))
-    return torch.from_numpy(out).reshape(*lead, n)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from .affine import choose_qparams, dequantize, quantize
-from .datatypes import check_codebook, fixed_levels, uniform_levels
+from .datatypes import check_codebook, standard_levels, uniform_levels
 from .methods import MethodError, MethodSpec, fixed_outlier_count, topk_per_side
 from .outliers import clamp_range, online_thresholds, outlier_mask
 from .recipe import Recipe, RecipeError
@@ -121,7 +121,7 @@ class VectorQuantizer:
 
 def _levels(spec: MethodSpec, recipe: Recipe | None, layer: int, kv: str, bits: int) -> torch.Tensor:
     if spec.family in ("int", "nf"):
-        return fixed_levels(spec.family, bits)
+        return standard_levels(spec.family, bits)
     if spec.family in ("group", "kivi"):
         return uniform_levels(bits)
     cb = recipe.codebook(layer, kv, bits, spec.outlier_fraction, spec.outlier_scope, spec.fit)

@@ -77,6 +77,27 @@ def test_growable_copies_own_their_storage(how):
     assert dup.view()[-1].tolist() == [7, 7] and len(buf) == 5
 
 
+def _to_dense(s: TokenOutliers) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask [tokens, C] bool, values [tokens, C] fp16, zero off the outliers)."""
+    mask = torch.zeros(s.tokens, s.width, dtype=torch.bool)
+    vals = torch.zeros(s.tokens, s.width, dtype=torch.float16)
+    rows, cols = s.token_index(), s.channel_index()
+    mask[rows, cols] = True
+    vals[rows, cols] = s.values.view()
+    return mask, vals
+
+
+def _tensors_in_use(store: KVStore) -> list[torch.Tensor]:
+    """Every tensor a store holds (the rows in use), for a byte count independent of its own."""
+    out = [buf.view() for buf in (store.k_codes, store.v_codes, store.v_scale_zero)]
+    for sp in (store.k_outliers, store.v_outliers):
+        if sp is not None:
+            out += [sp.channels.view(), sp.values.view()] + ([] if sp.fixed is not None else [sp.pointers.view()])
+    out += [store.k_scale, store.k_zero, store.sink_slot]
+    filled = store.sink_slot >= 0
+    return out + [store.sink_k[filled], store.sink_v[filled]]
+
+
 # ---- CSC / CSR outliers ---------------------------------------------------------------------
 def _random_outliers(n: int, c: int, density: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
@@ -109,7 +130,7 @@ def test_outliers_built_by_appends_equal_built_at_once(chunks, c, density, seed)
         start += k
     assert _same(appended, at_once)
     assert appended.tokens == n and appended.nnz == int(mask.sum())
-    dense_mask, vals = appended.to_dense()
+    dense_mask, vals = _to_dense(appended)
     assert torch.equal(dense_mask, mask) and torch.equal(vals[mask], x[mask].half())
 
 
@@ -273,8 +294,8 @@ def test_store_memory_is_exact_and_matches_storage_bits(method, padded):
     real = (torch.arange(t) >= 4).view(1, -1) if padded else None
     store.append(k[:, :20], v[:, :20], None if real is None else real[:, :20])
     store.append(k[:, 20:], v[:, 20:], None if real is None else real[:, 20:])
-    mem = store.memory()
-    in_tensors = sum(x.nbytes for x in store.tensors())
+    mem = store.component_bytes()
+    in_tensors = sum(x.nbytes for x in _tensors_in_use(store))
     assert sum(mem.values()) - mem["codebook"] == in_tensors  # every byte in use is counted, once
     assert store.capacity_nbytes() >= sum(mem.values())
     n_k = store.k_outliers.nnz if store.k_outliers is not None else 0

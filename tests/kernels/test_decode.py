@@ -229,7 +229,7 @@ def test_backend_equals_reference_beyond_65536_tokens(backend):
 
 def test_reference_equals_attention_over_the_layer_read(tiny_llama):
     """RoPE from the model's rotary module, dequantization by the store: the reference must agree."""
-    from kvsqueeze.integrations.modules import rotary_module
+    from kvsqueeze.integrations.parts import rotary_module
 
     heads, head_dim, group, batch, tokens = 2, 16, 2, 2, 90
     c = heads * head_dim
@@ -438,3 +438,38 @@ def test_backend_refuses_more_scores_than_it_addresses(backend):
     q = torch.randn(1, 8, 64)
     with pytest.raises(ValueError, match=r"2\*\*31 scores.*backend='reference'"):
         decode_attention(q, kv, Rope.default(64), 0.125, backend=backend)
+
+
+def test_a_fused_decode_step_reaches_the_backend_in_few_calls(tiny_llama, tiny_recipe, monkeypatch):
+    """From the attention function to the backend's entry point: at most four calls (the hot path is
+    readable in one sitting: kvsqueeze_attention -> fused_attention -> decode_attention -> the backend)."""
+    import inspect
+
+    from conftest import random_ids
+
+    import kvsqueeze
+    from kvsqueeze.integrations.fused import fused_decode
+    from kvsqueeze.kernels import reference
+
+    depths = []
+    real = reference.decode_attention
+
+    def entry(*args):
+        names = [f.function for f in inspect.stack()]
+        depths.append(names.index("kvsqueeze_attention"))  # frames from here up to the attention function
+        return real(*args)
+
+    for f in (kernels_api._load, kernels_api._entry):
+        f.cache_clear()
+    monkeypatch.setattr(reference, "decode_attention", entry)
+    try:
+        with torch.no_grad():
+            cache = kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq3-1%")
+            with fused_decode(tiny_llama, cache, "reference"):
+                tiny_llama.generate(random_ids(1, 8, seed=1), cache=cache, max_new_tokens=3, min_new_tokens=3,
+                                    do_sample=False, pad_token_id=0)
+    finally:
+        monkeypatch.undo()
+        for f in (kernels_api._load, kernels_api._entry):
+            f.cache_clear()
+    assert depths and max(depths) <= 4, depths

@@ -10,20 +10,20 @@ one for keys (read as CSC of K^T) and one for values (CSR of V).
 
 Layout (all three arrays grow by capacity doubling, see `buffers.py`):
 
-* ``pointers`` int32 [tokens + 1], ``pointers[0] = 0``: the outliers of token n
-  are entries ``pointers[n] : pointers[n + 1]``. 32 bits as in
+* `pointers` int32 [tokens + 1], `pointers[0] = 0`: the outliers of token n
+  are entries `pointers[n] : pointers[n + 1]`. 32 bits as in
   `methods.storage_bits`; promoted to int64 if one array ever passes 2^31 - 1
   outliers.
-* ``channels`` int16 [nnz]: channel index in [0, C). Indices 32,768..65,535 are
-  kept as their 16-bit pattern (read back with ``& 0xFFFF``).
-* ``values`` fp16 [nnz].
+* `channels` int16 [nnz]: channel index in [0, C). Indices 32,768..65,535 are
+  kept as their 16-bit pattern (read back with `& 0xFFFF`).
+* `values` fp16 [nnz].
 
 Entries of one token are in increasing channel order, so a structure built by
 appends is identical to one built at once (`from_dense`).
 
-Fixed-count rows (``fixed=k``): per-token value outliers are the exact top-k
+Fixed-count rows (`fixed=k`): per-token value outliers are the exact top-k
 above and below, so every token has the same number of entries and the row
-pointers are implicit (``pointers[n] = n * k``) instead of stored. A token with
+pointers are implicit (`pointers[n] = n * k`) instead of stored. A token with
 fewer outliers (a sink slot) is padded with exact values of its first
 non-outlier channels; storing a value exactly never changes what a sink reads.
 """
@@ -186,15 +186,6 @@ class TokenOutliers:
         if self.nnz:
             dense[self.token_index(), self.channel_index()] = self.values.view().to(dense.dtype)
         return dense
-
-    def to_dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(mask [tokens, C] bool, values [tokens, C] fp16, zero off the outliers), for tests and debugging."""
-        mask = torch.zeros(self.tokens, self.width, dtype=torch.bool, device=self.device)
-        vals = torch.zeros(self.tokens, self.width, dtype=torch.float16, device=self.device)
-        rows, cols = self.token_index(), self.channel_index()
-        mask[rows, cols] = True
-        vals[rows, cols] = self.values.view()
-        return mask, vals
 
     # ---- bytes ---------------------------------------------------------------------------
     @property

@@ -10,22 +10,22 @@ path, so the store reproduces it exactly.
 
 Layout, token-major (a slot is one token of one batch row; slot n = t * B + b):
 
-* ``k_codes``, ``v_codes`` int32 [T, B, W]: each slot's C = kv_heads * head_dim
+* `k_codes`, `v_codes` int32 [T, B, W]: each slot's C = kv_heads * head_dim
   codes packed along channels as one bit stream (`packing.py`, W =
   ceil(C / 32) * bits). With head_dim a multiple of 32, every head starts on a
   word boundary, so a per-head kernel can read its slice directly; otherwise
   only the token's last group is padded.
-* ``k_scale``, ``k_zero`` fp16 [C]: offline, per channel. ``v_scale_zero`` fp16
+* `k_scale`, `k_zero` fp16 [C]: offline, per channel. `v_scale_zero` fp16
   [T, B, 2]: online, per slot.
-* ``k_outliers`` / ``v_outliers``: `TokenOutliers` over slots (CSC of K^T,
+* `k_outliers` / `v_outliers`: `TokenOutliers` over slots (CSC of K^T,
   CSR of V), exact fp16 values with 16-bit channel indices. An outlier
   replaces its element, and the code under it is always `OUTLIER_CODE`: a
   kernel knows the dequantized value it replaces from the scales alone, without
   reading the codes a second time.
-* sinks: the first ``sinks`` *real* (non-padding) tokens of each row, fp16
+* sinks: the first `sinks` *real* (non-padding) tokens of each row, fp16
   pre-RoPE keys and values [B, S, C] plus their slot [B, S] (int32, -1 empty).
   A sink keeps a slot in the dense grids (zero codes, zero scales, no outliers)
-  so the grids stay rectangular; `memory` reports those bytes apart.
+  so the grids stay rectangular; `component_bytes` reports those bytes apart.
 * positions: the RoPE position of every slot (`PositionLog`, int32 [T, B]),
   shared by the stores of all layers of one cache.
 
@@ -242,7 +242,7 @@ class KVStore:
         return [s for s in (self.k_outliers, self.v_outliers) if s is not None]
 
     # ---- bytes ---------------------------------------------------------------------------
-    def memory(self) -> dict[str, int]:
+    def component_bytes(self) -> dict[str, int]:
         """Bytes in use by component (see `report.py` for what each one holds)."""
         n_sinks = int(self.sink_count.sum())
         slots = self.tokens * self.batch
@@ -276,13 +276,3 @@ class KVStore:
         if vq.mat_lo is not None:
             n += 8  # per-matrix value thresholds, two float32
         return n
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Every tensor in use (views of the used rows), for an independent byte count in the tests."""
-        out = [buf.view() for buf in (self.k_codes, self.v_codes, self.v_scale_zero)]
-        for sp in self._sparse():
-            out += [sp.channels.view(), sp.values.view()] + ([] if sp.fixed is not None else [sp.pointers.view()])
-        out += [self.k_scale, self.k_zero, self.sink_slot]
-        filled = self.sink_slot >= 0
-        out += [self.sink_k[filled], self.sink_v[filled]]
-        return out

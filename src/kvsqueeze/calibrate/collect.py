@@ -17,7 +17,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..affine import check_finite
-from ..integrations.modules import attention_modules
+from ..integrations.parts import attention_modules, hook_projections
 from ..shape import kv_shape
 
 
@@ -48,16 +48,11 @@ def collect(model, samples: torch.Tensor, sinks: int = 1, progress: bool = True)
     vf = [torch.empty_like(f) for f in kf]
     captured: dict[tuple[int, str], torch.Tensor] = {}
 
-    def hook(layer: int, kind: str):
-        def fn(module, inputs, output):
-            output.retain_grad()
-            captured[(layer, kind)] = output
-        return fn
+    def keep(layer: int, kind: str, output: torch.Tensor) -> None:
+        output.retain_grad()
+        captured[(layer, kind)] = output
 
-    handles = []
-    for i, a in enumerate(attn):
-        handles.append(a.k_proj.register_forward_hook(hook(i, "k")))
-        handles.append(a.v_proj.register_forward_hook(hook(i, "v")))
+    handles = hook_projections(model, keep)
     was_training = model.training
     flags = [p.requires_grad for p in model.parameters()]
     model.requires_grad_(False)

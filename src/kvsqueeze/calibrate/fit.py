@@ -12,35 +12,23 @@ per-token (s, z) they will get at inference.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
 import numpy as np
 import torch
 from tqdm.auto import tqdm
 
 from ..affine import choose_qparams
+from ..config import CalibrationConfig
 from ..datatypes import normal_float_levels, uniform_levels
 from ..integrations.fingerprint import model_fingerprint
-from ..integrations.modules import rope_cos_sin
+from ..integrations.parts import rope_cos_sin
 from ..outliers import calibrated_thresholds, clamp_range, online_thresholds, outlier_mask
 from ..recipe import Recipe, codebook_key, matrix_key, range_key
 from ..rope import apply_rope
 from ..shape import kv_shape
 from .collect import Activations
 from .kmeans import WeightedHistogram, fit_codebook
-
-
-@dataclass(frozen=True)
-class CalibrationConfig:
-    """What `kvsqueeze calibrate` fits; the defaults are the paper's."""
-
-    samples: int = 16  # calibration sequences (KVQuant: 16)
-    seqlen: int = 2048  # tokens per sequence (KVQuant: 2K)
-    bits: tuple[int, ...] = (2, 3, 4)
-    fractions: tuple[float, ...] = (0.0, 0.001, 0.01)  # outlier fractions: none, 0.1%, 1%
-    sinks: int = 1  # leading tokens kept fp16 and left out of every statistic
-    fits: tuple[str, ...] = ("fs2", "fisher", "unw")  # the last two only for the ablation
-    bins: int = 4096  # k-means histogram resolution over [-1, 1]
 
 
 def _weights(fit: str, fisher: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -2,44 +2,44 @@
 
 KVQuant (Hooper et al., "KVQuant: Towards 10 Million Context Length LLM
 Inference with KV Cache Quantization", NeurIPS 2024, arXiv:2401.18079) builds
-one non-uniform ("nuqX") codebook of ``2**bits`` levels per layer by running a
-*sensitivity-weighted* k-means on normalized activations: each value ``x`` in
-``[-1, 1]`` carries a weight ``w`` (Fisher information times the squared
+one non-uniform ("nuqX") codebook of `2**bits` levels per layer by running a
+*sensitivity-weighted* k-means on normalized activations: each value `x` in
+`[-1, 1]` carries a weight `w` (Fisher information times the squared
 per-channel / per-token scale), and the codebook minimises
 
     sum_i  w_i * (x_i - c(x_i))**2,        c(x) = the centre nearest to x.
 
 Why an exact dynamic programme works
 ------------------------------------
-In one dimension every optimal clustering is *contiguous*: if ``a < b < c`` and
-``a`` and ``c`` shared a centre while ``b`` used a different one, moving ``b``
+In one dimension every optimal clustering is *contiguous*: if `a < b < c` and
+`a` and `c` shared a centre while `b` used a different one, moving `b`
 to the centre nearer to it would not increase the cost, so after sorting the
-data, an optimal k-clustering is a split of the sorted sequence into ``k``
+data, an optimal k-clustering is a split of the sorted sequence into `k`
 consecutive runs, each served by its weighted mean.  With prefix sums
-``S0 = sum w``, ``S1 = sum w x``, ``S2 = sum w x**2`` the cost of a run is
-``S2 - S1**2 / S0`` in O(1), and
+`S0 = sum w`, `S1 = sum w x`, `S2 = sum w x**2` the cost of a run is
+`S2 - S1**2 / S0` in O(1), and
 
     D[c][j] = min_{i < j}  D[c-1][i] + cost(i, j)
 
 gives the global optimum -- no random restarts, no local minima, unlike
 Lloyd's algorithm (which KVQuant uses through scikit-learn).  The cost is a
 Monge array (it satisfies the quadrangle inequality), so the optimal split
-point ``opt[c][j]`` is non-decreasing in ``j``; a divide-and-conquer sweep per
+point `opt[c][j]` is non-decreasing in `j`; a divide-and-conquer sweep per
 layer of the table therefore needs O(B log B) cost evaluations, O(k B log B)
-in total, where ``B`` is the number of atoms.
+in total, where `B` is the number of atoms.
 
 Millions of activations per layer are reduced first to a
-:class:`WeightedHistogram` over a fixed bin grid holding per-bin sums of
-``w``, ``w x`` and ``w x**2``.  Each non-empty bin becomes one atom placed at
-its weighted mean.  Because ``sum_{i in bin} w_i (x_i - c)**2`` equals the
-bin's own spread plus ``W_bin * (mean_bin - c)**2``, the binned problem is
+`WeightedHistogram` over a fixed bin grid holding per-bin sums of
+`w`, `w x` and `w x**2`.  Each non-empty bin becomes one atom placed at
+its weighted mean.  Because `sum_{i in bin} w_i (x_i - c)**2` equals the
+bin's own spread plus `W_bin * (mean_bin - c)**2`, the binned problem is
 exact *given* that a bin is never split between two centres; the only
 approximation is that restriction, whose effect vanishes as the grid is
 refined.  The reported objective includes the within-bin spread and is
 therefore the true weighted SSE of the raw data under that assignment.
 
-Public API: :class:`WeightedHistogram`, :func:`fit_codebook`,
-:func:`weighted_kmeans_1d`, :func:`kmeans_objective`, :class:`KMeansResult`.
+Public API: `WeightedHistogram`, `fit_codebook`,
+`weighted_kmeans_1d`, `kmeans_objective`, `KMeansResult`.
 """
 
 from __future__ import annotations
@@ -68,23 +68,19 @@ __all__ = [
 class KMeansResult:
     """Outcome of a 1-D weighted k-means fit.
 
-    Attributes
-    ----------
-    centers:
-        ``float64`` array of exactly ``k`` centres, sorted ascending.  When the
-        data have fewer distinct atoms ``m`` than ``k``, every atom is its own
-        centre and the ``k - m`` spare centres are filled in (see
-        :func:`fit_codebook` / :func:`weighted_kmeans_1d`); spares may then
-        coincide with nothing in the data.
-    objective:
-        Weighted sum of squared errors ``sum_i w_i (x_i - c(x_i))**2``.
-    boundaries:
-        ``int64`` array, ascending, of the first index of each *non-empty*
-        cluster: a bin index for :func:`fit_codebook`, an index into the
-        sorted distinct positive-weight values for
-        :func:`weighted_kmeans_1d`.  Its length is ``min(k, m)``; when
-        ``m >= k``, ``boundaries[j]`` is where the cluster of ``centers[j]``
-        starts and it ends where the next one starts.
+    Attributes:
+        centers: `float64` array of exactly `k` centres, sorted ascending.  When the
+            data have fewer distinct atoms `m` than `k`, every atom is its own
+            centre and the `k - m` spare centres are filled in (see
+            `fit_codebook` / `weighted_kmeans_1d`); spares may then
+            coincide with nothing in the data.
+        objective: weighted sum of squared errors `sum_i w_i (x_i - c(x_i))**2`.
+        boundaries: `int64` array, ascending, of the first index of each *non-empty*
+            cluster: a bin index for `fit_codebook`, an index into the
+            sorted distinct positive-weight values for
+            `weighted_kmeans_1d`.  Its length is `min(k, m)`; when
+            `m >= k`, `boundaries[j]` is where the cluster of `centers[j]`
+            starts and it ends where the next one starts.
     """
 
     centers: np.ndarray
@@ -105,7 +101,7 @@ def _to_numpy_f64(a, name: str) -> np.ndarray:
 
 
 def _prepare_xw(x, w) -> tuple[np.ndarray, np.ndarray]:
-    """Validate ``x``/``w`` (any shape, equal shapes) and return flat float64 copies."""
+    """Validate `x`/`w` (any shape, equal shapes) and return flat float64 copies."""
     xa = _to_numpy_f64(x, "x")
     wa = np.ones_like(xa) if w is None else _to_numpy_f64(w, "w")
     if xa.shape != wa.shape:
@@ -139,17 +135,17 @@ def _readonly(a: np.ndarray) -> np.ndarray:
 # histogram accumulator
 # --------------------------------------------------------------------------
 class WeightedHistogram:
-    """Per-bin weighted moments over a uniform grid of ``bins`` bins on ``[lo, hi]``.
+    """Per-bin weighted moments over a uniform grid of `bins` bins on `[lo, hi]`.
 
-    Bin ``b`` covers ``[lo + b*width, lo + (b+1)*width)`` (the last bin also
-    holds ``hi``), ``width = (hi - lo) / bins``.  :meth:`add` accumulates
-    ``w``, ``w*x``, ``w*x**2`` (float64) and the element count per bin.
+    Bin `b` covers `[lo + b*width, lo + (b+1)*width)` (the last bin also
+    holds `hi`), `width = (hi - lo) / bins`.  `add` accumulates
+    `w`, `w*x`, `w*x**2` (float64) and the element count per bin.
 
-    Values outside ``[lo, hi]`` are **clipped to the nearest end of the range
+    Values outside `[lo, hi]` are **clipped to the nearest end of the range
     before accumulation**: they land in the first / last bin *and* contribute
-    ``lo`` / ``hi`` (not their raw value) to ``wx`` and ``wx2``, so every bin
-    mean -- and hence every fitted centre -- stays inside ``[lo, hi]``.  The
-    number of clipped elements is kept in :attr:`clipped`.
+    `lo` / `hi` (not their raw value) to `wx` and `wx2`, so every bin
+    mean -- and hence every fitted centre -- stays inside `[lo, hi]`.  The
+    number of clipped elements is kept in `clipped`.
     """
 
     def __init__(self, bins: int = 4096, lo: float = -1.0, hi: float = 1.0):
@@ -173,7 +169,7 @@ class WeightedHistogram:
         return (self.hi - self.lo) / self.bins
 
     def bin_edges(self) -> np.ndarray:
-        """The ``bins + 1`` bin edges."""
+        """The `bins + 1` bin edges."""
         return np.linspace(self.lo, self.hi, self.bins + 1)
 
     def bin_centers(self) -> np.ndarray:
@@ -196,13 +192,13 @@ class WeightedHistogram:
 
     # -- accumulation ------------------------------------------------------
     def add(self, x, w=None) -> "WeightedHistogram":
-        """Accumulate ``x`` with weights ``w`` (same shape, any shape; ``None`` = unit).
+        """Accumulate `x` with weights `w` (same shape, any shape; `None` = unit).
 
-        Accepts numpy arrays or torch tensors.  A torch ``x`` is binned on its
-        own device (float64 ``torch.bincount``) and only the ``bins``-long
-        sums come back to the host.  Raises ``ValueError`` on mismatched
-        shapes, NaN/Inf in ``x`` or ``w``, or negative weights.  Returns
-        ``self`` so calls can be chained.
+        Accepts numpy arrays or torch tensors.  A torch `x` is binned on its
+        own device (float64 `torch.bincount`) and only the `bins`-long
+        sums come back to the host.  Raises `ValueError` on mismatched
+        shapes, NaN/Inf in `x` or `w`, or negative weights.  Returns
+        `self` so calls can be chained.
         """
         if isinstance(x, torch.Tensor) or isinstance(w, torch.Tensor):
             sums = self._sums_torch(x, w)
@@ -309,7 +305,7 @@ def _run_cost(p0, p1, p2, i, j):
 def _dp_starts(pos, wt, k):
     """Start indices (length k) of the optimal k contiguous runs of atoms.
 
-    ``pos`` sorted ascending, ``wt`` > 0, ``2 <= k <= len(pos)``.  Row ``c`` of
+    `pos` sorted ascending, `wt` > 0, `2 <= k <= len(pos)`.  Row `c` of
     the table is filled by divide and conquer using monotone split points.
     """
     m = pos.shape[0]
@@ -390,7 +386,7 @@ def _dp_starts(pos, wt, k):
 
 
 def _optimal_runs(pos: np.ndarray, wt: np.ndarray, k: int) -> np.ndarray:
-    """Start indices of the optimal ``min(k, m)`` runs of the sorted atoms."""
+    """Start indices of the optimal `min(k, m)` runs of the sorted atoms."""
     m = pos.shape[0]
     if k >= m:
         return np.arange(m, dtype=np.int64)
@@ -400,11 +396,11 @@ def _optimal_runs(pos: np.ndarray, wt: np.ndarray, k: int) -> np.ndarray:
 
 
 def _fill_centers(centers: np.ndarray, k: int, lo: float | None, hi: float | None) -> np.ndarray:
-    """Pad sorted ``centers`` to ``k`` entries by bisecting the widest gap.
+    """Pad sorted `centers` to `k` entries by bisecting the widest gap.
 
     The gaps considered are those between consecutive centres and, when
-    ``lo``/``hi`` are given, between ``lo`` and the first centre and between
-    the last centre and ``hi``.  Each spare centre goes to the midpoint of
+    `lo`/`hi` are given, between `lo` and the first centre and between
+    the last centre and `hi`.  Each spare centre goes to the midpoint of
     the currently widest gap (leftmost on ties).  With no gap at all (a
     single centre and no range) the centre is duplicated.
     """
@@ -435,21 +431,21 @@ def _fill_centers(centers: np.ndarray, k: int, lo: float | None, hi: float | Non
 # public solvers
 # --------------------------------------------------------------------------
 def fit_codebook(hist: WeightedHistogram, k: int) -> KMeansResult:
-    """Optimal weighted k-means on the atoms of ``hist`` (one atom per non-empty bin).
+    """Optimal weighted k-means on the atoms of `hist` (one atom per non-empty bin).
 
-    Each bin with positive weight is an atom of weight ``w[b]`` at
-    ``wx[b] / w[b]``; zero-weight bins are dropped.  Clusters are contiguous
-    runs of bins (a bin is never split).  ``objective`` is the exact weighted
+    Each bin with positive weight is an atom of weight `w[b]` at
+    `wx[b] / w[b]`; zero-weight bins are dropped.  Clusters are contiguous
+    runs of bins (a bin is never split).  `objective` is the exact weighted
     SSE of the accumulated raw data under that assignment, within-bin spread
     included.
 
-    If fewer than ``k`` bins carry weight, every such bin gets its own centre
+    If fewer than `k` bins carry weight, every such bin gets its own centre
     and the rest are filled deterministically: each spare centre is placed
-    at the midpoint of the widest gap among ``lo``, the centres so far, and
-    ``hi`` (leftmost gap on ties), so the codebook still covers ``[lo, hi]``
+    at the midpoint of the widest gap among `lo`, the centres so far, and
+    `hi` (leftmost gap on ties), so the codebook still covers `[lo, hi]`
     and the objective is unaffected.
 
-    Raises ``ValueError`` for ``k < 1`` or when the histogram's total weight
+    Raises `ValueError` for `k < 1` or when the histogram's total weight
     is zero.
     """
     k = _check_k(k)
@@ -484,17 +480,17 @@ def fit_codebook(hist: WeightedHistogram, k: int) -> KMeansResult:
 def weighted_kmeans_1d(x, w, k: int) -> KMeansResult:
     """Exact weighted k-means on raw 1-D data (no binning).
 
-    ``x`` and ``w`` are arrays or tensors of equal shape (flattened);
-    ``w=None`` means unit weights.  Equal values are merged (weights summed)
+    `x` and `w` are arrays or tensors of equal shape (flattened);
+    `w=None` means unit weights.  Equal values are merged (weights summed)
     and zero-weight values dropped, then the same DP runs over the sorted
-    distinct values.  ``boundaries`` index that sorted distinct array.
+    distinct values.  `boundaries` index that sorted distinct array.
 
-    If there are ``m < k`` distinct values, each is its own centre
+    If there are `m < k` distinct values, each is its own centre
     (objective 0) and each spare centre goes to the midpoint of the widest
     gap between the centres so far (leftmost on ties); with a single
-    distinct value it is repeated ``k`` times.
+    distinct value it is repeated `k` times.
 
-    Raises ``ValueError`` for ``k < 1``, mismatched shapes, NaN/Inf,
+    Raises `ValueError` for `k < 1`, mismatched shapes, NaN/Inf,
     negative weights, or zero total weight.
     """
     k = _check_k(k)
@@ -522,10 +518,10 @@ def weighted_kmeans_1d(x, w, k: int) -> KMeansResult:
 
 
 def kmeans_objective(x, w, centers) -> float:
-    """Weighted SSE ``sum_i w_i (x_i - c(x_i))**2`` with ``c(x)`` the nearest centre.
+    """Weighted SSE `sum_i w_i (x_i - c(x_i))**2` with `c(x)` the nearest centre.
 
-    ``w=None`` means unit weights.  Raises ``ValueError`` on bad inputs or an
-    empty / non-finite ``centers``.
+    `w=None` means unit weights.  Raises `ValueError` on bad inputs or an
+    empty / non-finite `centers`.
     """
     xa, wa = _prepare_xw(x, w)
     c = np.sort(_to_numpy_f64(centers, "centers").reshape(-1))

@@ -4,13 +4,14 @@ Generation is greedy, over the same seeded prompts for every method, through
 either engine: "sim" (simulated quantization: every prompt and generated token
 is quantized as it enters the cache) or "cache" (the compressed cache of
 `kvsqueeze.cache_for`, for the methods it stores; others fall back to "sim").
-The two agree token for token (tests/test_longctx.py).
+The two agree token for token (tests/eval/test_longctx.py).
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..config import PasskeyConfig
 from ..integrations.simulate import SimulatedQuantization
 from ..methods import MethodSpec
 from ..recipe import Recipe
@@ -42,9 +43,9 @@ def _cache_engine_supports(spec: MethodSpec) -> bool:
     return True
 
 
-def passkey_eval(model, tok, specs: list[MethodSpec], lengths: list[int], trials: int,
-                 recipe: Recipe | None = None, seed: int = 0, progress: bool = True,
-                 engine: str = "sim") -> list[PasskeyResult]:
+def passkey_eval(model, tok, specs: list[MethodSpec], lengths: list[int], trials: int = PasskeyConfig.trials,
+                 recipe: Recipe | None = None, seed: int = PasskeyConfig.seed, progress: bool = True,
+                 engine: str = PasskeyConfig.engine) -> list[PasskeyResult]:
     """Exact-match passkey accuracy for each method and prompt length (same prompts for all methods)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")

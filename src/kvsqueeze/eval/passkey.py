@@ -3,13 +3,13 @@
 This is the long-context sanity check KVQuant (arXiv 2401.18079) reports: the
 model reads an instruction, many repetitions of an irrelevant filler paragraph
 with one "pass key" sentence buried in it, and a final question; it must
-continue ``"The pass key is"`` with the key.  A quantized KV cache that destroys
+continue `"The pass key is"` with the key.  A quantized KV cache that destroys
 long-range retrieval shows up here long before it shows in perplexity.
 
-The module is model-agnostic and does not import ``transformers``: prompt
-building takes any tokenizer-like object (``tokenizer(text)["input_ids"]`` or
-``tokenizer.encode(text)``), and :func:`run_passkey` takes a ``generate_fn``
-that turns ``(method, prompt)`` into the generated continuation.
+The module is model-agnostic and does not import `transformers`: prompt
+building takes any tokenizer-like object (`tokenizer(text)["input_ids"]` or
+`tokenizer.encode(text)`), and `run_passkey` takes a `generate_fn`
+that turns `(method, prompt)` into the generated continuation.
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from .tables import text_table
 
 __all__ = [
     "FILLER",
@@ -59,10 +61,10 @@ def key_sentence(passkey: str) -> str:
 class PasskeyPrompt:
     """One passkey-retrieval prompt.
 
-    ``depth`` is the requested depth in [0, 1] (fraction of the filler, counted
-    in filler repetitions, that precedes the key sentence).  ``n_tokens`` is the
+    `depth` is the requested depth in [0, 1] (fraction of the filler, counted
+    in filler repetitions, that precedes the key sentence).  `n_tokens` is the
     tokenized prompt length including any special tokens the tokenizer adds.
-    ``key_token_start`` is the (approximate) token index at which the key
+    `key_token_start` is the (approximate) token index at which the key
     sentence starts, found by tokenizing the text before it.
     """
 
@@ -103,7 +105,7 @@ def _as_id_list(ids: Any) -> list[int]:
 
 
 def _token_ids(tokenizer: Any, text: str) -> list[int]:
-    """Token ids of ``text``, with whatever special tokens the tokenizer adds by default."""
+    """Token ids of `text`, with whatever special tokens the tokenizer adds by default."""
     if callable(tokenizer):
         out = tokenizer(text)
         if isinstance(out, Mapping) or hasattr(out, "keys"):
@@ -121,7 +123,7 @@ def _token_ids(tokenizer: Any, text: str) -> list[int]:
 
 
 def count_tokens(tokenizer: Any, text: str) -> int:
-    """Number of tokens in ``text`` (special tokens included)."""
+    """Number of tokens in `text` (special tokens included)."""
     return len(_token_ids(tokenizer, text))
 
 
@@ -164,7 +166,7 @@ def _check_depth(depth: Any) -> float:
 
 
 def _fit_units(tokenizer: Any, passkey: str, depth: float, length: int) -> tuple[int, int]:
-    """Largest filler-repetition count whose prompt fits in ``length`` tokens.
+    """Largest filler-repetition count whose prompt fits in `length` tokens.
 
     Estimates from the measured cost of the fixed parts and of one filler
     repetition, then brackets and bisects with a handful of re-tokenizations.
@@ -224,9 +226,9 @@ def _fit_units(tokenizer: Any, passkey: str, depth: float, length: int) -> tuple
 def build_passkey_prompt(
     tokenizer: Any, length: int, seed: int, depth: float | None = None
 ) -> PasskeyPrompt:
-    """Build one passkey prompt of at most ``length`` tokens (within one filler repetition).
+    """Build one passkey prompt of at most `length` tokens (within one filler repetition).
 
-    The passkey is a 5-digit number from ``random.Random(seed)``; when ``depth`` is
+    The passkey is a 5-digit number from `random.Random(seed)`; when `depth` is
     None it is drawn from the same generator, uniformly in [0, 1].
     """
     length = _check_length(length)
@@ -269,9 +271,9 @@ def _derive_seed(seed: int, length: int, trial: int) -> int:
 def build_passkey_prompts(
     tokenizer: Any, length: int, trials: int, seed: int = 0, depth: float | None = None
 ) -> list[PasskeyPrompt]:
-    """``trials`` prompts whose seeds derive deterministically from (seed, length, trial).
+    """`trials` prompts whose seeds derive deterministically from (seed, length, trial).
 
-    Every method evaluated with the same arguments sees the same prompts.  ``depth``
+    Every method evaluated with the same arguments sees the same prompts.  `depth`
     (default None: drawn per prompt) fixes the key depth for all of them.
     """
     if isinstance(trials, bool) or not isinstance(trials, int) or trials < 1:
@@ -302,8 +304,8 @@ def run_passkey(
 ) -> list[PasskeyResult]:
     """Evaluate every method on every prompt; one result per (method, length).
 
-    ``generate_fn(method, prompt)`` returns the generated continuation of
-    ``prompt.text``.  Results are ordered by method, then by length as given.
+    `generate_fn(method, prompt)` returns the generated continuation of
+    `prompt.text`.  Results are ordered by method, then by length as given.
     """
     from tqdm.auto import tqdm
 
@@ -355,21 +357,6 @@ def format_passkey_table(results: Sequence[PasskeyResult]) -> str:
             counts = sorted({r.trials for r in results if r.length == n})
             col_names.append(f"{n} (n={'/'.join(map(str, counts))})")
 
-    rows = [["method", *col_names]]
-    for m in methods:
-        row = [m]
-        for n in lengths:
-            r = cell.get((m, n))
-            row.append("-" if r is None else f"{r.accuracy:.2f}")
-        rows.append(row)
-
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-
-    def fmt(row: list[str]) -> str:
-        first = row[0].ljust(widths[0])
-        rest = [v.rjust(w) for v, w in zip(row[1:], widths[1:])]
-        return "  ".join([first, *rest]).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    lines = [title, fmt(rows[0]), rule, *(fmt(r) for r in rows[1:])]
-    return "\n".join(lines)
+    body = [[m] + ["-" if (m, n) not in cell else f"{cell[(m, n)].accuracy:.2f}" for n in lengths]
+            for m in methods]
+    return text_table(["method", *col_names], body, title=title)

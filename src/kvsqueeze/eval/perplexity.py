@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 from ..integrations.simulate import SimulatedQuantization
 from ..methods import MethodSpec
 from ..recipe import Recipe
+from .tables import text_table
 
 
 @dataclass(frozen=True)
@@ -69,9 +70,6 @@ def evaluate(
 def format_table(rows: list[PplRow]) -> str:
     """Method, average bits, perplexity and change against fp16 (when it was measured)."""
     base = next((r.ppl for r in rows if r.method == "fp16"), None)
-    width = max(12, max(len(r.method) for r in rows) + 2)
-    lines = [f"{'method':<{width}}{'avg bits':>9}{'PPL':>10}{'vs fp16':>10}"]
-    for r in rows:
-        delta = f"{(r.ppl / base - 1) * 100:+.2f}%" if base else "-"
-        lines.append(f"{r.method:<{width}}{r.avg_bits:>9.3f}{r.ppl:>10.3f}{delta:>10}")
-    return "\n".join(lines)
+    body = [(r.method, f"{r.avg_bits:.3f}", f"{r.ppl:.3f}", f"{(r.ppl / base - 1) * 100:+.2f}%" if base else "-")
+            for r in rows]
+    return text_table(("method", "avg bits", "PPL", "vs fp16"), body, rule=False)

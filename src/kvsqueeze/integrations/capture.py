@@ -27,7 +27,7 @@ import weakref
 import torch
 
 from .layers import LayerBase
-from .modules import attention_modules
+from .parts import hook_projections
 
 _CAPTURES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> ForwardCapture
 
@@ -86,14 +86,11 @@ class ForwardCapture:
         decoder = model.base_model
         self._handles.append(decoder.register_forward_pre_hook(before, with_kwargs=True))
         self._handles.append(decoder.register_forward_hook(after, with_kwargs=True, always_call=True))
-        for i, attn in enumerate(attention_modules(model)):
-            self._handles.append(attn.k_proj.register_forward_hook(self._key_hook(i)))
+        self._handles += hook_projections(model, self._keep_keys, kinds=("k",))
 
-    def _key_hook(self, layer: int):
-        def hook(module, inputs, output):
-            if self.active:
-                self.keys[layer] = output
-        return hook
+    def _keep_keys(self, layer: int, kind: str, output: torch.Tensor) -> None:
+        if self.active:
+            self.keys[layer] = output
 
     def _clear(self) -> None:
         self.active = False

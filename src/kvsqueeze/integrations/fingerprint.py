@@ -8,7 +8,7 @@ import torch
 
 from ..recipe import PROBES, Recipe
 from ..shape import kv_shape
-from .modules import attention_modules
+from .parts import attention_modules
 
 
 def model_fingerprint(model) -> dict:

@@ -217,8 +217,8 @@ class CompressedLayer(LayerBase):
         self.store.reset()
         self.is_initialized = False
 
-    def memory(self) -> dict[str, int]:
-        return self.store.memory()
+    def component_bytes(self) -> dict[str, int]:
+        return self.store.component_bytes()
 
     def capacity_nbytes(self) -> int:
         return self.store.capacity_nbytes()
@@ -269,7 +269,7 @@ class Fp16Layer(LayerBase):
         self.k = self.v = None
         self.is_initialized = False
 
-    def memory(self) -> dict[str, int]:
+    def component_bytes(self) -> dict[str, int]:
         return {"codes": (self.k.nbytes + self.v.nbytes) if self.k is not None else 0}
 
     def capacity_nbytes(self) -> int:

@@ -30,7 +30,7 @@ from ..shape import kv_shape
 from .attention import ATTN_NAME, register_attention, register_handler
 from .fingerprint import check_recipe
 from .kivi import kivi_handler
-from .modules import attention_modules
+from .parts import attention_modules, hook_projections
 
 
 class _Counter:
@@ -113,26 +113,22 @@ class SimulatedQuantization:
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         self._start = cache.get_seq_length() if cache is not None else 0
 
-    def _proj_hook(self, layer: int, kind: str):
-        def hook(module, inputs, output):
-            check_finite(output, f"layer {layer} {kind} activations")
-            q = self.k_pre[layer] if kind == "key" else self.v[layer]
-            if q is None:
-                return output
-            xq, n = _quantize_tokens(q, output, self._start, self.spec.sinks)
-            if kind == "key":
-                self.counter.k[layer] += n
-            else:
-                self.counter.v[layer] += n
-            return xq
-
-        return hook
+    def _quantize_projection(self, layer: int, kind: str, output: torch.Tensor) -> torch.Tensor:
+        """The `k_proj` / `v_proj` output [B, T, C] as the quantized cache would give it back."""
+        check_finite(output, f"layer {layer} {'key' if kind == 'k' else 'value'} activations")
+        q = self.k_pre[layer] if kind == "k" else self.v[layer]
+        if q is None:
+            return output
+        xq, n = _quantize_tokens(q, output, self._start, self.spec.sinks)
+        if kind == "k":
+            self.counter.k[layer] += n
+        else:
+            self.counter.v[layer] += n
+        return xq
 
     def __enter__(self) -> "SimulatedQuantization":
         self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
-        for i, a in enumerate(self.attn):
-            self._handles.append(a.k_proj.register_forward_hook(self._proj_hook(i, "key")))
-            self._handles.append(a.v_proj.register_forward_hook(self._proj_hook(i, "value")))
+        self._handles += hook_projections(self.model, self._quantize_projection)
         if self.spec.family == "kivi":
             register_attention()
             register_handler(kivi_handler)

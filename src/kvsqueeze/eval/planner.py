@@ -11,11 +11,11 @@ The per-layer accounting is `kvsqueeze.methods.storage_bits` (codes, scales and
 zero-points, outlier values, indices and pointers, sinks, codebooks, fp16
 windows); this file only multiplies it out over layers and batch.
 
-Units are binary throughout, as in the paper's table: a context of ``128K`` is
-131,072 tokens, ``1M`` is 1,048,576, and sizes are reported in GiB. (One
+Units are binary throughout, as in the paper's table: a context of `128K` is
+131,072 tokens, `1M` is 1,048,576, and sizes are reported in GiB. (One
 caveat: the paper's own 10M column is decimal, 10,000,000 tokens — its fp16
-figure for LLaMA-7B, 4883 GB, is 10**7 x 512 KiB. Pass ``10000000`` to
-reproduce that column; ``10M`` here is 10 x 2**20 tokens, about 5% more.)
+figure for LLaMA-7B, 4883 GB, is 10**7 x 512 KiB. Pass `10000000` to
+reproduce that column; `10M` here is 10 x 2**20 tokens, about 5% more.)
 """
 
 from __future__ import annotations
@@ -23,30 +23,25 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from fractions import Fraction
 from pathlib import Path
 
-from kvsqueeze.methods import MethodSpec, parse_method, parse_methods, storage_bits
+from ..config import MemoryConfig
+from ..methods import MethodSpec, parse_method, parse_methods, storage_bits
+from ..shape import KVShape, kv_shape, positive_int
+from .tables import text_table
 
 GIB = 1024**3
 FP16 = parse_method("fp16")
 
 
 @dataclass(frozen=True)
-class ModelShape:
-    """The sizes of a decoder that decide its KV-cache and weight bytes."""
+class ModelShape(KVShape):
+    """A model's KV-cache shape (`kvsqueeze.shape.KVShape`) with its name and parameter count."""
 
-    name: str
-    layers: int
-    kv_heads: int  # key/value heads (< attention heads for GQA models)
-    head_dim: int
-    params: float  # total parameter count, for weight bytes only
-
-    @property
-    def channels(self) -> int:
-        """K (= V) channels per token in one layer: kv_heads * head_dim."""
-        return self.kv_heads * self.head_dim
+    name: str = ""
+    params: float = 0.0  # total parameter count, for weight bytes only
 
 
 # Parameter counts as published (LLaMA: 6.74B / 13.0B / 65.2B, the figures
@@ -54,11 +49,11 @@ class ModelShape:
 BUILTIN_SHAPES: dict[str, ModelShape] = {
     s.name: s
     for s in (
-        ModelShape("llama-7b", layers=32, kv_heads=32, head_dim=128, params=6.74e9),
-        ModelShape("llama-13b", layers=40, kv_heads=40, head_dim=128, params=13.0e9),
-        ModelShape("llama-65b", layers=80, kv_heads=64, head_dim=128, params=65.2e9),
-        ModelShape("llama-3-8b", layers=32, kv_heads=8, head_dim=128, params=8.03e9),
-        ModelShape("smollm2-135m", layers=30, kv_heads=3, head_dim=64, params=134.5e6),
+        ModelShape(name="llama-7b", layers=32, heads=32, kv_heads=32, head_dim=128, params=6.74e9),
+        ModelShape(name="llama-13b", layers=40, heads=40, kv_heads=40, head_dim=128, params=13.0e9),
+        ModelShape(name="llama-65b", layers=80, heads=64, kv_heads=64, head_dim=128, params=65.2e9),
+        ModelShape(name="llama-3-8b", layers=32, heads=32, kv_heads=8, head_dim=128, params=8.03e9),
+        ModelShape(name="smollm2-135m", layers=30, heads=9, kv_heads=3, head_dim=64, params=134.5e6),
     )
 }
 
@@ -71,7 +66,7 @@ def resolve_model(model: str) -> ModelShape:
 
     Args:
         model: a built-in name (see `BUILTIN_SHAPES`), a path to a Hugging Face
-            ``config.json``, or a directory that holds one.
+            `config.json`, or a directory that holds one.
 
     Raises:
         ValueError: unknown name, missing file, or a config without usable sizes.
@@ -91,12 +86,12 @@ def resolve_model(model: str) -> ModelShape:
 
 
 def shape_from_config(path: str | Path) -> ModelShape:
-    """Read a `ModelShape` from a Hugging Face ``config.json`` (or its directory).
+    """Read a `ModelShape` from a Hugging Face `config.json` (or its directory).
 
     layers = num_hidden_layers; kv_heads = num_key_value_heads (default
     num_attention_heads, i.e. plain multi-head attention); head_dim = head_dim
     if given, else hidden_size // num_attention_heads. Multimodal configs whose
-    language model sits under ``text_config`` are read from there. The
+    language model sits under `text_config` are read from there. The
     parameter count is estimated by `estimate_params`.
 
     Raises:
@@ -117,29 +112,9 @@ def shape_from_config(path: str | Path) -> ModelShape:
     if "num_hidden_layers" not in cfg and isinstance(cfg.get("text_config"), dict):
         cfg = cfg["text_config"]
     where = f"model config {str(p)!r}"
-
-    layers = _positive_int(cfg, "num_hidden_layers", where)
-    heads = _positive_int(cfg, "num_attention_heads", where)
-    hidden = _positive_int(cfg, "hidden_size", where)
-    kv_heads = _positive_int(cfg, "num_key_value_heads", where, default=heads)
-    if heads % kv_heads:
-        raise ValueError(
-            f"{where}: num_attention_heads ({heads}) is not a multiple of "
-            f"num_key_value_heads ({kv_heads}); fix the config (GQA shares each KV head "
-            "among a whole number of query heads)"
-        )
-    if cfg.get("head_dim") is not None:
-        head_dim = _positive_int(cfg, "head_dim", where)
-    else:
-        if hidden % heads:
-            raise ValueError(
-                f"{where}: hidden_size ({hidden}) is not divisible by num_attention_heads "
-                f"({heads}) and no head_dim is given; add \"head_dim\" to the config"
-            )
-        head_dim = hidden // heads
+    shape = kv_shape(cfg, where)
     name = str(cfg.get("_name_or_path") or "").strip() or p.resolve().parent.name or p.stem
-    return ModelShape(name=name, layers=layers, kv_heads=kv_heads, head_dim=head_dim,
-                      params=float(estimate_params(cfg, where)))
+    return ModelShape(**asdict(shape), name=name, params=float(estimate_params(cfg, where)))
 
 
 def estimate_params(cfg: dict, where: str = "model config") -> int:
@@ -150,7 +125,7 @@ def estimate_params(cfg: dict, where: str = "model config") -> int:
     (hidden x kv_heads*head_dim each), the gated MLP gate/up/down
     (3 x hidden x intermediate_size) and two RMSNorm weights (2 x hidden); the
     final norm (hidden); and an untied lm_head (vocab x hidden) unless
-    ``tie_word_embeddings`` is true. Not counted: biases (Qwen's q/k/v bias
+    `tie_word_embeddings` is true. Not counted: biases (Qwen's q/k/v bias
     is well under 0.1%), mixture-of-experts layouts, vision towers. For
     LLaMA-7B this gives 6.74e9 and for SmolLM2-135M 134.5e6, the published counts.
 
@@ -158,13 +133,11 @@ def estimate_params(cfg: dict, where: str = "model config") -> int:
         ValueError: vocab_size, hidden_size, intermediate_size or a head
             count is missing or not positive.
     """
-    layers = _positive_int(cfg, "num_hidden_layers", where)
-    heads = _positive_int(cfg, "num_attention_heads", where)
-    hidden = _positive_int(cfg, "hidden_size", where)
-    kv_heads = _positive_int(cfg, "num_key_value_heads", where, default=heads)
-    head_dim = _positive_int(cfg, "head_dim", where) if cfg.get("head_dim") is not None else hidden // heads
-    vocab = _positive_int(cfg, "vocab_size", where)
-    inter = _positive_int(cfg, "intermediate_size", where)
+    shape = kv_shape(cfg, where)
+    layers, heads, kv_heads, head_dim = shape.layers, shape.heads, shape.kv_heads, shape.head_dim
+    hidden = positive_int(cfg, "hidden_size", where)
+    vocab = positive_int(cfg, "vocab_size", where)
+    inter = positive_int(cfg, "intermediate_size", where)
     attn = 2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim  # q, o; k, v
     mlp = 3 * hidden * inter  # gate, up, down
     per_layer = attn + mlp + 2 * hidden  # + input and post-attention norms
@@ -175,20 +148,6 @@ def estimate_params(cfg: dict, where: str = "model config") -> int:
     return embed + layers * per_layer + hidden + lm_head
 
 
-def _positive_int(cfg: dict, key: str, where: str, default: int | None = None) -> int:
-    value = cfg.get(key)
-    if value is None:
-        if default is not None:
-            return default
-        raise ValueError(f"{where}: {key!r} is missing; a Hugging Face decoder config must set it")
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(
-            f"{where}: {key!r} must be a positive integer, got {value!r}; "
-            "fix the config or pass a built-in model name"
-        )
-    return value
-
-
 # ---------------------------------------------------------------- sizes
 
 _SIZE_UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3}
@@ -197,14 +156,14 @@ _SIZE_FORMS = "a positive whole number of tokens, e.g. 8192, 32K, 128k, 1M, 1.5M
 
 
 def parse_size(text: str) -> int:
-    """Parse a context length in tokens: ``8192``, ``32K``, ``128k``, ``1M``, ``1.5M``.
+    """Parse a context length in tokens: `8192`, `32K`, `128k`, `1M`, `1.5M`.
 
     K, M and G are binary (1024, 1024**2, 1024**3), as the paper's context
     lengths are: 128K = 131,072 tokens.
 
     Raises:
         ValueError: empty, zero, negative, an unknown unit, or a value that is
-            not a whole number of tokens (``1.5``, ``1.3K``).
+            not a whole number of tokens (`1.5`, `1.3K`).
     """
     token = text.strip()
     m = _SIZE_RE.match(token)
@@ -235,7 +194,7 @@ _BYTES_FORMS = "a positive size such as 80GB, 80GiB, 48G, 512MiB, 1TB or a plain
 
 
 def parse_bytes(text: str) -> int:
-    """Parse a memory size such as ``80GB``, ``80GiB`` or ``48G`` into bytes.
+    """Parse a memory size such as `80GB`, `80GiB` or `48G` into bytes.
 
     Every unit is binary: GB is read as GiB (1024**3), the convention of the
     paper's table (and of "an 80 GB GPU", whose usable memory is ~80 GiB).
@@ -293,22 +252,24 @@ def plan(
     shape: ModelShape,
     specs: list[MethodSpec],
     contexts: list[tuple[str, int]],
-    batch: int = 1,
-    gpus: int = 1,
-    gpu_mem_bytes: int = 80 * GIB,
+    batch: int = MemoryConfig.batch,
+    gpus: int = MemoryConfig.gpus,
+    gpu_mem_bytes: int | None = None,
 ) -> list[dict]:
     """One row per (method, context): cache and weight bytes and whether they fit.
 
-    ``fits`` compares fp16 weights plus the cache with ``gpus * gpu_mem_bytes``
+    `fits` compares fp16 weights plus the cache with `gpus * gpu_mem_bytes`
     for every method, so that rows differ only in their cache;
-    ``fits_4bit_weights`` is the same check with 4-bit weights (the paper's
-    1M-context LLaMA-7B setting). ``per_gpu_bytes`` is the fp16-weight total
+    `fits_4bit_weights` is the same check with 4-bit weights (the paper's
+    1M-context LLaMA-7B setting). `per_gpu_bytes` is the fp16-weight total
     split evenly over the GPUs.
     """
     if batch < 1:
         raise ValueError(f"batch must be at least 1, got {batch}")
     if gpus < 1:
         raise ValueError(f"gpus must be at least 1, got {gpus}")
+    if gpu_mem_bytes is None:
+        gpu_mem_bytes = parse_bytes(MemoryConfig.gpu_mem)
     capacity = gpus * gpu_mem_bytes
     w16, w4 = weight_bytes(shape, 16), weight_bytes(shape, 4)
     rows = []
@@ -359,40 +320,33 @@ def format_table(shape: ModelShape, rows: list[dict], gpus: int, gpu_mem_label: 
             f"{r['per_gpu_bytes'] / GIB:,.2f}",
             fits,
         ))
-    widths = [max([len(h)] + [len(b[i]) for b in body]) for i, h in enumerate(head)]
-    left = {0, 1, 7}  # text columns; numbers right-aligned
-
-    def line(cells):
-        padded = (c.ljust(w) if i in left else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
-        return "  ".join(padded).rstrip()
-
     title = (f"{shape.name}: {shape.layers} layers x {shape.kv_heads} KV heads x head_dim {shape.head_dim}, "
              f"{shape.params / 1e9:.3g}B params, batch {rows[0]['batch'] if rows else 1}")
-    return "\n".join([title, line(head), line(["-" * w for w in widths]), *map(line, body)])
+    return text_table(head, body, left={0, 1, 7}, title=title)
 
 
 def run_memory_command(
     model: str,
     contexts: str,
     methods: str,
-    batch: int = 1,
-    gpus: int = 1,
-    gpu_mem: str = "80GB",
+    batch: int = MemoryConfig.batch,
+    gpus: int = MemoryConfig.gpus,
+    gpu_mem: str = MemoryConfig.gpu_mem,
     json_out: str | None = None,
 ) -> dict:
     """`kvsqueeze memory`: print the plan as a table, optionally write it as JSON, return it.
 
     Args:
         model: built-in shape name or a Hugging Face config.json path / directory.
-        contexts: comma-separated context lengths, e.g. ``"32K,128K,1M,10M"``.
-        methods: comma-separated method names, e.g. ``"fp16,nuq3-1%,nuq2"``.
+        contexts: comma-separated context lengths, e.g. `"32K,128K,1M,10M"`.
+        methods: comma-separated method names, e.g. `"fp16,nuq3-1%,nuq2"`.
         batch: sequences cached at once.
-        gpus, gpu_mem: G GPUs of ``gpu_mem`` each (GB read as GiB).
-        json_out: path to write ``{"model": NAME, "rows": [...]}`` to.
+        gpus, gpu_mem: G GPUs of `gpu_mem` each (GB read as GiB).
+        json_out: path to write `{"model": NAME, "rows": [...]}` to.
 
     Returns:
-        ``{"model": NAME, "rows": [{"method", "context", "kv_bytes",
-        "weight_bytes", "fits", ...}]}`` with context in tokens.
+        `{"model": NAME, "rows": [{"method", "context", "kv_bytes",
+        "weight_bytes", "fits", ...}]}` with context in tokens.
     """
     shape = resolve_model(model)
     ctx = parse_contexts(contexts)

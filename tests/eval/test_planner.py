@@ -1,4 +1,4 @@
-"""Tests for kvsqueeze.eval.memory: the paper's appendix-A figures, config parsing, sizes, JSON."""
+"""Tests for kvsqueeze.eval.planner: the paper's appendix-A figures, config parsing, sizes, JSON."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvsqueeze.eval.memory import (
+from kvsqueeze.eval.planner import (
     BUILTIN_SHAPES,
     GIB,
     estimate_params,

@@ -38,3 +38,20 @@ def rope_cos_sin(model, positions: torch.Tensor, dtype=torch.float32) -> tuple[t
     probe = torch.zeros(1, dtype=dtype, device=positions.device)
     cos, sin = rot(probe, positions.view(1, -1))
     return cos[0], sin[0]
+
+
+def hook_projections(model, fn, kinds: tuple[str, ...] = ("k", "v")) -> list:
+    """Forward hooks on every attention module's key ("k": `k_proj`) and value ("v": `v_proj`) projection.
+
+    `fn(layer, kind, output)` sees each output, [B, T, C], and may return a tensor to replace it (None keeps
+    it). This is the one place kvsqueeze reads keys and values where the model makes them.
+
+    Returns:
+        The hook handles; `remove()` each when done.
+    """
+    handles = []
+    for i, attn in enumerate(attention_modules(model)):
+        for kind in kinds:
+            proj = {"k": attn.k_proj, "v": attn.v_proj}[kind]
+            handles.append(proj.register_forward_hook(lambda module, inputs, output, i=i, kind=kind: fn(i, kind, output)))
+    return handles
