@@ -57,7 +57,7 @@ def capture_kv(model, ids: torch.Tensor) -> tuple[list, list, list, list]:
     from transformers import DynamicCache
 
     got: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}}
-    handles = hook_projections(model, lambda layer, kind, out: got[kind].__setitem__(layer, out))
+    handles = hook_projections(model, lambda layer, kind, out: got[kind].__setitem__(layer, out.flatten(2)))
     dyn = DynamicCache(config=model.config)
     try:
         with torch.no_grad():

@@ -157,10 +157,19 @@ def e2e(data: dict) -> str:
     return "\n".join(table[start:])
 
 
+def demo(data: dict) -> str:
+    """One line: what `make demo` printed on another machine, as changes against its own fp16."""
+    base = next(r["ppl"] for r in data["rows"] if r["method"] == "fp16")
+    cells = [f"`{r['method']}` {(r['ppl'] / base - 1) * 100:+.2f}%" for r in data["rows"] if r["method"] != "fp16"]
+    return (f"`make demo` on {data['machine']} (its own recipe, the same windows): fp16 {base:.3f}; "
+            + ", ".join(cells) + ".")
+
+
 # block name -> (JSON file, renderer)
 BLOCKS = {
     "ladder": ("ladder.json", ladder),
     "ladder-headline": ("ladder.json", lambda d: ladder(d, HEADLINE)),
+    "demo": ("demo_amd_epyc.json", demo),
     "mixed-bits": ("eval_mixed_bits.json", ladder),
     "memory": ("memory.json", memory),
     "longctx": ("longctx.json", longctx),

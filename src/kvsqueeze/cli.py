@@ -54,11 +54,15 @@ def _recipe_for(specs, path: str | None):
 def _check_methods(model, specs, recipe) -> None:
     """Build every method's quantizers once up front so a bad combination fails before minutes of work."""
     from .integrations.fingerprint import check_recipe
+    from .integrations.preflight import preflight
     from .quantizer import build_quantizers
     from .shape import kv_shape
 
     if recipe is not None:
         check_recipe(recipe, model)
+    hooked = [s for s in specs if s.quantized and s.family != "kivi"]  # the methods that read the model's tensors
+    if hooked:
+        preflight(model, keys=any(s.key_rope == "pre" and s.family != "group" for s in hooked))
     shape = kv_shape(model.config)
     for s in specs:
         for layer in range(shape.layers):
@@ -285,13 +289,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     from .eval.texts import TextError
     from .integrations.loading import ModelLoadError
+    from .integrations.preflight import UnsupportedModelError
     from .methods import MethodError
     from .recipe import RecipeError
 
     args = build_parser().parse_args(argv)
     try:
         args.fn(args)
-    except (MethodError, RecipeError, TextError, ModelLoadError, FloatingPointError, ValueError, OSError) as exc:
+    except (MethodError, RecipeError, TextError, ModelLoadError, UnsupportedModelError, FloatingPointError, ValueError,
+            OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

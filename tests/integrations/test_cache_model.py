@@ -265,24 +265,31 @@ def test_two_caches_on_one_model_do_not_interfere(llama):
         assert torch.equal(la.read()[0], l0.read()[0]) and not torch.equal(la.read()[0], lb.read()[0])
 
 
-def test_without_a_capture_keys_are_unrotated(llama):
-    """Fed by hand (no forward, hence no k_proj capture), the layer un-rotates the post-RoPE keys."""
+def test_without_a_capture_the_layer_refuses_to_guess_the_keys(llama):
+    """Fed post-RoPE keys by hand (no forward, hence no capture), the layer must not un-rotate them: the recipe's
+    statistics describe the captured tensor, and a guess would be quantized with them silently."""
     model, recipe = llama
-    captured = {}
-    attn = model.model.layers[0].self_attn
-    h = attn.k_proj.register_forward_hook(lambda m, i, o: captured.setdefault("k", o))
     cache = cache_for(model, recipe, "nuq3-1%")
-    try:
-        with torch.no_grad():
-            model(random_ids(1, 12, seed=7), cache=cache, use_cache=True)
-    finally:
-        h.remove()
     layer = cache.layers[0]
+    post = torch.randn(1, 2, 12, 16)
     cos, sin = layer._cos_sin(torch.arange(12).view(1, -1), torch.float32)  # [1, 1, T, D]
-    true_pre = captured["k"]  # [1, T, C]
-    post = apply_rope(true_pre.view(1, 12, 2, 16).transpose(1, 2), cos, sin)  # [1, H, T, D]
-    layer.capture = None
-    torch.testing.assert_close(layer._pre_rope_keys(post, cos, sin), true_pre, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="no pre-RoPE keys were captured"):
+        layer._pre_rope_keys(post, cos, sin)
+    with pytest.raises(RuntimeError, match="no pre-RoPE keys were captured"):
+        layer.update(post, torch.randn(1, 2, 12, 16))
+    assert cache.get_seq_length() == 0  # nothing was stored
+
+
+def test_captured_keys_that_do_not_rotate_into_the_models_keys_are_refused(llama, monkeypatch):
+    model, recipe = llama
+    from kvsqueeze.integrations import capture
+
+    real = capture.ForwardCapture.take_keys
+    monkeypatch.setattr(capture.ForwardCapture, "take_keys", lambda self, *a: None if (k := real(self, *a)) is None
+                        else k * 1.01)  # another tensor than the one the model rotated
+    cache = cache_for(model, recipe, "nuq3-1%")
+    with torch.no_grad(), pytest.raises(RuntimeError, match="do not rotate into the keys the model caches"):
+        model(random_ids(1, 12, seed=7), cache=cache, use_cache=True)
 
 
 # ---- the real default model (slow) ------------------------------------------------------------
@@ -298,3 +305,26 @@ def test_default_model_greedy_generation_matches_simulated(default_model, defaul
         assert torch.equal(_generate(model, ids, cache), ref), method
         rep = cache.memory_report()
         assert rep.tokens == ids.shape[1] + 63 and rep.compression > 3
+
+
+def test_a_deep_copy_keeps_the_hooks_it_needs_after_the_original_is_closed(llama):
+    """Prompt reuse: a deep copy of a filled cache decodes like the original, also once the original is closed,
+    and the hooks go only when both are."""
+    import copy
+
+    model, recipe = llama
+    ids = random_ids(1, 20, seed=8)
+    base = _hook_count(model)
+    with torch.no_grad():
+        ref = cache_for(model, recipe, "nuq3-1%")
+        want = [model(ids[:, t : t + 1], cache=ref, use_cache=True).logits for t in range(20)]
+        original = cache_for(model, recipe, "nuq3-1%")
+        for t in range(12):
+            model(ids[:, t : t + 1], cache=original, use_cache=True)
+        dup = copy.deepcopy(original)
+        original.close()
+        got = [model(ids[:, t : t + 1], cache=dup, use_cache=True).logits for t in range(12, 20)]
+    torch.testing.assert_close(torch.cat(got, 1), torch.cat(want[12:], 1), atol=1e-5, rtol=1e-5)
+    ref.close()
+    dup.close()
+    assert _hook_count(model) == base  # none of these caches left: none of their hooks left

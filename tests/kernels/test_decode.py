@@ -299,6 +299,8 @@ def test_bad_inputs_are_explained():
         decode_attention(torch.zeros(1, 4, 16, dtype=torch.float16), kv, rope, 1.0)
     with pytest.raises(ValueError, match="key_mask must be bool"):
         decode_attention(torch.zeros(1, 4, 16), kv, rope, 1.0, key_mask=torch.ones(1, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="RoPE frequencies turn 8 channels, the heads have 16"):
+        decode_attention(torch.zeros(1, 4, 16), kv, Rope.default(8), 1.0)  # a table read past its end otherwise
 
 
 # ---- generate() through the fused path ------------------------------------------------------------

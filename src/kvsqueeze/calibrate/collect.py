@@ -1,7 +1,7 @@
 """Collect calibration activations and their Fisher information (KVQuant Section 3.3).
 
-For every layer we keep the pre-RoPE keys (`k_proj` output), the values
-(`v_proj` output) and F = (dLoss/dA)^2, the diagonal Fisher information of each
+For every layer we keep the pre-RoPE keys (the tensor the model hands its
+rotary step: `k_norm` or `k_proj` output), the values (`v_proj` output) and F = (dLoss/dA)^2, the diagonal Fisher information of each
 activation, from teacher-forced forward/backward passes of the language-model
 loss. Only activation gradients are computed (weights are frozen). Sink tokens
 are dropped here so they never shape a statistic. Activations are stored in
@@ -18,6 +18,7 @@ from tqdm.auto import tqdm
 
 from ..affine import check_finite
 from ..integrations.parts import attention_modules, hook_projections
+from ..integrations.preflight import preflight
 from ..shape import kv_shape
 
 
@@ -36,6 +37,7 @@ class Activations:
 
 def collect(model, samples: torch.Tensor, sinks: int = 1, progress: bool = True) -> Activations:
     """Run forward + backward on each sample [S, T] and gather K, V and their Fisher information."""
+    preflight(model)  # before minutes of forward and backward passes
     shape = kv_shape(model.config)
     s, t = samples.shape
     if t <= sinks:
@@ -74,10 +76,12 @@ def collect(model, samples: torch.Tensor, sinks: int = 1, progress: bool = True)
                 k, v = captured[(i, "k")], captured[(i, "v")]
                 check_finite(k, f"layer {i} keys")
                 check_finite(v, f"layer {i} values")
-                keys[i][rows] = k[0, sinks:].detach().half()
-                values[i][rows] = v[0, sinks:].detach().half()
-                kf[i][rows] = k.grad[0, sinks:].float().square().bfloat16()
-                vf[i][rows] = v.grad[0, sinks:].float().square().bfloat16()
+                kg, vg = k.grad.flatten(2), v.grad.flatten(2)  # [1, T, C] (a per-head k_norm gives [1, T, H, D])
+                k, v = k.detach().flatten(2), v.detach().flatten(2)
+                keys[i][rows] = k[0, sinks:].half()
+                values[i][rows] = v[0, sinks:].half()
+                kf[i][rows] = kg[0, sinks:].float().square().bfloat16()
+                vf[i][rows] = vg[0, sinks:].float().square().bfloat16()
     finally:
         for h in handles:
             h.remove()

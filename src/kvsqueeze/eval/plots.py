@@ -28,7 +28,7 @@ def capture_kv(model, ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
 
     shape = kv_shape(model.config)
     got: dict[tuple[int, str], torch.Tensor] = {}
-    hooks = hook_projections(model, lambda layer, kind, out: got.__setitem__((layer, kind), out[0]))
+    hooks = hook_projections(model, lambda layer, kind, out: got.__setitem__((layer, kind), out[0].flatten(1)))
     try:
         model(ids, use_cache=False)
     finally:

@@ -19,6 +19,7 @@ caches of that model and removed when the last one is closed or collected.
 
 from __future__ import annotations
 
+import copy
 import weakref
 from dataclasses import replace
 from pathlib import Path
@@ -38,6 +39,7 @@ from .capture import ForwardCapture
 from .fingerprint import check_recipe
 from .layers import CompressedLayer, Fp16Layer
 from .parts import attention_modules, rotary_module
+from .preflight import preflight
 
 SUPPORTED = ("fp16, and int / nf / nuq with keys per channel before RoPE and values per token, outliers per "
              "vector or per matrix, any sinks: e.g. 'nuq3-1%', 'nuq4', 'nuq2-1%:pm', 'nf3-1%:kchan:pre', "
@@ -78,7 +80,22 @@ class CompressedCache(Cache):
                  capture: ForwardCapture | None):
         super().__init__(layers=layers)
         self.spec, self.shape, self.positions = spec, shape, positions
+        self._capture = capture
         self._release = weakref.finalize(self, capture.release) if capture is not None else None
+
+    def __deepcopy__(self, memo) -> "CompressedCache":
+        """An independent cache with the same contents (prompt reuse), sharing the model's forward capture."""
+        dup = type(self).__new__(type(self))
+        memo[id(self)] = dup
+        for key, value in self.__dict__.items():
+            if key != "_release":
+                setattr(dup, key, copy.deepcopy(value, memo))
+        capture = self._capture
+        dup._release = None
+        if capture is not None:
+            capture.retain()
+            dup._release = weakref.finalize(dup, capture.release)
+        return dup
 
     # ---- lifetime ------------------------------------------------------------------------
     def close(self) -> None:
@@ -150,6 +167,7 @@ def cache_for(model, recipe: Recipe | str | Path | None = None,
     Raises:
         MethodError: the method is not one the cache stores (the message lists those it does).
         RecipeError: no recipe, a recipe of another model, or one lacking this method's statistics.
+        UnsupportedModelError: a model whose keys cannot be read before RoPE (`preflight`).
     """
     spec = parse_method(method) if isinstance(method, str) else method
     check_supported(spec)
@@ -160,6 +178,7 @@ def cache_for(model, recipe: Recipe | str | Path | None = None,
         check_recipe(recipe, model)
     if spec.family == "fp16":
         return CompressedCache([Fp16Layer() for _ in range(shape.layers)], spec, shape, None, None)
+    preflight(model)  # keys read where the model rotates them, or a clear refusal now
     attn = attention_modules(model)
     if len(attn) != shape.layers:
         raise ValueError(f"{type(model).__name__} has {len(attn)} attention modules for {shape.layers} layers; "

@@ -6,8 +6,9 @@ KVQuant stores keys *before* RoPE, and the cache needs to know which tokens are
 padding so that sinks are each row's first real tokens. One `ForwardCapture`
 per model (shared by every cache built on it, reference-counted) installs:
 
-* a forward hook on each attention module's `k_proj`: it stashes the output,
-  the exact pre-RoPE keys [B, T, C], for that layer's `update` to take;
+* a forward hook where each attention module makes its keys (`k_norm` or
+  `k_proj`, `parts.key_module`): it stashes the output, the exact keys the
+  model hands its rotary step [B, T, C], for that layer's `update` to take;
 * a forward pre-hook on the decoder stack (`model.base_model`): it notes the
   2-D `attention_mask` [B, past + T] of the forward in progress and whether the
   forward uses a kvsqueeze cache at all (otherwise `k_proj` outputs are not
@@ -42,7 +43,7 @@ class ForwardCapture:
         self._handles: list = []
         self.active = False  # inside a forward that was given a kvsqueeze cache
         self.mask: torch.Tensor | None = None  # 2-D attention mask of that forward, or None
-        self.keys: dict[int, torch.Tensor] = {}  # layer -> k_proj output [B, T, C]
+        self.keys: dict[int, torch.Tensor] = {}  # layer -> pre-RoPE keys [B, T, C]
 
     # ---- lifetime ------------------------------------------------------------------------
     @classmethod
@@ -55,6 +56,16 @@ class ForwardCapture:
             cap._install(model)
         cap._users += 1
         return cap
+
+    def retain(self) -> None:
+        """One more user of hooks already installed (a copy of a cache that uses them)."""
+        if not self.installed:
+            raise RuntimeError("this cache was closed (its hooks on the model are gone): copy a cache while it is "
+                               "open, or build a new one with cache_for")
+        self._users += 1
+
+    def __deepcopy__(self, memo) -> "ForwardCapture":
+        return self  # one per model: a copied cache keeps reading the model's forward through the same hooks
 
     def release(self) -> None:
         """One user fewer; the hooks go when none is left."""
@@ -90,7 +101,7 @@ class ForwardCapture:
 
     def _keep_keys(self, layer: int, kind: str, output: torch.Tensor) -> None:
         if self.active:
-            self.keys[layer] = output
+            self.keys[layer] = output.flatten(2)
 
     def _clear(self) -> None:
         self.active = False

@@ -7,12 +7,15 @@ same memory accounting. No model code is forked.
 Why hooks rather than un-rotating: `update` receives post-RoPE keys. Undoing
 RoPE with cos/sin recomputed from the positions is exact only up to float
 rounding, and a key that lands on a quantization boundary would then get a
-different code than the simulated path gives it; capturing the `k_proj` output
-(`capture.py`) stores exactly what KVQuant quantizes, so cache and simulation
-agree bit for bit. Each captured tensor is checked against the post-RoPE keys
-the model passed (re-rotating it must reproduce them); without a capture (the
-layer fed by hand, or a model whose keys were not seen) keys are un-rotated as
-a fallback, dividing by cos² + sin² so scaled RoPE variants invert too.
+different code than the simulated path gives it; capturing the keys where the
+model hands them to its rotary step (`capture.py`, `parts.key_module`) stores
+exactly what KVQuant quantizes, so cache and simulation agree bit for bit.
+Each captured tensor is checked against the post-RoPE keys the model passed
+(re-rotating it must reproduce them). A key that cannot be captured, or whose
+capture does not rotate into the model's key, is an error: the recipe's
+per-channel statistics describe the captured tensor, and quantizing another
+one with them would be silently wrong (`preflight.py` refuses such models
+before any work).
 
 Positions: RoPE is re-applied at read time with the positions the model used,
 taken from the `position_ids` that reach `update`; the stores of one cache
@@ -31,14 +34,12 @@ from the 2-D attention mask of the forward (no mask: every token is real).
 
 from __future__ import annotations
 
-import warnings
-
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..cache.buffers import GrowableTensor
 from ..cache.store import KVStore
-from ..rope import Rope, apply_rope, unapply_rope
+from ..rope import Rope, apply_rope
 
 MARKER = "kvsqueeze_layer"  # attribute of the empty key tensor a fused decode step returns
 
@@ -194,18 +195,23 @@ class CompressedLayer(LayerBase):
         return cos.unsqueeze(1), sin.unsqueeze(1)
 
     def _pre_rope_keys(self, key_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The captured pre-RoPE keys [B, T, C] of the new tokens, checked to rotate into key_states [B, H, T, D]."""
         b, h, t, d = key_states.shape
         keys = self.capture.take_keys(self.layer_idx, b, t) if self.capture is not None else None
-        if keys is not None:
-            rotated = apply_rope(keys.view(b, t, h, d).transpose(1, 2), cos, sin)
-            tol = 1e-3 * float(key_states.abs().max().clamp_min(1e-6))
-            if torch.allclose(rotated, key_states, rtol=1e-3, atol=tol):
-                return keys
-            warnings.warn(f"layer {self.layer_idx}: the captured k_proj output does not rotate into the keys "
-                          "given to the cache; un-rotating them instead", RuntimeWarning, stacklevel=3)
-        norm = (cos * cos + sin * sin).clamp_min(1e-12)
-        pre = unapply_rope(key_states.float(), cos.float(), sin.float()) / norm.float()
-        return pre.to(key_states.dtype).transpose(1, 2).reshape(b, t, h * d)
+        if keys is None:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: no pre-RoPE keys were captured for these {t} tokens; a compressed cache "
+                "is filled by the model's forward (model(..., cache=cache) or generate(past_key_values=cache)), "
+                "or by `append_pre_rope` with the keys before RoPE")
+        rotated = apply_rope(keys.view(b, t, h, d).transpose(1, 2), cos, sin)
+        tol = 1e-3 * float(key_states.abs().max().clamp_min(1e-6))
+        if not torch.allclose(rotated, key_states, rtol=1e-3, atol=tol):
+            raise RuntimeError(
+                f"layer {self.layer_idx}: the captured keys do not rotate into the keys the model caches (largest "
+                f"difference {float((rotated - key_states).abs().max()):.3g}); their statistics in the recipe "
+                "describe another tensor, so quantizing these would be wrong. `kvsqueeze.integrations.preflight"
+                ".preflight(model)` says what differs")
+        return keys
 
     def _crop(self, tokens: int) -> None:
         self.store.crop(tokens)

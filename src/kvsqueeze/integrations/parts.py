@@ -40,11 +40,23 @@ def rope_cos_sin(model, positions: torch.Tensor, dtype=torch.float32) -> tuple[t
     return cos[0], sin[0]
 
 
-def hook_projections(model, fn, kinds: tuple[str, ...] = ("k", "v")) -> list:
-    """Forward hooks on every attention module's key ("k": `k_proj`) and value ("v": `v_proj`) projection.
+def key_source(attn) -> str:
+    """Where the keys of `attn` are read before RoPE: "k_norm" where the module normalizes its keys (Qwen3,
+    OLMo-2, Gemma-3), else "k_proj"."""
+    return "k_norm" if isinstance(getattr(attn, "k_norm", None), torch.nn.Module) else "k_proj"
 
-    `fn(layer, kind, output)` sees each output, [B, T, C], and may return a tensor to replace it (None keeps
-    it). This is the one place kvsqueeze reads keys and values where the model makes them.
+
+def key_module(attn) -> torch.nn.Module:
+    """The last module `attn` applies to its keys before its rotary step (see `key_source`)."""
+    return getattr(attn, key_source(attn))
+
+
+def hook_projections(model, fn, kinds: tuple[str, ...] = ("k", "v")) -> list:
+    """Forward hooks where each attention module's keys ("k": `key_module`) and values ("v": `v_proj`) are made.
+
+    `fn(layer, kind, output)` sees each output — [B, T, C], or [B, T, H, D] where a per-head `k_norm` makes
+    the keys (`flatten(2)` gives [B, T, C] either way) — and may return a tensor of its shape to replace it
+    (None keeps it). This is the one place kvsqueeze reads keys and values where the model makes them.
 
     Returns:
         The hook handles; `remove()` each when done.
@@ -52,6 +64,6 @@ def hook_projections(model, fn, kinds: tuple[str, ...] = ("k", "v")) -> list:
     handles = []
     for i, attn in enumerate(attention_modules(model)):
         for kind in kinds:
-            proj = {"k": attn.k_proj, "v": attn.v_proj}[kind]
-            handles.append(proj.register_forward_hook(lambda module, inputs, output, i=i, kind=kind: fn(i, kind, output)))
+            module = key_module(attn) if kind == "k" else attn.v_proj
+            handles.append(module.register_forward_hook(lambda m, inputs, output, i=i, kind=kind: fn(i, kind, output)))
     return handles

@@ -31,6 +31,7 @@ from .attention import ATTN_NAME, register_attention, register_handler
 from .fingerprint import check_recipe
 from .kivi import kivi_handler
 from .parts import attention_modules, hook_projections
+from .preflight import preflight
 
 
 class _Counter:
@@ -95,6 +96,9 @@ class SimulatedQuantization:
         self.shape = kv_shape(model.config)
         if recipe is not None:
             check_recipe(recipe, model)
+        if spec.quantized and spec.family != "kivi":  # KIVI quantizes inside attention, reading nothing else
+            # values (and pre-RoPE keys) read where the model makes them, or a clear refusal now
+            preflight(model, keys=spec.key_rope == "pre" and spec.family != "group")
         self.attn = attention_modules(model)
         qs = [build_quantizers(spec, recipe, i, self.shape.channels) for i in range(self.shape.layers)]
         pre = spec.key_rope == "pre" and spec.family not in ("group", "kivi")
@@ -114,12 +118,13 @@ class SimulatedQuantization:
         self._start = cache.get_seq_length() if cache is not None else 0
 
     def _quantize_projection(self, layer: int, kind: str, output: torch.Tensor) -> torch.Tensor:
-        """The `k_proj` / `v_proj` output [B, T, C] as the quantized cache would give it back."""
+        """Pre-RoPE keys or values as the model makes them, as the quantized cache would give them back."""
         check_finite(output, f"layer {layer} {'key' if kind == 'k' else 'value'} activations")
         q = self.k_pre[layer] if kind == "k" else self.v[layer]
         if q is None:
             return output
-        xq, n = _quantize_tokens(q, output, self._start, self.spec.sinks)
+        xq, n = _quantize_tokens(q, output.flatten(2), self._start, self.spec.sinks)  # [B, T, C]
+        xq = xq.view_as(output)
         if kind == "k":
             self.counter.k[layer] += n
         else:

@@ -107,12 +107,12 @@ def _entry(backend: Backend | str, device_type: str) -> Callable:
     return _load(resolve_backend(backend, device_type))
 
 
-def _check(q: torch.Tensor, kv: StoreView, key_mask: torch.Tensor | None) -> None:
+def _check(q: torch.Tensor, kv: StoreView, rope: Rope, key_mask: torch.Tensor | None) -> None:
     b, hq, d = q.shape
     t = kv.tokens
     pos = kv.positions.shape
     if (q.dtype == torch.float32 and d == kv.head_dim and not d % 2 and not hq % kv.heads and b == kv.batch
-            and t > 0 and len(pos) == 2 and pos[0] >= t and pos[1] == b
+            and t > 0 and len(pos) == 2 and pos[0] >= t and pos[1] == b and 2 * rope.half == d
             and (key_mask is None or (key_mask.dtype == torch.bool and key_mask.shape == (b, t)))):
         return  # every decode step passes here: the messages below are built only for a bad input
     problems = []
@@ -122,6 +122,9 @@ def _check(q: torch.Tensor, kv: StoreView, key_mask: torch.Tensor | None) -> Non
         problems.append(f"q head_dim {d} != cache head_dim {kv.head_dim} (must be even for RoPE)")
     if hq % kv.heads:
         problems.append(f"{hq} query heads are not a multiple of {kv.heads} KV heads")
+    if 2 * rope.half != d:
+        problems.append(f"the RoPE frequencies turn {2 * rope.half} channels, the heads have {d} (partial rotary "
+                        "is not supported by the kernels)")
     if b != kv.batch:
         problems.append(f"q has {b} rows, the cache {kv.batch}")
     if t == 0:
@@ -151,5 +154,5 @@ def decode_attention(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
         float32 [B, Hq, D].
     """
     impl = _entry(backend, q.device.type)
-    _check(q, kv, key_mask)
+    _check(q, kv, rope, key_mask)
     return impl(q.contiguous(), kv, rope, float(scaling), key_mask)

@@ -1,0 +1,125 @@
+"""Preflight: one short forward that checks, layer by layer, that kvsqueeze reads the keys the model rotates.
+
+KVQuant quantizes keys before RoPE (Hooper et al., arXiv 2401.18079, Section
+3.2), so every path of kvsqueeze (calibration, simulation, the compressed cache,
+the kernels) must read each key where the model hands it to its rotary step:
+the output of the attention module's `k_norm` where it has one (Qwen3,
+OLMo-2), else its `k_proj` (`parts.key_module`). Values are read at `v_proj`.
+
+The check runs the model once over a few tokens with transformers'
+`DynamicCache` and compares, for every layer, the keys and values read there
+(keys turned by the model's own rotary module at their positions) with what
+the model handed its cache. A layer where they differ — keys clipped or scaled
+inline, interleaved RoPE pairs, a layer without RoPE, a rotary module that
+needs a layer type, fused q/k/v projections — makes the model refused before
+any expensive work, with the layer, the family and what differs. A model that
+passed is remembered (per model object), so the check costs one forward.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from ..rope import apply_rope
+from ..shape import kv_shape
+from .parts import attention_modules, hook_projections, key_source, rope_cos_sin
+
+PREFLIGHT_TOKENS = 8  # enough positions for every rotary pair to turn; the forward costs next to nothing
+_PASSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> the checks it passed
+
+
+class UnsupportedModelError(ValueError):
+    """A model whose keys kvsqueeze cannot read before RoPE (or whose cache layout it does not know)."""
+
+
+def _family(model) -> str:
+    return f"{type(model).__name__} (model_type {getattr(model.config, 'model_type', '?')!r})"
+
+
+def _refuse(model, layer: int | None, what: str, fix: str = "") -> UnsupportedModelError:
+    where = f"layer {layer} of " if layer is not None else ""
+    fix = fix or ("kvsqueeze supports decoders whose attention turns its `k_proj` (or `k_norm`) output by "
+                  "rotate-half RoPE (LLaMA, Mistral, Qwen2, Qwen3, OLMo-2, ...); methods that quantize keys "
+                  "after RoPE through the simulated path (e.g. int3, kivi2) do not depend on it")
+    return UnsupportedModelError(f"{where}{_family(model)}: {what}; {fix}")
+
+
+def preflight(model, keys: bool = True) -> None:
+    """Raise `UnsupportedModelError` unless every layer's values, read where kvsqueeze reads them, are the values
+    the model caches, and (with `keys`) its keys, read there and turned by the model's RoPE, the keys it caches.
+
+    `keys=False` is for methods that quantize keys after RoPE, as the model caches them. Runs once per model
+    object and check (a few tokens, no gradient); later calls return at once.
+    """
+    done = _PASSED.get(model, set())
+    if "keys" in done or (not keys and "values" in done):
+        return
+    try:
+        attn = attention_modules(model)
+    except ValueError as exc:
+        raise _refuse(model, None, str(exc).split(";")[0],
+                      "fused q/k/v projections (Phi-3 `qkv_proj`, GPT-NeoX `query_key_value`) are not split "
+                      "by kvsqueeze yet") from exc
+    clip = getattr(model.config, "clip_qkv", None)
+    if clip is not None:  # in place after k_proj and v_proj: neither the keys nor the values can be read
+        raise _refuse(model, 0, f"keys and values are clipped in place to +-{clip} after their projections "
+                      "(clip_qkv), where no module can be hooked", "load the model with clip_qkv=None only if "
+                      "it was trained without clipping; otherwise it is not supported")
+    shape = kv_shape(model.config)
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    vocab = int(getattr(model.config, "vocab_size", 2) or 2)
+    ids = (torch.arange(PREFLIGHT_TOKENS, device=device) * 7 + 3).remainder(vocab).view(1, -1)
+    read: dict[tuple[int, str], torch.Tensor] = {}
+    handles = hook_projections(model, lambda layer, kind, out: read.__setitem__((layer, kind), out.detach()))
+    cache = DynamicCache(config=model.config)
+    try:
+        with torch.no_grad():
+            model(ids, cache=cache, use_cache=True)
+    finally:
+        for h in handles:
+            h.remove()
+    t, h, d = PREFLIGHT_TOKENS, shape.kv_heads, shape.head_dim
+    if keys:
+        try:
+            cos, sin = rope_cos_sin(model, torch.arange(PREFLIGHT_TOKENS, device=device))  # [T, D]
+        except TypeError as exc:
+            raise _refuse(model, 0, f"its rotary module cannot be called with positions alone ({exc}): RoPE "
+                          "that differs by layer type (local / global, as in Gemma-3) is not supported yet") from exc
+        if cos.shape[-1] != d:
+            raise _refuse(model, 0, f"its rotary embedding turns {cos.shape[-1]} of the {d} channels of a head "
+                          "(partial rotary, or half-width cos/sin): not supported yet")
+    eps = torch.finfo(next(model.parameters()).dtype).eps
+    for i in range(len(attn)):
+        cached_k, cached_v = cache.layers[i].keys.float(), cache.layers[i].values.float()  # [1, H, T, D]
+        if cached_k.shape[-2] != t:
+            raise _refuse(model, i, f"its cache layer keeps {cached_k.shape[-2]} of {t} tokens")
+        k = read[(i, "k")].float().reshape(1, t, h, d).transpose(1, 2)
+        v = read[(i, "v")].float().reshape(1, t, h, d).transpose(1, 2)
+        if keys:
+            turned = apply_rope(k, cos.float(), sin.float())
+            if not _close(turned, cached_k, eps):
+                source = key_source(attn[i])
+                if _close(k, cached_k, eps):
+                    what = f"its keys are cached as its `{source}` gives them, without RoPE (a layer without RoPE)"
+                else:
+                    what = (f"the keys it caches are not its `{source}` output turned by rotate-half RoPE "
+                            f"(largest difference {float((turned - cached_k).abs().max()):.3g} against keys up to "
+                            f"{float(cached_k.abs().max()):.3g}: keys changed between the projection and RoPE, "
+                            "or another pairing of the rotary channels)")
+                raise _refuse(model, i, what)
+        if not _close(v, cached_v, eps):
+            raise _refuse(model, i, "the values it caches are not its `v_proj` output "
+                          f"(largest difference {float((v - cached_v).abs().max()):.3g})")
+    _PASSED[model] = done | {"values"} | ({"keys"} if keys else set())
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, eps: float) -> bool:
+    """Equal up to a few roundings of the model's dtype (eps: its machine epsilon), relative to b's largest value."""
+    if a.shape != b.shape:
+        return False
+    tol = max(4 * eps, 1e-5) * float(b.abs().max().clamp_min(1e-6))
+    return bool((a - b).abs().max() <= tol)

@@ -1,0 +1,27 @@
+"""kvsqueeze.rope: one rotation for every path, at full or half width, and its inverse."""
+
+from __future__ import annotations
+
+import torch
+
+from kvsqueeze.rope import Rope, apply_rope, rotate_half, unapply_rope
+
+
+def test_half_and_full_width_angles_give_the_same_bits():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 3, 17, 64, generator=g)
+    cos, sin = Rope.default(64).cos_sin(torch.arange(17))  # [T, D/2]
+    full_cos, full_sin = torch.cat([cos, cos], -1), torch.cat([sin, sin], -1)  # transformers' convention
+    assert torch.equal(apply_rope(x, cos, sin), apply_rope(x, full_cos, full_sin))
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    assert torch.equal(apply_rope(x, cos, sin), torch.cat([a * cos - b * sin, b * cos + a * sin], -1))
+
+
+def test_unapply_inverts_apply_and_rotation_keeps_norms():
+    x = torch.randn(4, 9, 32, dtype=torch.float64)
+    cos, sin = (t.double() for t in Rope.default(32, theta=500_000.0).cos_sin(torch.arange(9) * 1000))
+    y = apply_rope(x, cos, sin)
+    torch.testing.assert_close(unapply_rope(y, cos, sin), x)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
+    assert torch.equal(rotate_half(rotate_half(x)), -x)
