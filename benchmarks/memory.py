@@ -29,7 +29,7 @@ from kvsqueeze import cache_for
 from kvsqueeze.config import DEFAULT_MODEL
 from kvsqueeze.eval.texts import DEFAULT_TEXT, load_text, token_windows
 from kvsqueeze.integrations.loading import load_model
-from kvsqueeze.integrations.parts import hook_projections
+from kvsqueeze.integrations.parts import read_forward
 from kvsqueeze.methods import parse_method, storage_bits
 from kvsqueeze.recipe import Recipe
 from kvsqueeze.shape import kv_shape
@@ -54,20 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def capture_kv(model, ids: torch.Tensor) -> tuple[list, list, list, list]:
     """One forward: per layer the pre-RoPE keys and values [1, T, C] and post-RoPE K, V [1, H, T, D]."""
-    from transformers import DynamicCache
-
-    got: dict[str, dict[int, torch.Tensor]] = {"k": {}, "v": {}}
-    handles = hook_projections(model, lambda layer, kind, out: got[kind].__setitem__(layer, out.flatten(2)))
-    dyn = DynamicCache(config=model.config)
-    try:
-        with torch.no_grad():
-            model(ids, cache=dyn, use_cache=True)
-    finally:
-        for h in handles:
-            h.remove()
-    pre, vals = got["k"], got["v"]
-    n = len(pre)
-    return [pre[i] for i in range(n)], [vals[i] for i in range(n)], \
+    reads, dyn = read_forward(model, ids)
+    n = len(dyn.layers)
+    return [reads[(i, "k")] for i in range(n)], [reads[(i, "v")] for i in range(n)], \
         [dyn.layers[i].keys for i in range(n)], [dyn.layers[i].values for i in range(n)]
 
 

@@ -178,6 +178,7 @@ BLOCKS = {
     "decode-e2e": ("decode.json", e2e),
     "decode-1thread-ratios": ("decode_1thread.json", decode_ratios),
     "decode-30layers-ratios": ("decode_30layers.json", decode_ratios),
+    "decode-amd-epyc": ("decode_amd_epyc.json", decode),
     "decode-passes": ("decode_passes.json", decode_passes),
     "decode-passes-cold": ("decode_passes_cold.json", decode_passes),
 }

@@ -21,29 +21,15 @@ def _plt():
 
 @torch.no_grad()
 def capture_kv(model, ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
-    """Per layer pre-RoPE keys, post-RoPE keys and values [T, C] for one sequence ids [1, T]."""
-    from ..integrations.parts import hook_projections, rope_cos_sin
-    from ..rope import apply_rope
-    from ..shape import kv_shape
+    """Per layer pre-RoPE keys, post-RoPE keys (as the model caches them) and values [T, C] of ids [1, T]."""
+    from ..integrations.parts import read_forward
 
-    shape = kv_shape(model.config)
-    got: dict[tuple[int, str], torch.Tensor] = {}
-    hooks = hook_projections(model, lambda layer, kind, out: got.__setitem__((layer, kind), out[0].flatten(1)))
-    try:
-        model(ids, use_cache=False)
-    finally:
-        for h in hooks:
-            h.remove()
-    t = ids.shape[1]
-    cos, sin = rope_cos_sin(model, torch.arange(t))
+    reads, cache = read_forward(model, ids)
     out = {"k_pre": [], "k_post": [], "v": []}
-    for i in range(shape.layers):
-        k = got[(i, "k")].float()
-        out["k_pre"].append(k)
-        out["k_post"].append(
-            apply_rope(k.view(t, shape.kv_heads, shape.head_dim).transpose(0, 1), cos, sin).transpose(0, 1).reshape(t, -1)
-        )
-        out["v"].append(got[(i, "v")].float())
+    for i, layer in enumerate(cache.layers):
+        out["k_pre"].append(reads[(i, "k")][0].float())
+        out["k_post"].append(layer.keys[0].transpose(0, 1).reshape(ids.shape[1], -1).float())  # [H, T, D] -> [T, C]
+        out["v"].append(reads[(i, "v")][0].float())
     return out
 
 

@@ -67,3 +67,24 @@ def hook_projections(model, fn, kinds: tuple[str, ...] = ("k", "v")) -> list:
             module = key_module(attn) if kind == "k" else attn.v_proj
             handles.append(module.register_forward_hook(lambda m, inputs, output, i=i, kind=kind: fn(i, kind, output)))
     return handles
+
+
+def read_forward(model, ids: torch.Tensor) -> tuple[dict[tuple[int, str], torch.Tensor], object]:
+    """One forward of ids [B, T] (no gradient) into a transformers `DynamicCache`.
+
+    Returns:
+        (reads, cache): reads[(layer, "k" | "v")] are the keys and values where kvsqueeze reads them
+        (`hook_projections`), [B, T, C]; the cache holds what the model cached (keys after RoPE).
+    """
+    from transformers import DynamicCache
+
+    reads: dict[tuple[int, str], torch.Tensor] = {}
+    handles = hook_projections(model, lambda layer, kind, out: reads.__setitem__((layer, kind), out.detach().flatten(2)))
+    cache = DynamicCache(config=model.config)
+    try:
+        with torch.no_grad():
+            model(ids, cache=cache, use_cache=True)
+    finally:
+        for h in handles:
+            h.remove()
+    return reads, cache

@@ -24,7 +24,7 @@ import torch
 
 from ..rope import apply_rope
 from ..shape import kv_shape
-from .parts import attention_modules, hook_projections, key_source, rope_cos_sin
+from .parts import attention_modules, key_source, read_forward, rope_cos_sin
 
 PREFLIGHT_TOKENS = 8  # enough positions for every rotary pair to turn; the forward costs next to nothing
 _PASSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> the checks it passed
@@ -68,20 +68,10 @@ def preflight(model, keys: bool = True) -> None:
                       "(clip_qkv), where no module can be hooked", "load the model with clip_qkv=None only if "
                       "it was trained without clipping; otherwise it is not supported")
     shape = kv_shape(model.config)
-    from transformers import DynamicCache
-
     device = next(model.parameters()).device
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
     ids = (torch.arange(PREFLIGHT_TOKENS, device=device) * 7 + 3).remainder(vocab).view(1, -1)
-    read: dict[tuple[int, str], torch.Tensor] = {}
-    handles = hook_projections(model, lambda layer, kind, out: read.__setitem__((layer, kind), out.detach()))
-    cache = DynamicCache(config=model.config)
-    try:
-        with torch.no_grad():
-            model(ids, cache=cache, use_cache=True)
-    finally:
-        for h in handles:
-            h.remove()
+    read, cache = read_forward(model, ids)
     t, h, d = PREFLIGHT_TOKENS, shape.kv_heads, shape.head_dim
     if keys:
         try:
