@@ -179,6 +179,7 @@ BLOCKS = {
     "decode-1thread-ratios": ("decode_1thread.json", decode_ratios),
     "decode-30layers-ratios": ("decode_30layers.json", decode_ratios),
     "decode-amd-epyc": ("decode_amd_epyc.json", decode),
+    "decode-passes-amd-epyc": ("decode_passes_amd_epyc.json", decode_passes),
     "decode-passes": ("decode_passes.json", decode_passes),
     "decode-passes-cold": ("decode_passes_cold.json", decode_passes),
 }
