@@ -141,3 +141,23 @@ def test_post_rope_methods_need_only_the_values(tiny_recipe):
     assert torch.isfinite(got).all()
     with pytest.raises(UnsupportedModelError, match="rotate-half"):
         SimulatedQuantization(model, parse_method("int4:pre"), None)
+
+
+def test_a_norm_the_forward_never_calls_is_refused():
+    """A k_norm module that exists but is not applied (as a config flag can turn it off): keys are not read there."""
+    import types
+
+    model = family_model("qwen3", seed=4)
+    attn = model.model.layers[0].self_attn
+    forward = type(attn).forward
+
+    def forward_without_its_k_norm(self, *args, **kwargs):
+        norm, self.k_norm = self.k_norm, torch.nn.Identity()  # the hooked module sits idle
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            self.k_norm = norm
+
+    attn.forward = types.MethodType(forward_without_its_k_norm, attn)
+    with pytest.raises(UnsupportedModelError, match="layer 0 .*`k_norm` is not called"):
+        preflight(model)

@@ -87,6 +87,10 @@ def preflight(model, keys: bool = True) -> None:
         cached_k, cached_v = cache.layers[i].keys.float(), cache.layers[i].values.float()  # [1, H, T, D]
         if cached_k.shape[-2] != t:
             raise _refuse(model, i, f"its cache layer keeps {cached_k.shape[-2]} of {t} tokens")
+        if (i, "k") not in read or (i, "v") not in read:
+            missing = key_source(attn[i]) if (i, "k") not in read else "v_proj"
+            raise _refuse(model, i, f"its `{missing}` is not called in the forward, so its output is not the "
+                          "tensor the model caches")
         k = read[(i, "k")].float().reshape(1, t, h, d).transpose(1, 2)
         v = read[(i, "v")].float().reshape(1, t, h, d).transpose(1, 2)
         if keys:
