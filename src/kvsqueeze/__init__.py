@@ -7,7 +7,7 @@ Quickstart::
     model, tok = kvsqueeze.load_model("smollm2-135m")
     cache = kvsqueeze.cache_for(model, "out/recipe", "nuq3-1%")
     with kvsqueeze.fused_decode(model, cache):
-        out = model.generate(tok("Hello", return_tensors="pt").input_ids, past_key_values=cache)
+        out = model.generate(tok("Hello", return_tensors="pt").input_ids, cache=cache)
 
 Names are imported on first use, so that `import kvsqueeze` (and its numerics)
 does not pull in transformers.

@@ -3,7 +3,7 @@
 Usage::
 
     cache = kvsqueeze.cache_for(model, "recipe-dir", "nuq3-1%")
-    out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
+    out = model.generate(ids, cache=cache, max_new_tokens=64)
     print(cache.memory_report().format())
     cache.close()  # or `with kvsqueeze.cache_for(...) as cache:`; dropping the cache also works
 
@@ -156,7 +156,7 @@ class CompressedCache(Cache):
 
 def cache_for(model, recipe: Recipe | str | Path | None = None,
               method: str | MethodSpec = DEFAULT_METHOD) -> CompressedCache:
-    """A compressed KV cache for `model` that `model.generate(..., past_key_values=cache)` fills.
+    """A compressed KV cache for `model` that `model.generate(..., cache=cache)` fills.
 
     Args:
         model: a LLaMA-style transformers decoder (LLaMA, Mistral, Qwen2, SmolLM, ...).

@@ -4,7 +4,7 @@ Usage::
 
     cache = kvsqueeze.cache_for(model, recipe, "nuq3-1%")
     with fused_decode(model, cache):  # or handle = enable_fused_decode(...); ...; handle.close()
-        out = model.generate(ids, past_key_values=cache, max_new_tokens=64)
+        out = model.generate(ids, cache=cache, max_new_tokens=64)
 
 How a decode step reaches the kernel without forking a model file:
 
@@ -88,7 +88,7 @@ class FusedDecode:
 
 
 def enable_fused_decode(model, cache, backend: Backend | str = Backend.AUTO) -> FusedDecode:
-    """Make `model.generate(..., past_key_values=cache)` run its decode steps through the fused kernel.
+    """Make `model.generate(..., cache=cache)` run its decode steps through the fused kernel.
 
     Args:
         model: the model `cache` was built for (`kvsqueeze.cache_for`).

@@ -201,7 +201,7 @@ class CompressedLayer(LayerBase):
         if keys is None:
             raise RuntimeError(
                 f"layer {self.layer_idx}: no pre-RoPE keys were captured for these {t} tokens; a compressed cache "
-                "is filled by the model's forward (model(..., cache=cache) or generate(past_key_values=cache)), "
+                "is filled by the model's forward (model(..., cache=cache) or generate(cache=cache)), "
                 "or by `append_pre_rope` with the keys before RoPE")
         rotated = apply_rope(keys.view(b, t, h, d).transpose(1, 2), cos, sin)
         tol = 1e-3 * float(key_states.abs().max().clamp_min(1e-6))
