@@ -334,3 +334,19 @@ def test_storage_with_a_recipe(tiny_llama, tiny_recipe, ids):
         st = sim.storage(t, batch=b)
     assert st["outlier_values"] == pytest.approx(16 * sum(sim.counter.k) / b)
     assert 3 < st["total"] / st["elements"] < 16
+
+
+def test_left_padding_over_the_sinks_is_refused_not_kept_as_sinks(tiny_llama, tiny_recipe):
+    """The simulated path keeps absolute positions 0..sinks-1 exact: with left padding those are pads."""
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    with torch.no_grad():
+        with SimulatedQuantization(tiny_llama, parse_method("nuq3-1%:sink2"), tiny_recipe) as sim:
+            with pytest.raises(ValueError, match="padded on the left"):
+                tiny_llama(ids, attention_mask=mask, cache=sim.new_cache(), use_cache=True)
+            right = torch.ones_like(ids)
+            right[1, -3:] = 0  # padding on the right leaves the sinks real
+            tiny_llama(ids, attention_mask=right, cache=sim.new_cache(), use_cache=True)
+        with SimulatedQuantization(tiny_llama, parse_method("int3"), tiny_recipe) as sim:  # no sinks: no refusal
+            tiny_llama(ids, attention_mask=mask, cache=sim.new_cache(), use_cache=True)

@@ -13,8 +13,8 @@ computed the same way). Nothing in the model is forked:
 
 Each token is quantized once, when it enters the cache, exactly like a real
 compressed cache would, so prefill, teacher-forced evaluation and token-by-token
-decoding all see the same numbers. The first `spec.sinks` positions stay exact.
-Batches are assumed unpadded (rows share positions).
+decoding all see the same numbers. The first `spec.sinks` positions stay exact;
+a batch padded on the left over them is refused (its pads would become sinks).
 """
 
 from __future__ import annotations
@@ -116,6 +116,15 @@ class SimulatedQuantization:
     def _model_pre_hook(self, module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
         self._start = cache.get_seq_length() if cache is not None else 0
+        mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        sinks = self.spec.sinks if self.spec.quantized else 0
+        if (self._start < sinks and isinstance(mask, torch.Tensor) and mask.dim() == 2
+                and bool((mask[:, : sinks - self._start] == 0).any())):
+            raise ValueError(
+                f"method {self.spec.name!r} keeps the first {sinks} positions as fp16 sinks, and this batch is "
+                "padded on the left there: the simulated path would keep padding tokens as sinks and quantize "
+                "the rows' real first tokens. Evaluate one sequence at a time, pad on the right, or use the "
+                "compressed cache (kvsqueeze.cache_for), which takes each row's first real tokens as its sinks")
 
     def _quantize_projection(self, layer: int, kind: str, output: torch.Tensor) -> torch.Tensor:
         """Pre-RoPE keys or values as the model makes them, as the quantized cache would give them back."""
