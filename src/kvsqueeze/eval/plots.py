@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import InspectConfig
+from ..config import DEFAULT_DTYPE, InspectConfig
 
 
 def _plt():
@@ -34,12 +34,12 @@ def capture_kv(model, ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
 
 
 def inspect_activations(model_name: str, text_name: str, out_dir: str, layer: int | None = InspectConfig.layer,
-                        seqlen: int = InspectConfig.seqlen) -> list[Path]:
+                        seqlen: int = InspectConfig.seqlen, dtype: str = DEFAULT_DTYPE) -> list[Path]:
     """Write the per-channel magnitude plot for one layer and the per-layer distribution plot."""
     from ..integrations.loading import load_model
     from .texts import load_text, token_windows
 
-    model, tok = load_model(model_name)
+    model, tok = load_model(model_name, dtype)
     ids = token_windows(tok, load_text(text_name).evaluation, seqlen, max_windows=1)
     acts = capture_kv(model, ids)
     n_layers = len(acts["v"])

