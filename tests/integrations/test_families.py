@@ -29,8 +29,8 @@ from kvsqueeze.methods import parse_method
 SMALL_CAL = CalibrationConfig(samples=2, seqlen=64, bits=(3,), fractions=(0.0, 0.01), fits=("fs2",))
 
 
-def family_model(arch: str, seed: int = 0, **overrides):
-    """A tiny random decoder of `arch` (2 layers, 4 query heads over 2 KV heads of 16), float32, SDPA."""
+def family_model(arch: str, seed: int = 0, attn: str = "sdpa", **overrides):
+    """A tiny random decoder of `arch` (2 layers, 4 query heads over 2 KV heads of 16), float32."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -39,10 +39,11 @@ def family_model(arch: str, seed: int = 0, **overrides):
                   max_position_embeddings=1024, initializer_range=INIT_STD, tie_word_embeddings=False,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
     cls = {"qwen3": "Qwen3Config", "olmo2": "Olmo2Config", "olmo": "OlmoConfig", "smollm3": "SmolLM3Config",
-           "phi3": "Phi3Config", "gemma3": "Gemma3TextConfig", "cohere": "CohereConfig", "phi": "PhiConfig"}[arch]
+           "phi3": "Phi3Config", "gemma3": "Gemma3TextConfig", "cohere": "CohereConfig", "phi": "PhiConfig",
+           "gemma2": "Gemma2Config"}[arch]
     cfg = getattr(transformers, cls)(**{**common, **overrides})
     torch.manual_seed(seed)
-    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module", params=["qwen3", "olmo2"])
@@ -161,3 +162,24 @@ def test_a_norm_the_forward_never_calls_is_refused():
     attn.forward = types.MethodType(forward_without_its_k_norm, attn)
     with pytest.raises(UnsupportedModelError, match="layer 0 .*`k_norm` is not called"):
         preflight(model)
+
+
+def test_soft_capped_logits_are_refused_where_they_would_be_dropped():
+    """Gemma-2 soft-caps its attention logits: the fused kernel and the simulated KIVI attention do not, so
+    they refuse the model when they are switched on, before any token; the dense cache path keeps the model's
+    own (eager) attention, which does."""
+    from kvsqueeze.integrations.fused import enable_fused_decode
+
+    model = family_model("gemma2", seed=6, attn="eager", attn_logit_softcapping=20.0)
+    acts = collect(model, random_ids(SMALL_CAL.samples, SMALL_CAL.seqlen, seed=5), sinks=1, progress=False)
+    recipe = fit_recipe(model, acts, SMALL_CAL, "tiny-gemma2", "random", progress=False)
+    cache = kvsqueeze.cache_for(model, recipe, "nuq3-1%")
+    with pytest.raises(UnsupportedModelError, match="softcap"):
+        enable_fused_decode(model, cache)
+    assert model.config._attn_implementation == "eager"
+    with pytest.raises(UnsupportedModelError, match="softcap"):
+        SimulatedQuantization(model, parse_method("kivi2"), None)
+    with torch.no_grad():  # the dense path: the model's own attention over the dequantized cache
+        out = model.generate(random_ids(1, 6, seed=2), cache=cache, max_new_tokens=4, min_new_tokens=4,
+                             do_sample=False, pad_token_id=0)
+    assert out.shape == (1, 10)

@@ -31,11 +31,18 @@ import contextlib
 import torch
 
 from ..kernels import Backend, decode_attention, resolve_backend
-from .attention import ATTN_NAME, causal_bool_mask, register_attention, register_handler
+from .attention import (
+    ATTN_NAME,
+    causal_bool_mask,
+    refuse_model_options,
+    refuse_options,
+    register_attention,
+    register_handler,
+)
 from .layers import MARKER, CompressedLayer
 
 
-def fused_attention(module, query: torch.Tensor, key, value, attention_mask, scaling: float | None):
+def fused_attention(module, query: torch.Tensor, key, value, attention_mask, scaling: float | None, **kwargs):
     """The "kvsqueeze" attention handler: a decode step whose key is a layer's marker, else None.
 
     Returns:
@@ -45,6 +52,7 @@ def fused_attention(module, query: torch.Tensor, key, value, attention_mask, sca
     layer = getattr(key, MARKER, None)
     if layer is None:
         return None
+    refuse_options("the fused decode kernel", module, kwargs)
     b, _, q_len, d = query.shape
     if q_len != 1:
         raise RuntimeError(f"fused decode attention got a query of length {q_len}; it attends one new token")
@@ -102,6 +110,7 @@ def enable_fused_decode(model, cache, backend: Backend | str = Backend.AUTO) -> 
     if not layers:
         raise ValueError("fused decode reads the compressed store of a CompressedCache built by "
                          "`kvsqueeze.cache_for` with a quantized method (e.g. 'nuq3-1%'); this cache has none")
+    refuse_model_options("the fused decode kernel", model)
     return FusedDecode(model, cache, resolve_backend(backend, layers[0].store.device))
 
 

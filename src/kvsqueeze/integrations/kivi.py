@@ -15,7 +15,7 @@ import torch
 from ..affine import choose_qparams, dequantize, quantize
 from ..datatypes import uniform_levels
 from ..methods import MethodSpec
-from .attention import causal_bool_mask
+from .attention import causal_bool_mask, refuse_options
 
 
 def fake_quantize_token_groups(k: torch.Tensor, group: int, bits: int) -> torch.Tensor:
@@ -86,10 +86,11 @@ def kivi_attention(module, query, key, value, attention_mask, scaling, spec: Met
     return out.transpose(1, 2).contiguous(), None
 
 
-def kivi_handler(module, query, key, value, attention_mask, scaling):
+def kivi_handler(module, query, key, value, attention_mask, scaling, **kwargs):
     """The "kvsqueeze" attention handler for modules tagged with a KIVI method (`kvsqueeze_kivi`)."""
     spec = getattr(module, "kvsqueeze_kivi", None)
     if spec is None:
         return None
+    refuse_options("the simulated KIVI attention", module, kwargs)
     return kivi_attention(module, query, key, value, attention_mask, scaling, spec)
 

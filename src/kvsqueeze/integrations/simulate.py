@@ -27,7 +27,7 @@ from ..methods import MethodSpec, storage_bits
 from ..quantizer import VectorQuantizer, build_quantizers
 from ..recipe import Recipe
 from ..shape import kv_shape
-from .attention import ATTN_NAME, register_attention, register_handler
+from .attention import ATTN_NAME, refuse_model_options, register_attention, register_handler
 from .fingerprint import check_recipe
 from .kivi import kivi_handler
 from .parts import attention_modules, hook_projections
@@ -96,6 +96,8 @@ class SimulatedQuantization:
         self.shape = kv_shape(model.config)
         if recipe is not None:
             check_recipe(recipe, model)
+        if spec.family == "kivi":
+            refuse_model_options("the simulated KIVI attention", model)
         if spec.quantized and spec.family != "kivi":  # KIVI quantizes inside attention, reading nothing else
             # values (and pre-RoPE keys) read where the model makes them, or a clear refusal now
             preflight(model, keys=spec.key_rope == "pre" and spec.family != "group")
