@@ -3,7 +3,8 @@
 Supported here: Qwen3 and OLMo-2, whose keys pass a `k_norm` between `k_proj`
 and RoPE (per head in Qwen3, over the whole projection in OLMo-2): kvsqueeze
 reads them after the norm, where the model hands them to its rotary step, in
-calibration, simulation, the compressed cache and the kernels alike. Refused,
+calibration, simulation, the compressed cache and the kernels alike; and LLaMA
+with llama3 rope scaling (rescaled frequencies, read from the rotary module). Refused,
 within one short forward and with the layer and the family named: OLMo's
 in-place `clip_qkv`, SmolLM3's layers without RoPE, Phi-3's fused `qkv_proj`,
 Gemma-3's per-layer-type RoPE, Cohere's interleaved RoPE pairs and Phi's
@@ -38,7 +39,7 @@ def family_model(arch: str, seed: int = 0, attn: str = "sdpa", **overrides):
                   num_attention_heads=HIDDEN // HEAD_DIM, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
                   max_position_embeddings=1024, initializer_range=INIT_STD, tie_word_embeddings=False,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    cls = {"qwen3": "Qwen3Config", "olmo2": "Olmo2Config", "olmo": "OlmoConfig", "smollm3": "SmolLM3Config",
+    cls = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "olmo2": "Olmo2Config", "olmo": "OlmoConfig", "smollm3": "SmolLM3Config",
            "phi3": "Phi3Config", "gemma3": "Gemma3TextConfig", "cohere": "CohereConfig", "phi": "PhiConfig",
            "gemma2": "Gemma2Config"}[arch]
     cfg = getattr(transformers, cls)(**{**common, **overrides})
@@ -46,20 +47,27 @@ def family_model(arch: str, seed: int = 0, attn: str = "sdpa", **overrides):
     return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
 
 
-@pytest.fixture(scope="module", params=["qwen3", "olmo2"])
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # rescaled low frequencies
+
+
+@pytest.fixture(scope="module", params=["qwen3", "olmo2", "llama3"])
 def supported(request):
     """(arch, model, recipe), the recipe calibrated in-test on random tokens."""
-    model = family_model(request.param, seed=3)
+    if request.param == "llama3":
+        model = family_model("llama", seed=3, rope_parameters=LLAMA3_ROPE)
+    else:
+        model = family_model(request.param, seed=3)
     acts = collect(model, random_ids(SMALL_CAL.samples, SMALL_CAL.seqlen, seed=5), sinks=1, progress=False)
     return request.param, model, fit_recipe(model, acts, SMALL_CAL, f"tiny-{request.param}", "random",
                                             progress=False)
 
 
-def test_keys_are_read_after_the_norm(supported):
+def test_keys_are_read_where_the_model_rotates_them(supported):
     arch, model, _ = supported
     from kvsqueeze.integrations.parts import attention_modules, key_source
 
-    assert {key_source(a) for a in attention_modules(model)} == {"k_norm"}
+    assert {key_source(a) for a in attention_modules(model)} == {"k_proj" if arch == "llama3" else "k_norm"}
     preflight(model)  # passes
 
 
