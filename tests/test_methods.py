@@ -258,3 +258,12 @@ def test_a_spec_built_directly_is_checked():
         MethodSpec("nuq7")
     with pytest.raises(MethodError, match="bit width 5"):
         MethodSpec("nuq", 5, 5)
+
+
+@pytest.mark.parametrize("name, reads, pre", [
+    ("fp16", False, False), ("nuq3-1%", True, True), ("int3", True, False), ("int3:kchan:pre", True, True),
+    ("kivi2", False, False), ("group3", True, False),
+])
+def test_which_model_tensors_a_method_reads(name, reads, pre):
+    spec = parse_method(name)
+    assert (spec.reads_model_tensors, spec.pre_rope_keys) == (reads, pre)

@@ -62,9 +62,8 @@ def _check_methods(model, specs, recipe) -> None:
 
     if recipe is not None:
         check_recipe(recipe, model)
-    hooked = [s for s in specs if s.quantized and s.family != "kivi"]  # the methods that read the model's tensors
-    if hooked:
-        preflight(model, keys=any(s.key_rope == "pre" and s.family != "group" for s in hooked))
+    if any(s.reads_model_tensors for s in specs):
+        preflight(model, keys=any(s.pre_rope_keys for s in specs))
     shape = kv_shape(model.config)
     for s in specs:
         for layer in range(shape.layers):

@@ -96,6 +96,17 @@ class MethodSpec:
         return self.family != "fp16"
 
     @property
+    def reads_model_tensors(self) -> bool:
+        """Whether it reads keys and values where the model makes them (every quantized method but KIVI, which
+        quantizes inside attention)."""
+        return self.quantized and self.family != "kivi"
+
+    @property
+    def pre_rope_keys(self) -> bool:
+        """Whether it quantizes keys before RoPE, as the model hands them to its rotary step."""
+        return self.reads_model_tensors and self.key_rope == "pre" and self.family != "group"
+
+    @property
     def needs_recipe(self) -> bool:
         """True when the method reads offline statistics from a calibration recipe."""
         if self.family in ("fp16", "kivi", "group"):

@@ -98,12 +98,11 @@ class SimulatedQuantization:
             check_recipe(recipe, model)
         if spec.family == "kivi":
             refuse_model_options("the simulated KIVI attention", model)
-        if spec.quantized and spec.family != "kivi":  # KIVI quantizes inside attention, reading nothing else
-            # values (and pre-RoPE keys) read where the model makes them, or a clear refusal now
-            preflight(model, keys=spec.key_rope == "pre" and spec.family != "group")
+        if spec.reads_model_tensors:  # values (and pre-RoPE keys) read where the model makes them, or a refusal
+            preflight(model, keys=spec.pre_rope_keys)
         self.attn = attention_modules(model)
         qs = [build_quantizers(spec, recipe, i, self.shape.channels) for i in range(self.shape.layers)]
-        pre = spec.key_rope == "pre" and spec.family not in ("group", "kivi")
+        pre = spec.pre_rope_keys
         self.k_pre = [k if pre else None for k, _ in qs]
         self.k_post = [None if pre else k for k, _ in qs]
         self.v = [v for _, v in qs]
