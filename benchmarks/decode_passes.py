@@ -93,7 +93,7 @@ def passes(method: str, tokens: int, recipe, heads: int, kv_heads: int, head_dim
         out["key outliers"] = _median_ms(lambda: key_outliers(
             x.q, x.k_codes, x.klut, x.k_bits, h, *rope_args, x.k_ptr, x.k_chan, x.k_val, x.k_under, *chans, workers,
             scores), repeats)
-    out["row maxima"] = _median_ms(lambda: row_max(scores, x.bias, m), repeats)
+    out["row maxima"] = _median_ms(lambda: row_max(scores, x.bias, x.softcap, m), repeats)
     planar = np.empty((2, 1, tokens), np.float32)
     probs = scores.copy()
     out["values and softmax"] = _median_ms(lambda: value_sums(

@@ -5,10 +5,13 @@ arXiv 2401.18079, Section 3.2), so the cache, the calibration and the kernels
 all need the same rotation. Pairs are rotate-half pairs (i, i + D/2), as in
 transformers' LLaMA-family models: pair i turns by position * inv_freq[i].
 
-`apply_rope` takes cos / sin either at full width [..., D] (transformers'
-convention: the D/2 angles repeated twice) or at half width [..., D/2]; both
+`apply_rope` takes cos / sin either at full width [..., R] (transformers'
+convention: the R/2 angles repeated twice) or at half width [..., R/2]; both
 give the same bits, because the half-width form is the full-width one with
-the repeat left out.
+the repeat left out. R, the rotary width, is the head dimension D unless the
+model turns only its first `rotary_dim` channels (partial rotary: Phi,
+StableLM), the pairs then being (i, i + R/2) and the other channels passing
+unchanged. A layer without RoPE (SmolLM3's NoPE layers) is `Rope.identity`.
 
 `Rope` holds the frequencies and evaluates angles in float64, rounded once to
 float32. The model's rotary module rounds position * inv_freq to float32
@@ -35,24 +38,38 @@ def _full_width(t: torch.Tensor, d: int) -> torch.Tensor:
     return torch.cat((t, t), dim=-1) if t.shape[-1] * 2 == d else t
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x [..., D] by cos / sin [..., D] or [..., D/2] (broadcastable to x's leading dimensions)."""
-    d = x.shape[-1]
-    return x * _full_width(cos, d) + rotate_half(x) * _full_width(sin, d)
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int | None = None) -> torch.Tensor:
+    """Rotate x [..., D] by cos / sin [..., R] or [..., R/2] (broadcastable to x's leading dimensions).
+
+    Args:
+        rotary_dim: R, the leading channels that turn (None: all D); the others pass unchanged.
+    """
+    return _turn(x, cos, sin, rotary_dim, 1.0)
 
 
-def unapply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def unapply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int | None = None) -> torch.Tensor:
     """Inverse of `apply_rope` for unscaled angles (rotation by the negative angle)."""
+    return _turn(x, cos, sin, rotary_dim, -1.0)
+
+
+def _turn(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rotary_dim: int | None, sign: float):
     d = x.shape[-1]
-    return x * _full_width(cos, d) - rotate_half(x) * _full_width(sin, d)
+    r = d if rotary_dim is None else rotary_dim
+    if r % 2 or not 0 < r <= d:
+        raise ValueError(f"rotary_dim must be even and in (0, {d}], got {rotary_dim}")
+    if r < d:
+        return torch.cat((_turn(x[..., :r], cos, sin, None, sign), x[..., r:]), dim=-1)
+    turned = rotate_half(x) * _full_width(sin, d)
+    return x * _full_width(cos, d) + turned if sign > 0 else x * _full_width(cos, d) - turned
 
 
 @dataclass(frozen=True, eq=False)
 class Rope:
-    """Rotary embedding of one model: the angle of pair i at position p is p * inv_freq[i].
+    """Rotary embedding of one layer: the angle of pair i at position p is p * inv_freq[i].
 
     Args:
-        inv_freq: float32 [D/2], the rotary module's (already rescaled, e.g. llama3 or YaRN) frequencies.
+        inv_freq: float32 [R/2], the rotary module's (already rescaled, e.g. llama3 or YaRN) frequencies;
+            R = 2 * len(inv_freq) leading channels of a head turn (partial rotary when R < D).
         scaling: multiplies cos and sin (transformers' `attention_scaling`; 1.0 for plain RoPE).
     """
 
@@ -60,13 +77,23 @@ class Rope:
     scaling: float = 1.0
 
     @classmethod
-    def from_rotary(cls, rotary) -> Rope:
-        """Read the frequencies of a transformers rotary-embedding module (LLaMA, Mistral, Qwen2, ...)."""
-        inv_freq = getattr(rotary, "inv_freq", None)
+    def from_rotary(cls, rotary, layer_type: str | None = None) -> Rope:
+        """Read the frequencies of a transformers rotary-embedding module (LLaMA, Mistral, Qwen2, ...).
+
+        `layer_type`: for modules that keep one set per layer type (Gemma-3's `sliding_attention` /
+        `full_attention`), whose buffers are named `{layer_type}_inv_freq`.
+        """
+        prefix = f"{layer_type}_" if layer_type else ""
+        inv_freq = getattr(rotary, f"{prefix}inv_freq", None)
         if inv_freq is None:
-            raise ValueError(f"{type(rotary).__name__} has no `inv_freq` buffer: the fused kernels need a "
+            raise ValueError(f"{type(rotary).__name__} has no `{prefix}inv_freq` buffer: the fused kernels need a "
                              "rotary module whose angles are position * inv_freq (standard RoPE and its rescalings)")
-        return cls(inv_freq.detach().float().cpu(), float(getattr(rotary, "attention_scaling", 1.0)))
+        return cls(inv_freq.detach().float().cpu(), float(getattr(rotary, f"{prefix}attention_scaling", 1.0)))
+
+    @classmethod
+    def identity(cls, head_dim: int) -> Rope:
+        """No rotation (a layer without RoPE): every pair at angle 0, so cos = 1 and sin = 0 exactly."""
+        return cls(torch.zeros(head_dim // 2))
 
     @classmethod
     def default(cls, head_dim: int, theta: float = 10000.0) -> Rope:
@@ -77,6 +104,16 @@ class Rope:
     @property
     def half(self) -> int:
         return self.inv_freq.numel()
+
+    @property
+    def rotary_dim(self) -> int:
+        """R: the leading channels of a head that turn."""
+        return 2 * self.half
+
+    def apply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x [..., T, D] turned at `positions` (broadcastable to [..., T]); channels past R pass unchanged."""
+        cos, sin = self.cos_sin(positions)
+        return apply_rope(x, cos.to(x.dtype), sin.to(x.dtype), self.rotary_dim)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin float32 [*positions.shape, D/2] (scaled), angles evaluated in float64."""

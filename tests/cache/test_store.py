@@ -210,7 +210,7 @@ def _tokens(b: int, t: int, c: int, seed: int) -> tuple[torch.Tensor, torch.Tens
     return k + spikes * 6 * torch.randn(b, t, c, generator=g), v + spikes * 8
 
 
-ops = st.lists(st.tuples(st.sampled_from(["append", "append", "crop", "reorder"]), st.integers(1, 5)),
+ops = st.lists(st.tuples(st.sampled_from(["append", "append", "crop", "reorder", "drop"]), st.integers(1, 5)),
                min_size=1, max_size=8)
 
 
@@ -225,13 +225,15 @@ ops = st.lists(st.tuples(st.sampled_from(["append", "append", "crop", "reorder"]
     seed=st.integers(0, 10_000),
 )
 def test_store_holds_exactly_the_simulated_quantization_of_the_sequence(ops, batch, c, bits, outliers, sinks, seed):
-    """Random prefills, appends, crops and row reorders never lose, duplicate or reorder a token."""
+    """Random prefills, appends, crops, row reorders and drops of the oldest tokens (a sliding window) never lose,
+    duplicate or reorder a token; a dropped sink is not replaced by a later token."""
     kq, vq = _quantizers(c, bits, *outliers)
     store = KVStore(kq, vq, c, sinks)
     g = torch.Generator().manual_seed(seed)
     pads = torch.randint(0, 3, (batch,), generator=g)  # left padding: leading tokens that are not real
-    keys = torch.zeros(batch, 0, c)
+    keys = torch.zeros(batch, 0, c)  # the whole history; the store holds it from slot `dropped` on
     values, real = torch.zeros(batch, 0, c), torch.zeros(batch, 0, dtype=torch.bool)
+    dropped = 0
     for step, (op, n) in enumerate(ops):
         if op == "append":
             k, v = _tokens(batch, n, c, seed + step)
@@ -240,19 +242,23 @@ def test_store_holds_exactly_the_simulated_quantization_of_the_sequence(ops, bat
             store.append(k, v, r)
             keys, values, real = torch.cat([keys, k], 1), torch.cat([values, v], 1), torch.cat([real, r], 1)
         elif op == "crop":
-            keep = max(keys.shape[1] - n, 0)
+            keep = max(store.tokens - n, 0)
             store.crop(keep)
-            keys, values, real = keys[:, :keep], values[:, :keep], real[:, :keep]
-        elif keys.shape[1]:
+            keys, values, real = keys[:, : dropped + keep], values[:, : dropped + keep], real[:, : dropped + keep]
+        elif op == "drop":
+            n = min(n, store.tokens)
+            store.drop_front(n)
+            dropped += n
+        elif store.tokens:
             idx = torch.randint(0, batch, (batch,), generator=g)  # beams may duplicate rows
             store.gather_rows(idx)
             keys, values, real, pads = keys[idx], values[idx], real[idx], pads[idx]
-        assert store.tokens == keys.shape[1]
+        assert store.tokens == keys.shape[1] - dropped
         if store.tokens:
             k_got, v_got = store.dequantize()
             k_ref, v_ref = _reference(kq, vq, keys, values, real, sinks)
-            assert torch.equal(k_got.transpose(0, 1), k_ref)
-            assert torch.equal(v_got.transpose(0, 1), v_ref)
+            assert torch.equal(k_got.transpose(0, 1), k_ref[:, dropped:])
+            assert torch.equal(v_got.transpose(0, 1), v_ref[:, dropped:])
             _assert_replaced_codes_are_outlier_code(store)
 
 

@@ -272,9 +272,9 @@ def test_without_a_capture_the_layer_refuses_to_guess_the_keys(llama):
     cache = cache_for(model, recipe, "nuq3-1%")
     layer = cache.layers[0]
     post = torch.randn(1, 2, 12, 16)
-    cos, sin = layer._cos_sin(torch.arange(12).view(1, -1), torch.float32)  # [1, 1, T, D]
+    cos_sin = layer._cos_sin(torch.arange(12).view(1, -1), torch.float32)  # [1, 1, T, D]
     with pytest.raises(RuntimeError, match="no pre-RoPE keys were captured"):
-        layer._pre_rope_keys(post, cos, sin)
+        layer._pre_rope_keys(post, cos_sin)
     with pytest.raises(RuntimeError, match="no pre-RoPE keys were captured"):
         layer.update(post, torch.randn(1, 2, 12, 16))
     assert cache.get_seq_length() == 0  # nothing was stored

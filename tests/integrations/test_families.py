@@ -1,14 +1,20 @@
-"""Decoder families beyond LLaMA / Mistral / Qwen2: each is supported end to end, or refused by the preflight.
+"""The conformance matrix: decoder families of transformers, each supported end to end or refused by the preflight.
 
-Supported here: Qwen3 and OLMo-2, whose keys pass a `k_norm` between `k_proj`
-and RoPE (per head in Qwen3, over the whole projection in OLMo-2): kvsqueeze
-reads them after the norm, where the model hands them to its rotary step, in
-calibration, simulation, the compressed cache and the kernels alike; and LLaMA
-with llama3 rope scaling (rescaled frequencies, read from the rotary module). Refused,
-within one short forward and with the layer and the family named: OLMo's
-in-place `clip_qkv`, SmolLM3's layers without RoPE, Phi-3's fused `qkv_proj`,
-Gemma-3's per-layer-type RoPE, Cohere's interleaved RoPE pairs and Phi's
-partial rotary.
+Every family below is a tiny random-weight model built from its transformers
+config class (no hub). For each supported one: the preflight passes and reads
+keys where the model rotates them (`k_proj`, `k_norm`, or the key slice of a
+fused `qkv_proj`); the fp16 method gives the model's own logits; the compressed
+cache gives the simulated path's logits for nuq3-1%; fused decode gives dense
+decode's tokens on a left-padded batch of 2 through `generate()`.
+
+Supported: LLaMA (plain, llama3 rope scaling, YaRN), Mistral (a sliding window
+shorter than the sequences), Qwen2 (k_proj bias), Qwen3 and OLMo-2 (k_norm per
+head / over the projection), Gemma-3 (k_norm, local and global layers with
+their own RoPE bases, head_dim 256, sliding window), SmolLM3 (layers without
+RoPE), Phi (partial rotary) and Phi-3 (fused qkv_proj). Refused, within one
+short forward and with the layer and the family named: OLMo's in-place
+`clip_qkv`, Cohere's interleaved RoPE pairs, GPT-NeoX's per-head fused
+`query_key_value`, and dynamic-NTK RoPE (frequencies that change with length).
 """
 
 from __future__ import annotations
@@ -25,13 +31,20 @@ from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
 from kvsqueeze.integrations.fused import fused_decode
 from kvsqueeze.integrations.preflight import UnsupportedModelError, preflight
 from kvsqueeze.integrations.simulate import SimulatedQuantization
+from kvsqueeze.kernels import Backend
 from kvsqueeze.methods import parse_method
 
 SMALL_CAL = CalibrationConfig(samples=2, seqlen=64, bits=(3,), fractions=(0.0, 0.01), fits=("fs2",))
+CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
+           "olmo2": "Olmo2Config", "olmo": "OlmoConfig", "smollm3": "SmolLM3Config", "phi3": "Phi3Config",
+           "gemma3": "Gemma3TextConfig", "cohere": "CohereConfig", "phi": "PhiConfig", "gemma2": "Gemma2Config",
+           "gpt_neox": "GPTNeoXConfig", "gpt_oss": "GptOssConfig"}
 
 
 def family_model(arch: str, seed: int = 0, attn: str = "sdpa", **overrides):
-    """A tiny random decoder of `arch` (2 layers, 4 query heads over 2 KV heads of 16), float32."""
+    """A tiny random decoder of `arch` (2 layers, 4 query heads over 2 KV heads of 16), float32.
+
+    An override of None removes that entry of the common settings (families that derive head_dim)."""
     import transformers
     from transformers import AutoModelForCausalLM
 
@@ -39,35 +52,64 @@ def family_model(arch: str, seed: int = 0, attn: str = "sdpa", **overrides):
                   num_attention_heads=HIDDEN // HEAD_DIM, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
                   max_position_embeddings=1024, initializer_range=INIT_STD, tie_word_embeddings=False,
                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    cls = {"llama": "LlamaConfig", "qwen3": "Qwen3Config", "olmo2": "Olmo2Config", "olmo": "OlmoConfig", "smollm3": "SmolLM3Config",
-           "phi3": "Phi3Config", "gemma3": "Gemma3TextConfig", "cohere": "CohereConfig", "phi": "PhiConfig",
-           "gemma2": "Gemma2Config"}[arch]
-    cfg = getattr(transformers, cls)(**{**common, **overrides})
+    settings = {k: v for k, v in {**common, **overrides}.items() if v is not None}
+    cfg = getattr(transformers, CONFIGS[arch])(**settings)
     torch.manual_seed(seed)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=torch.float32).eval()
 
 
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}  # rescaled low frequencies
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 64}
+GEMMA3 = dict(head_dim=256, query_pre_attn_scalar=256, sliding_window=8,
+              layer_types=["sliding_attention", "full_attention"])
+
+# arch name -> (family, config overrides, where keys are read, attention implementation)
+SUPPORTED = {
+    "llama": ("llama", {}, "k_proj", "sdpa"),
+    "llama3": ("llama", dict(rope_parameters=LLAMA3_ROPE), "k_proj", "sdpa"),
+    "yarn": ("llama", dict(rope_parameters=YARN_ROPE), "k_proj", "sdpa"),
+    "mistral": ("mistral", dict(sliding_window=12), "k_proj", "sdpa"),
+    "qwen2": ("qwen2", {}, "k_proj", "sdpa"),
+    "qwen3": ("qwen3", {}, "k_norm", "sdpa"),
+    "olmo2": ("olmo2", {}, "k_norm", "sdpa"),
+    "gemma3": ("gemma3", GEMMA3, "k_norm", "sdpa"),
+    "gemma3-mqa": ("gemma3", dict(GEMMA3, num_key_value_heads=1), "k_norm", "sdpa"),  # as Gemma-3-270M
+    "smollm3": ("smollm3", dict(no_rope_layers=[1, 0]), "k_proj", "sdpa"),
+    "phi": ("phi", dict(partial_rotary_factor=0.5, head_dim=None), "k_proj", "sdpa"),
+    "phi3": ("phi3", dict(head_dim=None), "qkv_proj", "sdpa"),
+    "gemma2": ("gemma2", dict(attn_logit_softcapping=5.0, query_pre_attn_scalar=16, sliding_window=8,
+                              layer_types=["sliding_attention", "full_attention"]), "k_proj", "eager"),
+    "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+                                layer_types=["sliding_attention", "full_attention"]), "k_proj", "eager"),
+}
 
 
-@pytest.fixture(scope="module", params=["qwen3", "olmo2", "llama3"])
+def supported_model(name: str, seed: int = 3):
+    family, overrides, _, attn = SUPPORTED[name]
+    model = family_model(family, seed=seed, attn=attn, **overrides)
+    if family == "qwen2":  # transformers zeroes the biases: give them offsets that shift whole channels
+        g = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.k_proj.bias.copy_(torch.randn(layer.self_attn.k_proj.bias.shape, generator=g) * 2)
+    return model
+
+
+@pytest.fixture(scope="module", params=sorted(SUPPORTED))
 def supported(request):
-    """(arch, model, recipe), the recipe calibrated in-test on random tokens."""
-    if request.param == "llama3":
-        model = family_model("llama", seed=3, rope_parameters=LLAMA3_ROPE)
-    else:
-        model = family_model(request.param, seed=3)
+    """(name, model, recipe), the recipe calibrated in-test on random tokens."""
+    model = supported_model(request.param)
     acts = collect(model, random_ids(SMALL_CAL.samples, SMALL_CAL.seqlen, seed=5), sinks=1, progress=False)
     return request.param, model, fit_recipe(model, acts, SMALL_CAL, f"tiny-{request.param}", "random",
                                             progress=False)
 
 
 def test_keys_are_read_where_the_model_rotates_them(supported):
-    arch, model, _ = supported
+    name, model, _ = supported
     from kvsqueeze.integrations.parts import attention_modules, key_source
 
-    assert {key_source(a) for a in attention_modules(model)} == {"k_proj" if arch == "llama3" else "k_norm"}
+    assert {key_source(a) for a in attention_modules(model)} == {SUPPORTED[name][2]}
     preflight(model)  # passes
 
 
@@ -90,18 +132,24 @@ def test_fp16_cache_gives_the_models_own_logits(supported):
 def test_compressed_cache_equals_simulated_quantization(supported):
     _, model, recipe = supported
     ids = random_ids(1, 32, seed=2)
+    def steps(cache):  # a prefill of 12 tokens, then one token a step: both engines see the same activations
+        return torch.cat([model(ids[:, :12], cache=cache, use_cache=True).logits]
+                         + [model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(12, 32)], dim=1)
+
     with torch.no_grad():
         with SimulatedQuantization(model, parse_method("nuq3-1%"), recipe) as sim:
-            want = model(ids, cache=sim.new_cache(), use_cache=True).logits
-        cache = kvsqueeze.cache_for(model, recipe, "nuq3-1%")
-        got = torch.cat([model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(32)], dim=1)
+            want = steps(sim.new_cache())
+        got = steps(kvsqueeze.cache_for(model, recipe, "nuq3-1%"))
         fp = model(ids).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(want, fp, atol=1e-3)  # the quantization did something
 
 
+PARTIAL_ROTARY = {"phi"}
+
+
 def test_fused_decode_equals_dense_with_a_left_padded_batch(supported):
-    _, model, recipe = supported
+    name, model, recipe = supported
     ids = random_ids(2, 10, seed=4)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
@@ -109,27 +157,31 @@ def test_fused_decode_equals_dense_with_a_left_padded_batch(supported):
     with torch.no_grad():
         dense = model.generate(ids, cache=kvsqueeze.cache_for(model, recipe, "nuq3-1%"), **kw)
         cache = kvsqueeze.cache_for(model, recipe, "nuq3-1%")
-        with fused_decode(model, cache):
+        backend = Backend.NUMBA
+        if name in PARTIAL_ROTARY:  # the numba kernel turns whole heads: it refuses before any token
+            with pytest.raises(UnsupportedModelError, match="partial rotary"):
+                fused_decode(model, cache, Backend.NUMBA).__enter__()
+            backend = Backend.REFERENCE
+        with fused_decode(model, cache, backend):
             fused = model.generate(ids, cache=cache, **kw)
     assert fused.shape == (2, 22) and torch.equal(fused, dense)
 
 
 REFUSED = {  # arch, config overrides, what the refusal must say
-    "olmo": (dict(clip_qkv=2.0, head_dim=None), "clip_qkv"),
-    "smollm3": (dict(no_rope_layers=[1, 0]), "without RoPE"),
-    "phi3": (dict(head_dim=None), "fused q/k/v"),
-    "gemma3": (dict(), "layer type"),
-    "cohere": (dict(head_dim=None), "not its `k_proj` output turned by rotate-half RoPE"),
-    "phi": (dict(partial_rotary_factor=0.5, head_dim=None), "partial rotary"),
+    "olmo": ("olmo", dict(clip_qkv=2.0, head_dim=None), "clip_qkv"),
+    "cohere": ("cohere", dict(head_dim=None), "not its `k_proj` output turned by rotate-half RoPE"),
+    "gpt_neox": ("gpt_neox", dict(head_dim=None, num_key_value_heads=None), "query_key_value"),
+    "dynamic": ("llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
+                "changes its frequencies"),
 }
 
 
-@pytest.mark.parametrize("arch", sorted(REFUSED))
-def test_unsupported_families_are_refused_before_any_work(arch, tiny_recipe):
-    overrides, needle = REFUSED[arch]
-    model = family_model(arch, **{k: v for k, v in overrides.items() if v is not None})
+@pytest.mark.parametrize("name", sorted(REFUSED))
+def test_unsupported_families_are_refused_before_any_work(name, tiny_recipe):
+    arch, overrides, needle = REFUSED[name]
+    model = family_model(arch, **overrides)
     t0 = time.perf_counter()
-    with pytest.raises(UnsupportedModelError, match="layer|fused") as err:
+    with pytest.raises(UnsupportedModelError) as err:
         preflight(model)
     assert time.perf_counter() - t0 < 10
     message = str(err.value)
@@ -172,22 +224,71 @@ def test_a_norm_the_forward_never_calls_is_refused():
         preflight(model)
 
 
-def test_soft_capped_logits_are_refused_where_they_would_be_dropped():
-    """Gemma-2 soft-caps its attention logits: the fused kernel and the simulated KIVI attention do not, so
-    they refuse the model when they are switched on, before any token; the dense cache path keeps the model's
-    own (eager) attention, which does."""
-    from kvsqueeze.integrations.fused import enable_fused_decode
+@pytest.mark.parametrize("name", ["gemma2", "gpt_oss"])
+def test_kivi_attention_honours_softcap_and_sink_logits(name):
+    """KIVI's simulated attention replaces the model's: with an fp16 window over every token it must give the
+    model's own logits, soft-capped (Gemma-2) or with learned sink logits (GPT-OSS), which change them."""
+    model = supported_model(name)
+    with torch.no_grad():
+        if name == "gemma2":
+            for layer in model.model.layers:
+                layer.self_attn.attn_logit_softcapping = 1.0  # a cap the logits reach
+        else:
+            for layer in model.model.layers:
+                layer.self_attn.sinks.mul_(20.0)  # sink logits that take a share of the softmax
+        ids = random_ids(1, 40, seed=8)
+        own = model(ids).logits
+        with SimulatedQuantization(model, parse_method("kivi2:r64"), None) as sim:
+            got = model(ids, cache=sim.new_cache(), use_cache=True).logits
+        assert model.config._attn_implementation == "eager"  # given back
+        if name == "gemma2":
+            for layer in model.model.layers:
+                layer.self_attn.attn_logit_softcapping = None
+        else:
+            for layer in model.model.layers:
+                layer.self_attn.sinks.zero_().sub_(1e4)  # no share left
+        without = model(ids).logits
+    torch.testing.assert_close(got, own, atol=1e-5, rtol=1e-5)
+    assert (own - without).abs().max() > 1e-3  # the option matters here
 
-    model = family_model("gemma2", seed=6, attn="eager", attn_logit_softcapping=20.0)
+
+@pytest.mark.parametrize("name", ["mistral", "gemma3"])
+def test_sliding_window_layers_hold_only_their_window(name, monkeypatch):
+    """Sliding-window layers keep what transformers' DynamicCache keeps (the last window - 1 tokens), report the
+    fp16 cache they are compared with as that, and decode the same tokens densely and fused while their oldest
+    tokens are dropped (in batches of EVICT_SLACK in fused decode: 3 here, so that drops happen)."""
+    from transformers import DynamicCache
+
+    from kvsqueeze.integrations.layers import CompressedLayer
+    from kvsqueeze.integrations.parts import layer_windows
+
+    model = supported_model(name)
     acts = collect(model, random_ids(SMALL_CAL.samples, SMALL_CAL.seqlen, seed=5), sinks=1, progress=False)
-    recipe = fit_recipe(model, acts, SMALL_CAL, "tiny-gemma2", "random", progress=False)
-    cache = kvsqueeze.cache_for(model, recipe, "nuq3-1%")
-    with pytest.raises(UnsupportedModelError, match="softcap"):
-        enable_fused_decode(model, cache)
-    assert model.config._attn_implementation == "eager"
-    with pytest.raises(UnsupportedModelError, match="softcap"):
-        SimulatedQuantization(model, parse_method("kivi2"), None)
-    with torch.no_grad():  # the dense path: the model's own attention over the dequantized cache
-        out = model.generate(random_ids(1, 6, seed=2), cache=cache, max_new_tokens=4, min_new_tokens=4,
-                             do_sample=False, pad_token_id=0)
-    assert out.shape == (1, 10)
+    recipe = fit_recipe(model, acts, SMALL_CAL, f"tiny-{name}", "random", progress=False)
+    windows = layer_windows(model)
+    assert any(w is not None for w in windows)
+    ids = random_ids(2, 10, seed=4)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    kw = dict(attention_mask=mask, max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0)
+    monkeypatch.setattr(CompressedLayer, "EVICT_SLACK", 3)
+    with torch.no_grad():
+        reference = DynamicCache(config=model.config)
+        model.generate(ids, cache=reference, **kw)
+        dense_cache = kvsqueeze.cache_for(model, recipe, "nuq3-1%")
+        dense = model.generate(ids, cache=dense_cache, **kw)
+        fused_cache = kvsqueeze.cache_for(model, recipe, "nuq3-1%")
+        with fused_decode(model, fused_cache, Backend.NUMBA):
+            fused = model.generate(ids, cache=fused_cache, **kw)
+    assert torch.equal(fused, dense)
+    for i, w in enumerate(windows):
+        held = reference.layers[i].keys.shape[-2]
+        assert dense_cache.layers[i].kept_tokens() == held == (39 if w is None else w - 1)
+        assert fused_cache.layers[i].kept_tokens() <= held + 3 + 1
+        assert dense_cache.layers[i].get_seq_length() == 39
+    report = dense_cache.memory_report()
+    assert report.dynamic_token_layers == report.held_token_layers == sum(l.keys.shape[-2] for l in reference.layers)
+    assert report.fp16_bytes == sum(l.keys.nbytes + l.values.nbytes for l in reference.layers) // 2  # fp16 of fp32
+    assert report.tokens == 39
+    with pytest.raises(RuntimeError, match="no longer holds"):
+        dense_cache.crop(-35)

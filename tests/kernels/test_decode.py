@@ -227,16 +227,52 @@ def test_backend_equals_reference_beyond_65536_tokens(backend):
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+def test_softcap_and_sink_logits_equal_the_reference_and_the_formula(backend):
+    """Soft-capped logits (Gemma-2) and a learned logit per query head with no value (GPT-OSS), as the models'
+    own eager attention computes them: cap, mask, then softmax over the tokens and the sink logit."""
+    from kvsqueeze.kernels.reference import dequantize_view
+
+    batch, tokens, heads, head_dim, group = 2, 130, 2, 16, 3
+    real = torch.ones(batch, tokens, dtype=torch.bool)
+    real[1, :11] = False
+    store = make_store(tokens, batch, heads, head_dim, 3, 0.01, 1, real=real,
+                       positions=positions_for(tokens, batch, real))
+    kv = store.view()
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(batch, heads * group, head_dim, generator=g) * 4  # logits past the cap
+    sinks = torch.randn(heads * group, generator=g) * 3
+    rope = Rope.default(head_dim)
+    cap, scaling = 3.0, head_dim**-0.5
+    got = decode_attention(q, kv, rope, scaling, real, backend, softcap=cap, sink_logits=sinks)
+    ref = decode_attention(q, kv, rope, scaling, real, Backend.REFERENCE, softcap=cap, sink_logits=sinks)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    k, v = dequantize_view(kv)  # [T, B, C]
+    k = rope.apply(k.view(tokens, batch, heads, head_dim).permute(1, 2, 0, 3), kv.positions[:tokens].t()[:, None])
+    v = v.view(tokens, batch, heads, head_dim).permute(1, 2, 0, 3)
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)  # [B, Hq, T, D]
+    logits = cap * torch.tanh(torch.einsum("bhd,bhtd->bht", q, k) * scaling / cap)
+    logits = torch.cat([logits.masked_fill(~real[:, None], float("-inf")), sinks.view(1, -1, 1).expand(batch, -1, 1)],
+                       dim=-1)
+    want = torch.einsum("bht,bhtd->bhd", logits.softmax(-1)[..., :-1], v)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    plain = decode_attention(q, kv, rope, scaling, real, backend)
+    assert (plain - got).abs().max() > 1e-2  # the options change the result: they are not dropped
+    with pytest.raises(ValueError, match="one logit per query head"):
+        decode_attention(q, kv, rope, scaling, real, backend, sink_logits=sinks[:2])
+
+
 def test_reference_equals_attention_over_the_layer_read(tiny_llama):
     """RoPE from the model's rotary module, dequantization by the store: the reference must agree."""
-    from kvsqueeze.integrations.parts import rotary_module
+    from kvsqueeze.integrations.parts import layer_rotaries
 
     heads, head_dim, group, batch, tokens = 2, 16, 2, 2, 90
     c = heads * head_dim
     g = torch.Generator().manual_seed(4)
     keys, values = random_kv(batch, tokens, c, g)
     store = KVStore(*make_quantizers(keys.reshape(-1, c), 3, 0.01), c, sinks=2, head_dim=head_dim)
-    layer = CompressedLayer(store, 0, rotary_module(tiny_llama))
+    rotary = layer_rotaries(tiny_llama, head_dim)[0]
+    layer = CompressedLayer(store, 0, rotary)
     for start, stop in ((0, 60), (60, 61), (61, tokens)):  # a prefill, a decode step, more tokens
         layer.append_pre_rope(keys[:, start:stop], values[:, start:stop],
                               torch.arange(start, stop).expand(batch, stop - start))
@@ -245,7 +281,7 @@ def test_reference_equals_attention_over_the_layer_read(tiny_llama):
     scores = torch.einsum("bhgd,bhtd->bhgt", q.view(batch, heads, group, head_dim), k) * 0.25
     expected = torch.einsum("bhgt,bhtd->bhgd", scores.softmax(-1), v).reshape(batch, heads * group, head_dim)
     kv = store.view()
-    got = decode_attention(q, kv, Rope.from_rotary(rotary_module(tiny_llama)), 0.25, backend=Backend.REFERENCE)
+    got = decode_attention(q, kv, rotary.rope, 0.25, backend=Backend.REFERENCE)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-4)
 
 

@@ -62,6 +62,14 @@ class GrowableTensor:
             raise ValueError(f"cannot truncate {self.length} rows to {length}")
         self.length = length
 
+    def drop_front(self, rows: int) -> None:
+        """Forget the first `rows` rows: the others move to the front of the same allocation."""
+        if not 0 <= rows <= self.length:
+            raise ValueError(f"cannot drop {rows} of {self.length} rows")
+        if rows:
+            self._data[: self.length - rows] = self._data[rows : self.length].clone()
+            self.length -= rows
+
     def replace(self, rows: torch.Tensor) -> None:
         """Make `rows` [n, *row_shape'] the whole content (after a batch gather, the row shape may change)."""
         self.row_shape = tuple(rows.shape[1:])

@@ -50,6 +50,9 @@ class PositionLog:
     def truncate(self, tokens: int) -> None:
         self.buf.truncate(min(tokens, len(self.buf)))
 
+    def drop_front(self, tokens: int) -> None:
+        self.buf.drop_front(tokens)
+
     def gather_rows(self, index: torch.Tensor) -> None:
         self.buf.replace(self.buf.view().index_select(1, index.to(self.buf.device).long()))
 

@@ -20,7 +20,13 @@ and two that `storage_bits` does not model:
 * sink_slots: what sink tokens leave in the rectangular grids (zero codes,
   zero value scales, repeated pointers) plus each sink's slot index.
 * positions: the RoPE position of each token (int32 per token and row, once
-  for all layers).
+  for all full layers, and once more in each sliding-window layer for the
+  tokens it keeps).
+
+Sliding-window layers keep only the most recent tokens (`held_token_layers`
+counts the tokens held, summed over layers), and so does the fp16
+`DynamicCache` the report compares against (`dynamic_token_layers`: the last
+window - 1 tokens on those layers, every token on the others).
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ class MemoryReport:
     channels: int  # K (= V) channels per token and layer
     components: dict[str, int] = field(default_factory=dict)
     capacity_bytes: int = 0  # allocated, growth slack included
+    held_token_layers: int | None = None  # tokens held per row, summed over layers (None: layers * tokens)
+    dynamic_token_layers: int | None = None  # what an fp16 DynamicCache holds, the same way (None: layers * tokens)
 
     @property
     def total_bytes(self) -> int:
@@ -52,6 +60,9 @@ class MemoryReport:
     def token_rows(self) -> int:
         return self.batch * self.tokens
 
+    def _layer_rows(self, count: int | None) -> int:
+        return self.batch * (self.layers * self.tokens if count is None else count)
+
     @property
     def bytes_per_token(self) -> float:
         """Total bytes per cached token (of one row), all layers."""
@@ -59,8 +70,9 @@ class MemoryReport:
 
     @property
     def fp16_bytes(self) -> int:
-        """What transformers' DynamicCache holds for the same tokens in fp16: K and V, every layer."""
-        return 2 * self.layers * self.token_rows * self.channels * FP16_BYTES
+        """What transformers' DynamicCache holds for the same tokens in fp16: K and V of every layer, the last
+        window - 1 tokens of a sliding-window layer."""
+        return 2 * self._layer_rows(self.dynamic_token_layers) * self.channels * FP16_BYTES
 
     @property
     def compression(self) -> float:
@@ -69,8 +81,8 @@ class MemoryReport:
 
     @property
     def avg_bits(self) -> float:
-        """Bits held per cached K/V element."""
-        return 8 * self.total_bytes / max(2 * self.layers * self.token_rows * self.channels, 1)
+        """Bits held per K/V element held."""
+        return 8 * self.total_bytes / max(2 * self._layer_rows(self.held_token_layers) * self.channels, 1)
 
     def as_dict(self) -> dict:
         out = asdict(self)

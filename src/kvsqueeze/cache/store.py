@@ -103,6 +103,7 @@ class KVStore:
         self.sink_k = torch.zeros(batch, self.sinks, c, dtype=torch.float16, device=dev)
         self.sink_v = torch.zeros_like(self.sink_k)
         self.sink_slot = torch.full((batch, self.sinks), -1, dtype=torch.int32, device=dev)
+        self.sinks_taken = torch.zeros(batch, dtype=torch.int64, device=dev)  # per row, dropped ones included
 
     def __getstate__(self) -> dict:
         # a copy (copy.copy, deepcopy, pickle) builds its own view: numpy views kept in the memo would not share
@@ -167,8 +168,10 @@ class KVStore:
         real = torch.ones(b, t, dtype=torch.bool, device=keys.device) if real is None else real.to(torch.bool)
         if self.sinks == 0:
             return torch.zeros_like(real)
-        rank = self.sink_count.to(keys.device).view(-1, 1) + real.long().cumsum(dim=1) - 1  # [B, T]
+        # ranked after every sink the row ever took: one a sliding window dropped is not replaced
+        rank = self.sinks_taken.to(keys.device).view(-1, 1) + real.long().cumsum(dim=1) - 1  # [B, T]
         sink = real & (rank < self.sinks)
+        self.sinks_taken += sink.sum(dim=1).to(self.sinks_taken.device)
         rows, cols = sink.nonzero(as_tuple=True)
         if rows.numel():
             ranks = rank[rows, cols]
@@ -212,11 +215,34 @@ class KVStore:
         for sparse in self._sparse():
             sparse.truncate(tokens * self.batch)
         gone = self.sink_slot >= tokens
+        self.sinks_taken -= gone.sum(dim=1)
         self.sink_slot[gone] = -1
         self.sink_k[gone] = 0
         self.sink_v[gone] = 0
         if self.owns_positions:
             self.positions.truncate(tokens)
+
+    def drop_front(self, tokens: int) -> None:
+        """Forget the first `tokens` slots of every row (a sliding window moving on), sinks among them included.
+
+        The store must keep its own positions: a log shared with other layers keeps every token."""
+        if not 0 <= tokens <= self.tokens:
+            raise ValueError(f"cannot drop {tokens} of {self.tokens} tokens")
+        if tokens == 0:
+            return
+        if not self.owns_positions:
+            raise RuntimeError("a store whose positions are shared with other layers cannot drop tokens")
+        for buf in (self.k_codes, self.v_codes, self.v_scale_zero):
+            buf.drop_front(tokens)
+        kept = torch.arange(tokens * self.batch, (tokens + self.tokens) * self.batch, device=self.device)
+        for sparse in self._sparse():
+            sparse.select(kept)
+        self.sink_slot -= torch.where(self.sink_slot >= 0, tokens, 0).to(torch.int32)
+        gone = self.sink_slot < 0
+        self.sink_slot[gone] = -1
+        self.sink_k[gone] = 0
+        self.sink_v[gone] = 0
+        self.positions.drop_front(tokens)
 
     def gather_rows(self, index: torch.Tensor) -> None:
         """Make row i the old row index[i] (beam reorder, batch select, repeat-interleave)."""
@@ -228,7 +254,7 @@ class KVStore:
         for sparse in self._sparse():
             sparse.select(order)
         self.sink_k, self.sink_v = self.sink_k[index], self.sink_v[index]
-        self.sink_slot = self.sink_slot[index]
+        self.sink_slot, self.sinks_taken = self.sink_slot[index], self.sinks_taken[index]
         self.batch = index.numel()
         if self.owns_positions and len(self.positions):
             self.positions.gather_rows(index)

@@ -6,6 +6,11 @@ activation, from teacher-forced forward/backward passes of the language-model
 loss. Only activation gradients are computed (weights are frozen). Sink tokens
 are dropped here so they never shape a statistic. Activations are stored in
 fp16 and Fisher values in bfloat16 (squared gradients underflow fp16).
+
+A float16 model is calibrated in float32: its float16 weights are cast to
+float32 for the passes (exactly: every float16 number is a float32 one) and
+back afterwards, bit for bit, because float16 gradients of a language-model
+loss underflow and their squares would leave Fisher weights of zero.
 """
 
 from __future__ import annotations
@@ -37,11 +42,27 @@ class Activations:
 
 def collect(model, samples: torch.Tensor, sinks: int = 1, progress: bool = True) -> Activations:
     """Run forward + backward on each sample [S, T] and gather K, V and their Fisher information."""
-    if next(model.parameters()).dtype == torch.float16:
-        raise ValueError("calibrating a float16 model underflows its activation gradients, and the Fisher "
-                         "weights with them: calibrate it in float32 or bfloat16 (--dtype); the recipe serves "
-                         "the model in float16 as well")
     preflight(model)  # before minutes of forward and backward passes
+    with _float16_as_float32(model):
+        return _collect(model, samples, sinks, progress)
+
+
+class _float16_as_float32:
+    """Cast a model's float16 parameters and buffers to float32 inside the block, and back (both exact)."""
+
+    def __init__(self, model):
+        self.tensors = [t for t in (*model.parameters(), *model.buffers()) if t.dtype == torch.float16]
+
+    def __enter__(self):
+        for t in self.tensors:
+            t.data = t.data.float()
+
+    def __exit__(self, *exc):
+        for t in self.tensors:
+            t.data = t.data.half()
+
+
+def _collect(model, samples: torch.Tensor, sinks: int, progress: bool) -> Activations:
     shape = kv_shape(model.config)
     s, t = samples.shape
     if t <= sinks:
@@ -54,9 +75,13 @@ def collect(model, samples: torch.Tensor, sinks: int = 1, progress: bool = True)
     vf = [torch.empty_like(f) for f in kf]
     captured: dict[tuple[int, str], torch.Tensor] = {}
 
-    def keep(layer: int, kind: str, output: torch.Tensor) -> None:
-        output.retain_grad()
-        captured[(layer, kind)] = output
+    def keep(layer: int, kind: str, output: torch.Tensor) -> torch.Tensor:
+        # A copy that replaces the output, so that its gradient flows even where the hook is handed a view
+        # (a fused projection's key slice, a transposed per-head norm output).
+        kept = output.clone()
+        kept.retain_grad()
+        captured[(layer, kind)] = kept
+        return kept
 
     handles = hook_projections(model, keep)
     was_training = model.training

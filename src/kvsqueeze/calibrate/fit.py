@@ -22,10 +22,9 @@ from ..affine import choose_qparams
 from ..config import CalibrationConfig
 from ..datatypes import normal_float_levels, uniform_levels
 from ..integrations.fingerprint import model_fingerprint
-from ..integrations.parts import rope_cos_sin
+from ..integrations.parts import layer_rotaries
 from ..outliers import calibrated_thresholds, clamp_range, online_thresholds, outlier_mask
 from ..recipe import Recipe, codebook_key, matrix_key, range_key
-from ..rope import apply_rope
 from ..shape import kv_shape
 from .collect import Activations
 from .kmeans import WeightedHistogram, fit_codebook
@@ -61,17 +60,23 @@ def fit_recipe(model, acts: Activations, cfg: CalibrationConfig, model_id: str, 
     shape = kv_shape(model.config)
     t0 = time.perf_counter()
     uniq = torch.unique(acts.positions)
-    cos, sin = rope_cos_sin(model, uniq)
     lookup = torch.full((int(uniq.max()) + 1,), -1, dtype=torch.long)
     lookup[uniq] = torch.arange(uniq.numel())
-    cos, sin = cos[lookup[acts.positions]][:, None], sin[lookup[acts.positions]][:, None]  # [N, 1, D]
+    index = lookup[acts.positions]
+    rotaries = layer_rotaries(model, shape.head_dim)
+    turns: dict[tuple, tuple | None] = {}  # (layer type, turns) -> cos, sin [N, 1, R], computed once per kind
     tensors: dict[str, torch.Tensor] = {}
     objectives: dict[str, dict] = {}
     for layer in tqdm(range(shape.layers), desc="fit", unit="layer", disable=not progress):
         k = acts.keys[layer].float()
         v = acts.values[layer].float()
         n = k.shape[0]
-        k_post = apply_rope(k.view(n, shape.kv_heads, shape.head_dim), cos, sin).reshape(n, -1)
+        rot = rotaries[layer]
+        key = (rot.layer_type, rot.turns)
+        if key not in turns:
+            cs = rot.cos_sin(uniq.view(1, -1).to(next(model.parameters()).device))
+            turns[key] = None if cs is None else tuple(c[0].float().cpu()[index][:, None] for c in cs)
+        k_post = rot.apply(k.view(n, shape.kv_heads, shape.head_dim), turns[key]).reshape(n, -1)
         mats = {"k_pre": k, "k_post": k_post, "v": v}
         for p in cfg.fractions:
             for name, x in mats.items():

@@ -1,26 +1,32 @@
-"""The "kvsqueeze" attention function, registered in transformers' attention registry.
+"""kvsqueeze's attention functions, registered in transformers' attention registry.
 
-It asks each registered handler in turn (`register_handler`): `fused.py` takes
+They ask each registered handler in turn (`register_handler`): `fused.py` takes
 decode steps whose cache layer returned a fused-decode marker and runs the
 kernel over the compressed cache; `kivi.py` takes modules tagged for KIVI's
 mixed fp16-window / quantized attention. Whatever no handler takes falls
-through to transformers' SDPA attention, so selecting this implementation
-changes nothing for a model without kvsqueeze state.
+through to the attention the model had: "kvsqueeze" over transformers' SDPA,
+"kvsqueeze_eager" over the model family's own eager attention (what models
+that soft-cap their logits, Gemma-2, or add learned sink logits, GPT-OSS, run
+on), each with the mask its fallback expects. `switch_attention` picks the one
+that matches the model, so selecting it changes nothing for a model without
+kvsqueeze state. Handlers honour the options the model passes: `scaling`,
+`softcap` (Gemma-2), `s_aux` (GPT-OSS), and sliding windows through the mask.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-from .parts import attention_modules
 from .preflight import UnsupportedModelError
 
-ATTN_NAME = "kvsqueeze"
+ATTN_NAME = "kvsqueeze"  # falls through to SDPA
+EAGER_NAME = "kvsqueeze_eager"  # falls through to the model family's eager attention
 
 
 def causal_bool_mask(attention_mask, q_len: int, k_len: int, device) -> torch.Tensor:
@@ -36,32 +42,6 @@ def causal_bool_mask(attention_mask, q_len: int, k_len: int, device) -> torch.Te
 
 # handler(module, query, key, value, attention_mask, scaling, **kwargs) -> (output, weights), or None to pass
 _HANDLERS: list[Callable] = []
-# attention options a handler cannot honour: logit soft-capping (Gemma-2), learned sink logits (GPT-OSS)
-UNSUPPORTED_OPTIONS = ("softcap", "s_aux")
-
-
-def refuse_options(what: str, module, kwargs: dict) -> None:
-    """Raise a clear error when the model asks `what` for an attention option it does not implement."""
-    used = [k for k in UNSUPPORTED_OPTIONS if kwargs.get(k) is not None]
-    if used:
-        raise UnsupportedModelError(
-            f"layer {getattr(module, 'layer_idx', '?')} of {type(module).__name__} asks attention for "
-            f"{', '.join(used)}, which {what} does not implement; attend densely (no fused decode) with the "
-            "model's own attention implementation, or use a method without it")
-
-
-def refuse_model_options(what: str, model) -> None:
-    """The same refusal before any work, from the model itself: soft-capped logits or learned sink logits."""
-    found = []
-    if getattr(model.config, "attn_logit_softcapping", None) is not None:
-        found.append("softcap (attn_logit_softcapping)")
-    if any(isinstance(getattr(m, "sinks", None), torch.nn.Parameter) for m in attention_modules(model)):
-        found.append("s_aux (learned sink logits)")
-    if found:
-        raise UnsupportedModelError(
-            f"{type(model).__name__} asks attention for {', '.join(found)}, which {what} does not implement; "
-            "attend densely (no fused decode) with the model's own attention implementation, or use a method "
-            "without it")
 
 
 def register_handler(handler: Callable) -> None:
@@ -79,7 +59,41 @@ def kvsqueeze_attention(module, query, key, value, attention_mask, dropout=0.0, 
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
+def kvsqueeze_eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """Attention dispatch: the first registered handler that takes the call, or the family's eager attention."""
+    for handler in _HANDLERS:
+        out = handler(module, query, key, value, attention_mask, scaling, **kwargs)
+        if out is not None:
+            return out
+    return family_eager(module)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def family_eager(module) -> Callable:
+    """The `eager_attention_forward` of the modeling file that defines `module`'s class."""
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise UnsupportedModelError(f"{type(module).__name__} runs eager attention, but its modeling module "
+                                    f"{type(module).__module__} has no `eager_attention_forward` to fall back on; "
+                                    "load the model with attn_implementation='sdpa'")
+    return eager
+
+
 def register_attention() -> None:
-    """Register the "kvsqueeze" attention and its mask builder (idempotent)."""
+    """Register both attention functions and their mask builders (idempotent)."""
     AttentionInterface.register(ATTN_NAME, kvsqueeze_attention)
     AttentionMaskInterface.register(ATTN_NAME, sdpa_mask)
+    AttentionInterface.register(EAGER_NAME, kvsqueeze_eager_attention)
+    AttentionMaskInterface.register(EAGER_NAME, eager_mask)
+
+
+def switch_attention(model) -> str:
+    """Switch `model` to the kvsqueeze attention over its own; returns the implementation to restore later."""
+    saved = model.config._attn_implementation
+    if saved in (ATTN_NAME, EAGER_NAME):
+        return saved  # already switched (another kvsqueeze user): restored to that
+    if saved not in ("sdpa", "eager"):
+        raise UnsupportedModelError(f"{type(model).__name__} runs attention implementation {saved!r}; kvsqueeze's "
+                                    "attention falls back on 'sdpa' or 'eager': load the model with one of them")
+    register_attention()
+    model.set_attn_implementation(EAGER_NAME if saved == "eager" else ATTN_NAME)
+    return saved

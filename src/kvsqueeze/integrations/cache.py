@@ -38,8 +38,8 @@ from ..shape import KVShape, kv_shape
 from .capture import ForwardCapture
 from .fingerprint import check_recipe
 from .layers import CompressedLayer, Fp16Layer
-from .parts import attention_modules, rotary_module
-from .preflight import preflight
+from .parts import attention_modules, layer_rotaries, layer_windows
+from .preflight import UnsupportedModelError, preflight
 
 SUPPORTED = ("fp16, and int / nf / nuq with keys per channel before RoPE and values per token, outliers per "
              "vector or per matrix, any sinks: e.g. 'nuq3-1%', 'nuq4', 'nuq2-1%:pm', 'nf3-1%:kchan:pre', "
@@ -148,10 +148,13 @@ class CompressedCache(Cache):
                 comps[name] += n
             capacity += layer.capacity_nbytes()
         if self.positions is not None:
-            comps["positions"] = self.positions.nbytes
+            comps["positions"] += self.positions.nbytes
             capacity += self.positions.capacity_nbytes
-        return MemoryReport(self.spec.name, self.shape.layers, self.layers[0].batch_size, self.get_seq_length(),
-                            self.shape.channels, comps, capacity)
+        seq = self.get_seq_length()
+        held = sum(layer.kept_tokens() for layer in self.layers)
+        dynamic = sum(seq if layer.window is None else min(seq, layer.window - 1) for layer in self.layers)
+        return MemoryReport(self.spec.name, self.shape.layers, self.layers[0].batch_size, seq, self.shape.channels,
+                            comps, capacity, held, dynamic)
 
 
 def cache_for(model, recipe: Recipe | str | Path | None = None,
@@ -176,21 +179,25 @@ def cache_for(model, recipe: Recipe | str | Path | None = None,
         recipe = Recipe.load(recipe)
     if recipe is not None:
         check_recipe(recipe, model)
+    try:
+        windows = layer_windows(model)  # sliding-window layers keep what DynamicCache keeps
+    except ValueError as exc:
+        raise UnsupportedModelError(str(exc)) from exc
     if spec.family == "fp16":
-        return CompressedCache([Fp16Layer() for _ in range(shape.layers)], spec, shape, None, None)
+        return CompressedCache([Fp16Layer(w) for w in windows], spec, shape, None, None)
     preflight(model)  # keys read where the model rotates them, or a clear refusal now
     attn = attention_modules(model)
     if len(attn) != shape.layers:
         raise ValueError(f"{type(model).__name__} has {len(attn)} attention modules for {shape.layers} layers; "
                          "kvsqueeze caches need one self-attention per layer")
-    rotary = rotary_module(model)
+    rotaries = layer_rotaries(model, shape.head_dim)
     device = next(model.parameters()).device
-    positions = PositionLog(device)  # one for all layers
+    positions = PositionLog(device)  # one for all full layers; a sliding layer drops tokens, and keeps its own
     stores = []
     for i in range(shape.layers):
         kq, vq = build_quantizers(spec, recipe, i, shape.channels)
         stores.append(KVStore(_to_device(kq, device), _to_device(vq, device), shape.channels, spec.sinks, device,
-                              head_dim=shape.head_dim, positions=positions))
+                              head_dim=shape.head_dim, positions=positions if windows[i] is None else None))
     capture = ForwardCapture.acquire(model)  # last, so that a failure above leaves no hooks behind
-    layers = [CompressedLayer(s, i, rotary, capture) for i, s in enumerate(stores)]
+    layers = [CompressedLayer(s, i, rotaries[i], capture, windows[i]) for i, s in enumerate(stores)]
     return CompressedCache(layers, spec, shape, positions, capture)

@@ -8,13 +8,13 @@ import torch
 
 from ..recipe import PROBES, Recipe
 from ..shape import kv_shape
-from .parts import attention_modules
+from .parts import attention_modules, key_weight
 
 
 def model_fingerprint(model) -> dict:
     """Shapes, a hash of the first key projection's weights and a few of those weights (`same_weights`)."""
     shape = kv_shape(model.config)
-    first = attention_modules(model)[0].k_proj.weight.detach().float().cpu().contiguous()
+    first = key_weight(attention_modules(model)[0], shape.channels).detach().float().cpu().contiguous()
     flat = first.view(-1)
     probe = flat[torch.linspace(0, flat.numel() - 1, min(PROBES, flat.numel())).round().long()]
     return {

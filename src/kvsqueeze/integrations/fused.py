@@ -31,15 +31,9 @@ import contextlib
 import torch
 
 from ..kernels import Backend, decode_attention, resolve_backend
-from .attention import (
-    ATTN_NAME,
-    causal_bool_mask,
-    refuse_model_options,
-    refuse_options,
-    register_attention,
-    register_handler,
-)
+from .attention import causal_bool_mask, register_handler, switch_attention
 from .layers import MARKER, CompressedLayer
+from .preflight import UnsupportedModelError
 
 
 def fused_attention(module, query: torch.Tensor, key, value, attention_mask, scaling: float | None, **kwargs):
@@ -52,7 +46,6 @@ def fused_attention(module, query: torch.Tensor, key, value, attention_mask, sca
     layer = getattr(key, MARKER, None)
     if layer is None:
         return None
-    refuse_options("the fused decode kernel", module, kwargs)
     b, _, q_len, d = query.shape
     if q_len != 1:
         raise RuntimeError(f"fused decode attention got a query of length {q_len}; it attends one new token")
@@ -61,7 +54,8 @@ def fused_attention(module, query: torch.Tensor, key, value, attention_mask, sca
     if attention_mask is not None:
         key_mask = causal_bool_mask(attention_mask, 1, t, query.device)[:, 0, 0, :].expand(b, t)
     out = decode_attention(query[:, :, 0, :].float(), layer.store.view(), layer.rope,
-                           scaling if scaling is not None else d**-0.5, key_mask, layer.decode_backend)  # [B, Hq, D]
+                           scaling if scaling is not None else d**-0.5, key_mask, layer.decode_backend,
+                           softcap=kwargs.get("softcap"), sink_logits=kwargs.get("s_aux"))  # [B, Hq, D]
     return out.to(query.dtype).unsqueeze(1), None
 
 
@@ -70,10 +64,8 @@ class FusedDecode:
 
     def __init__(self, model, cache, backend: Backend):
         self.model, self.cache, self.backend = model, cache, backend
-        self._saved_attn = model.config._attn_implementation
-        register_attention()
         register_handler(fused_attention)
-        model.set_attn_implementation(ATTN_NAME)
+        self._saved_attn = switch_attention(model)
         self.layers = [layer for layer in cache.layers if isinstance(layer, CompressedLayer)]
         for layer in self.layers:
             layer.decode_backend = backend
@@ -110,8 +102,15 @@ def enable_fused_decode(model, cache, backend: Backend | str = Backend.AUTO) -> 
     if not layers:
         raise ValueError("fused decode reads the compressed store of a CompressedCache built by "
                          "`kvsqueeze.cache_for` with a quantized method (e.g. 'nuq3-1%'); this cache has none")
-    refuse_model_options("the fused decode kernel", model)
-    return FusedDecode(model, cache, resolve_backend(backend, layers[0].store.device))
+    resolved = resolve_backend(backend, layers[0].store.device)
+    for layer in layers:
+        rope = layer.rope
+        if rope.rotary_dim != layer.head_dim and resolved != Backend.REFERENCE:
+            raise UnsupportedModelError(
+                f"layer {layer.layer_idx} of {type(model).__name__} turns {rope.rotary_dim} of the {layer.head_dim} "
+                f"channels of a head (partial rotary), which the {resolved.value} decode kernel does not implement; "
+                "pass backend='reference', or attend densely (no fused decode)")
+    return FusedDecode(model, cache, resolved)
 
 
 @contextlib.contextmanager

@@ -15,7 +15,7 @@ import torch
 from ..affine import choose_qparams, dequantize, quantize
 from ..datatypes import uniform_levels
 from ..methods import MethodSpec
-from .attention import causal_bool_mask, refuse_options
+from .attention import causal_bool_mask
 
 
 def fake_quantize_token_groups(k: torch.Tensor, group: int, bits: int) -> torch.Tensor:
@@ -47,8 +47,29 @@ def fake_quantize_channel_groups(v: torch.Tensor, group: int, bits: int) -> torc
 SCORE_BUDGET = 1 << 25  # attention scores (floats) materialized per query chunk
 
 
+def _attend(query, keys, values, mask, scaling, softcap=None, sink_logits=None) -> torch.Tensor:
+    """Softmax attention [B, Hq, Tq, D] under a bool mask; soft-capped logits (Gemma-2) and a learned sink
+    logit per query head (GPT-OSS) as the models' own attention computes them, else SDPA."""
+    gqa = query.shape[1] != keys.shape[1]
+    if softcap is None and sink_logits is None:
+        return torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
+                                                                enable_gqa=gqa)
+    g = query.shape[1] // keys.shape[1]
+    k, v = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
+    scores = query @ k.transpose(-1, -2) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    if sink_logits is not None:
+        extra = sink_logits.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
+        probs = torch.cat([scores, extra], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
+    return probs.to(v.dtype) @ v
+
+
 def kivi_attention(module, query, key, value, attention_mask, scaling, spec: MethodSpec,
-                   chunk: int | None = None):
+                   chunk: int | None = None, softcap: float | None = None, sink_logits=None):
     """Attention over [B, H, T, D] tensors where old tokens are KIVI-quantized and recent ones exact.
 
     Query rows are taken in chunks. For the chunk of positions [lo, hi), one SDPA
@@ -65,7 +86,6 @@ def kivi_attention(module, query, key, value, attention_mask, scaling, spec: Met
     kq = fake_quantize_token_groups(key, spec.group_size, spec.k_bits)
     vq = fake_quantize_channel_groups(value, spec.group_size, spec.v_bits)
     causal = causal_bool_mask(attention_mask, tq, tk, query.device)  # [B|1, 1, Tq, Tk]
-    gqa = h != key.shape[1]
     if chunk is None:
         chunk = max(1, SCORE_BUDGET // max(1, b * h * (tk + w)))
     outs = []
@@ -80,8 +100,7 @@ def kivi_attention(module, query, key, value, attention_mask, scaling, spec: Met
         mask = torch.cat([causal[..., s:e, :n_old] & old, causal[..., s:e, first:hi] & new], dim=-1)
         keys = torch.cat([kq[:, :, :n_old], key[:, :, first:hi]], dim=2)
         values = torch.cat([vq[:, :, :n_old], value[:, :, first:hi]], dim=2)
-        outs.append(torch.nn.functional.scaled_dot_product_attention(
-            query[:, :, s:e], keys, values, attn_mask=mask, scale=scaling, enable_gqa=gqa))
+        outs.append(_attend(query[:, :, s:e], keys, values, mask, scaling, softcap, sink_logits))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None
 
@@ -91,6 +110,6 @@ def kivi_handler(module, query, key, value, attention_mask, scaling, **kwargs):
     spec = getattr(module, "kvsqueeze_kivi", None)
     if spec is None:
         return None
-    refuse_options("the simulated KIVI attention", module, kwargs)
-    return kivi_attention(module, query, key, value, attention_mask, scaling, spec)
+    return kivi_attention(module, query, key, value, attention_mask, scaling, spec,
+                          softcap=kwargs.get("softcap"), sink_logits=kwargs.get("s_aux"))
 

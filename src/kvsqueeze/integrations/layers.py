@@ -39,22 +39,48 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..cache.buffers import GrowableTensor
 from ..cache.store import KVStore
-from ..rope import Rope, apply_rope
+from ..rope import Rope
+from .parts import LayerRotary
 
 MARKER = "kvsqueeze_layer"  # attribute of the empty key tensor a fused decode step returns
 
 
 class LayerBase(CacheLayerMixin):
-    """What both kvsqueeze layers share: length bookkeeping and the batch-row operations generate() uses."""
+    """What both kvsqueeze layers share: length bookkeeping, the sliding window and the batch-row operations
+    generate() uses.
+
+    A sliding-window layer (`window`: the model attends to the last `window` tokens, as Mistral's layers or
+    Gemma-3's local ones) keeps what transformers' `DynamicSlidingWindowLayer` keeps: the last window - 1
+    tokens after each forward, up to `EVICT_SLACK` more while fused decode steps run (tokens are dropped in
+    batches there, before a step, so that the kernel reads the store as it was written). It reports the
+    dropped tokens to the mask as an offset, like transformers' layer.
+    """
 
     is_croppable = True  # crop leaves exactly the state the cache had at that length
-    is_sliding = False  # the whole history is kept; a sliding-window mask still applies on top
+    EVICT_SLACK = 64  # tokens a sliding layer may keep past its window between two drops in fused decode
+
+    def __init__(self, window: int | None = None):
+        super().__init__()
+        if window is not None and window < 2:
+            raise ValueError(f"a sliding window of {window} tokens keeps no past; expected 2 or more")
+        self.window = window
+        self.dropped = 0  # tokens a sliding window moved past, per row
+
+    @property
+    def is_sliding(self) -> bool:
+        return self.window is not None
+
+    def kept_tokens(self) -> int:
+        raise NotImplementedError
+
+    def get_seq_length(self) -> int:
+        return self.dropped + self.kept_tokens()
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.get_seq_length() + query_length, 0
+        return self.kept_tokens() + query_length, self.dropped
 
     def get_max_length(self) -> int:
-        return -1
+        return self.window if self.window is not None else -1
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last -tokens_to_remove tokens (transformers' convention: a negative count)."""
@@ -62,7 +88,23 @@ class LayerBase(CacheLayerMixin):
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
         if tokens_to_remove == 0 or not self.is_initialized:
             return
-        self._crop(max(self.get_seq_length() + tokens_to_remove, 0))
+        target = max(self.get_seq_length() + tokens_to_remove, 0)
+        if target < self.dropped:
+            raise RuntimeError(f"this sliding-window layer (window {self.window}) no longer holds the tokens before "
+                               f"position {self.dropped}, so it cannot be cropped to {target} tokens")
+        self._crop(target - self.dropped)
+
+    def slide(self, slack: int = 0) -> None:
+        """A sliding layer holding more than window - 1 + slack tokens drops its oldest down to window - 1."""
+        if self.window is None:
+            return
+        extra = self.kept_tokens() - (self.window - 1)
+        if extra > slack:
+            self._drop_front(extra)
+            self.dropped += extra
+
+    def _drop_front(self, tokens: int) -> None:
+        raise NotImplementedError
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
@@ -104,18 +146,21 @@ class CompressedLayer(LayerBase):
     Args:
         store: the layer's compressed storage (its positions shared with the other layers).
         layer_idx: index of the attention module (its `k_proj` is hooked).
-        rotary: the model's rotary-embedding module (forward(x, position_ids) -> cos, sin).
-        capture: the model's `ForwardCapture` (None: always un-rotate).
+        rotary: how the layer turns its keys (`parts.layer_rotaries`).
+        capture: the model's `ForwardCapture` (None: keys only through `append_pre_rope`).
+        window: the layer's sliding window (None: it attends to every token); see `LayerBase`.
     """
 
-    def __init__(self, store: KVStore, layer_idx: int, rotary, capture=None):
-        super().__init__()
+    def __init__(self, store: KVStore, layer_idx: int, rotary: LayerRotary, capture=None,
+                 window: int | None = None):
+        super().__init__(window)
+        if window is not None and not store.owns_positions:
+            raise ValueError("a sliding-window layer drops its oldest tokens: its store needs positions of its own")
         self.store, self.layer_idx = store, layer_idx
         self.heads, self.head_dim = store.heads, store.head_dim
         self.rotary, self.capture = rotary, capture
         self.closed = False
         self.decode_backend = None  # a `kernels.Backend`: single-token updates return a marker (`fused.py`)
-        self._rope: tuple | None = None  # (the rotary module's frequency tensor, its version, `Rope`)
 
     @property
     def batch_size(self) -> int:
@@ -125,7 +170,7 @@ class CompressedLayer(LayerBase):
         self.device, self.dtype = key_states.device, key_states.dtype
         self.is_initialized = True
 
-    def get_seq_length(self) -> int:
+    def kept_tokens(self) -> int:
         return self.store.tokens
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -136,16 +181,20 @@ class CompressedLayer(LayerBase):
         b, h, t, d = key_states.shape
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        fused = self.decode_backend is not None and t == 1
+        if fused:
+            self.slide(self.EVICT_SLACK)  # before the step: the kernel reads the store after update returns
         start = self.get_seq_length()
         positions = _positions(extra.get("position_ids", kwargs.get("position_ids")), b, t, start, key_states.device)
-        cos, sin = self._cos_sin(positions, key_states.dtype)  # [B, 1, T, D]
-        keys = self._pre_rope_keys(key_states, cos, sin)  # [B, T, C]
+        keys = self._pre_rope_keys(key_states, self._cos_sin(positions, key_states.dtype))  # [B, T, C]
         values = value_states.transpose(1, 2).reshape(b, t, h * d)  # [B, T, C]
         real = self.capture.real_tokens(b, t) if self.capture is not None else None
         self.append_pre_rope(keys, values, positions, real)
-        if self.decode_backend is not None and t == 1:
+        if fused:
             return self.decode_marker(key_states.dtype)
-        return self.read(key_states.dtype)
+        out = self.read(key_states.dtype)
+        self.slide()  # what this forward attends to was read: keep the last window - 1 tokens
+        return out
 
     def append_pre_rope(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                         real: torch.Tensor | None = None) -> None:
@@ -168,8 +217,7 @@ class CompressedLayer(LayerBase):
         t, b = k.shape[:2]
         k = k.view(t, b, self.heads, self.head_dim).permute(1, 2, 0, 3).to(dtype)  # [B, H, T, D]
         v = v.view(t, b, self.heads, self.head_dim).permute(1, 2, 0, 3).to(dtype)
-        cos, sin = self._cos_sin(self.store.positions.view()[:t].t(), dtype)
-        return apply_rope(k, cos, sin), v
+        return self.rotary.apply(k, self._cos_sin(self.store.positions.view()[:t].t(), dtype)), v
 
     def decode_marker(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Empty keys and values [B, H, 0, D] that carry this layer, for the attention function to find."""
@@ -179,22 +227,15 @@ class CompressedLayer(LayerBase):
 
     @property
     def rope(self) -> Rope:
-        """The model's RoPE frequencies (`Rope.from_rotary`), read again only when they change."""
-        freq = getattr(self.rotary, "inv_freq", None)
-        hit = self._rope
-        if hit is not None and hit[0] is freq and not freq.is_inference() and hit[1] == freq._version:
-            return hit[2]
-        rope = Rope.from_rotary(self.rotary)
-        self._rope = (freq, freq._version if not freq.is_inference() else None, rope)
-        return rope
+        """The layer's RoPE frequencies for the kernels (`LayerRotary.rope`)."""
+        return self.rotary.rope
 
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, 1, T, D] from the model's own rotary module, as its attention gets them."""
-        probe = torch.zeros(1, dtype=dtype, device=positions.device)
-        cos, sin = self.rotary(probe, positions.long())
-        return cos.unsqueeze(1), sin.unsqueeze(1)
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [B, 1, T, R] from the model's own rotary module, as its attention gets them (None: no RoPE)."""
+        cs = self.rotary.cos_sin(positions, dtype)
+        return None if cs is None else (cs[0].unsqueeze(1), cs[1].unsqueeze(1))
 
-    def _pre_rope_keys(self, key_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def _pre_rope_keys(self, key_states: torch.Tensor, cos_sin) -> torch.Tensor:
         """The captured pre-RoPE keys [B, T, C] of the new tokens, checked to rotate into key_states [B, H, T, D]."""
         b, h, t, d = key_states.shape
         keys = self.capture.take_keys(self.layer_idx, b, t) if self.capture is not None else None
@@ -203,7 +244,7 @@ class CompressedLayer(LayerBase):
                 f"layer {self.layer_idx}: no pre-RoPE keys were captured for these {t} tokens; a compressed cache "
                 "is filled by the model's forward (model(..., cache=cache) or generate(cache=cache)), "
                 "or by `append_pre_rope` with the keys before RoPE")
-        rotated = apply_rope(keys.view(b, t, h, d).transpose(1, 2), cos, sin)
+        rotated = self.rotary.apply(keys.view(b, t, h, d).transpose(1, 2), cos_sin)
         tol = 1e-3 * float(key_states.abs().max().clamp_min(1e-6))
         if not torch.allclose(rotated, key_states, rtol=1e-3, atol=tol):
             raise RuntimeError(
@@ -216,25 +257,33 @@ class CompressedLayer(LayerBase):
     def _crop(self, tokens: int) -> None:
         self.store.crop(tokens)
 
+    def _drop_front(self, tokens: int) -> None:
+        self.store.drop_front(tokens)
+
     def _gather_rows(self, index: torch.Tensor) -> None:
         self.store.gather_rows(index)
 
     def reset(self) -> None:
         self.store.reset()
+        self.dropped = 0
         self.is_initialized = False
 
     def component_bytes(self) -> dict[str, int]:
-        return self.store.component_bytes()
+        comps = self.store.component_bytes()
+        if self.store.owns_positions:  # a sliding layer's own positions (the shared log is counted once)
+            comps["positions"] = self.store.positions.nbytes
+        return comps
 
     def capacity_nbytes(self) -> int:
-        return self.store.capacity_nbytes()
+        own = self.store.positions.capacity_nbytes if self.store.owns_positions else 0
+        return self.store.capacity_nbytes() + own
 
 
 class Fp16Layer(LayerBase):
     """The fp16 baseline: post-RoPE keys and values rounded to fp16, [T, B, H, D] growable buffers."""
 
-    def __init__(self):
-        super().__init__()
+    def __init__(self, window: int | None = None):
+        super().__init__(window)
         self.k = self.v = None
 
     @property
@@ -248,7 +297,7 @@ class Fp16Layer(LayerBase):
         self.v = GrowableTensor(row, torch.float16, self.device)
         self.is_initialized = True
 
-    def get_seq_length(self) -> int:
+    def kept_tokens(self) -> int:
         return len(self.k) if self.k is not None else 0
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -256,7 +305,9 @@ class Fp16Layer(LayerBase):
             self.lazy_initialization(key_states, value_states)
         self.k.append(key_states.permute(2, 0, 1, 3))  # [T, B, H, D]
         self.v.append(value_states.permute(2, 0, 1, 3))
-        return self.read(key_states.dtype)
+        out = self.read(key_states.dtype)
+        self.slide()
+        return out
 
     def read(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = dtype or self.dtype
@@ -266,6 +317,10 @@ class Fp16Layer(LayerBase):
         self.k.truncate(tokens)
         self.v.truncate(tokens)
 
+    def _drop_front(self, tokens: int) -> None:
+        self.k.drop_front(tokens)
+        self.v.drop_front(tokens)
+
     def _gather_rows(self, index: torch.Tensor) -> None:
         index = index.to(self.device).long()
         self.k.replace(self.k.view().index_select(1, index))
@@ -273,6 +328,7 @@ class Fp16Layer(LayerBase):
 
     def reset(self) -> None:
         self.k = self.v = None
+        self.dropped = 0
         self.is_initialized = False
 
     def component_bytes(self) -> dict[str, int]:

@@ -4,16 +4,21 @@ KVQuant quantizes keys before RoPE (Hooper et al., arXiv 2401.18079, Section
 3.2), so every path of kvsqueeze (calibration, simulation, the compressed cache,
 the kernels) must read each key where the model hands it to its rotary step:
 the output of the attention module's `k_norm` where it has one (Qwen3,
-OLMo-2), else its `k_proj` (`parts.key_module`). Values are read at `v_proj`.
+OLMo-2, Gemma-3), else its `k_proj` (`parts.key_module`). Values are read at
+`v_proj`. Each layer turns its keys as its `parts.LayerRotary` says (its layer
+type's frequencies, partial rotary, or no RoPE).
 
 The check runs the model once over a few tokens with transformers'
 `DynamicCache` and compares, for every layer, the keys and values read there
-(keys turned by the model's own rotary module at their positions) with what
-the model handed its cache. A layer where they differ — keys clipped or scaled
-inline, interleaved RoPE pairs, a layer without RoPE, a rotary module that
-needs a layer type, fused q/k/v projections — makes the model refused before
-any expensive work, with the layer, the family and what differs. A model that
-passed is remembered (per model object), so the check costs one forward.
+(keys turned by the layer's rotation at their positions) with what the model
+handed its cache. A layer where they differ — keys clipped or scaled inline,
+interleaved RoPE pairs, a layer without RoPE that does not say so, fused q/k/v
+projections — makes the model refused before any expensive work, with the
+layer, the family and what differs. So is RoPE whose frequencies change with
+the sequence length (dynamic NTK, LongRoPE): the model caches each key turned
+by the frequencies of its own step, which a cache that turns keys at read time
+cannot reproduce. A model that passed is remembered (per model object), so the
+check costs one forward.
 """
 
 from __future__ import annotations
@@ -22,9 +27,8 @@ import weakref
 
 import torch
 
-from ..rope import apply_rope
 from ..shape import kv_shape
-from .parts import attention_modules, key_source, read_forward, rope_cos_sin
+from .parts import attention_modules, key_source, layer_rotaries, read_forward, rotary_module
 
 PREFLIGHT_TOKENS = 8  # enough positions for every rotary pair to turn; the forward costs next to nothing
 _PASSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> the checks it passed
@@ -40,9 +44,11 @@ def _family(model) -> str:
 
 def _refuse(model, layer: int | None, what: str, fix: str = "") -> UnsupportedModelError:
     where = f"layer {layer} of " if layer is not None else ""
-    fix = fix or ("kvsqueeze supports decoders whose attention turns its `k_proj` (or `k_norm`) output by "
-                  "rotate-half RoPE (LLaMA, Mistral, Qwen2, Qwen3, OLMo-2, ...); methods that quantize keys "
-                  "after RoPE through the simulated path (e.g. int3, kivi2) do not depend on it")
+    fix = fix or ("kvsqueeze supports decoders whose attention turns its `k_proj` output (or its `k_norm` output, "
+                  "or the key slice of a fused `qkv_proj`) by rotate-half RoPE, over the whole head or its leading "
+                  "channels, per layer type, or not at all in layers marked `use_rope=False` (LLaMA, Mistral, "
+                  "Qwen2/3, Gemma-2/3, Phi, Phi-3, OLMo-2, SmolLM3, ...); methods that quantize keys after RoPE "
+                  "through the simulated path (e.g. int3, kivi2) do not depend on it")
     return UnsupportedModelError(f"{where}{_family(model)}: {what}; {fix}")
 
 
@@ -60,8 +66,9 @@ def preflight(model, keys: bool = True) -> None:
         attn = attention_modules(model)
     except ValueError as exc:
         raise _refuse(model, None, str(exc).split(";")[0],
-                      "fused q/k/v projections (Phi-3 `qkv_proj`, GPT-NeoX `query_key_value`) are not split "
-                      "by kvsqueeze yet") from exc
+                      "kvsqueeze reads keys and values at `k_proj` / `v_proj` or at the key and value slices of a "
+                      "fused `qkv_proj` laid out queries, keys, values (Phi-3); other fused layouts (GPT-NeoX "
+                      "`query_key_value`, interleaved per head) are not supported") from exc
     clip = getattr(model.config, "clip_qkv", None)
     if clip is not None:  # in place after k_proj and v_proj: neither the keys nor the values can be read
         raise _refuse(model, 0, f"keys and values are clipped in place to +-{clip} after their projections "
@@ -75,30 +82,46 @@ def preflight(model, keys: bool = True) -> None:
     t, h, d = PREFLIGHT_TOKENS, shape.kv_heads, shape.head_dim
     if keys:
         try:
-            cos, sin = rope_cos_sin(model, torch.arange(PREFLIGHT_TOKENS, device=device))  # [T, D]
+            kind = getattr(rotary_module(model), "rope_type", None)
+        except ValueError as exc:
+            raise _refuse(model, None, str(exc).split(";")[0], "methods that quantize keys after RoPE (e.g. int4, "
+                          "kivi2) do not need one") from exc
+        kinds = set(kind.values()) if isinstance(kind, dict) else {kind}
+        moving = sorted(k for k in kinds if k in ("dynamic", "longrope"))
+        if moving:
+            raise _refuse(model, None, f"its RoPE ({moving[0]}) changes its frequencies with the sequence length, "
+                          "and the model caches each key turned by the frequencies of the step that wrote it, which "
+                          "keys stored before RoPE and turned at read time cannot reproduce", "use a method that "
+                          "quantizes keys after RoPE (e.g. int4, kivi2), or a fixed rope scaling (linear, llama3, yarn)")
+        rotaries = layer_rotaries(model, d)
+        positions = torch.arange(PREFLIGHT_TOKENS, device=device).view(1, -1)
+        try:
+            turns = [r.cos_sin(positions) for r in rotaries]
         except TypeError as exc:
-            raise _refuse(model, 0, f"its rotary module cannot be called with positions alone ({exc}): RoPE "
-                          "that differs by layer type (local / global, as in Gemma-3) is not supported yet") from exc
-        if cos.shape[-1] != d:
-            raise _refuse(model, 0, f"its rotary embedding turns {cos.shape[-1]} of the {d} channels of a head "
-                          "(partial rotary, or half-width cos/sin): not supported yet")
+            raise _refuse(model, 0, f"its rotary module cannot be called with positions (and a layer type) "
+                          f"alone ({exc})") from exc
     eps = torch.finfo(next(model.parameters()).dtype).eps
     for i in range(len(attn)):
         cached_k, cached_v = cache.layers[i].keys.float(), cache.layers[i].values.float()  # [1, H, T, D]
-        if cached_k.shape[-2] != t:
-            raise _refuse(model, i, f"its cache layer keeps {cached_k.shape[-2]} of {t} tokens")
+        kept = cached_k.shape[-2]  # a sliding-window layer keeps only the most recent tokens
+        if not 0 < kept <= t:
+            raise _refuse(model, i, f"its cache layer holds {kept} tokens after a forward over {t}")
         if (i, "k") not in read or (i, "v") not in read:
-            missing = key_source(attn[i]) if (i, "k") not in read else "v_proj"
+            missing = key_source(attn[i]) if (i, "k") not in read or key_source(attn[i]) == "qkv_proj" else "v_proj"
             raise _refuse(model, i, f"its `{missing}` is not called in the forward, so its output is not the "
                           "tensor the model caches")
-        k = read[(i, "k")].float().reshape(1, t, h, d).transpose(1, 2)
-        v = read[(i, "v")].float().reshape(1, t, h, d).transpose(1, 2)
+        k = read[(i, "k")].float().reshape(1, t, h, d).transpose(1, 2)[:, :, t - kept :]
+        v = read[(i, "v")].float().reshape(1, t, h, d).transpose(1, 2)[:, :, t - kept :]
         if keys:
-            turned = apply_rope(k, cos.float(), sin.float())
+            cs = None if turns[i] is None else tuple(c[:, t - kept :].float().unsqueeze(1) for c in turns[i])
+            turned = rotaries[i].apply(k, cs)
             if not _close(turned, cached_k, eps):
                 source = key_source(attn[i])
-                if _close(k, cached_k, eps):
-                    what = f"its keys are cached as its `{source}` gives them, without RoPE (a layer without RoPE)"
+                if rotaries[i].turns and _close(k, cached_k, eps):
+                    what = (f"its keys are cached as its `{source}` gives them, without RoPE (a layer without "
+                            "RoPE whose attention module does not say so with `use_rope`)")
+                elif not rotaries[i].turns:
+                    what = f"its attention module says it uses no RoPE, yet the keys it caches are not its `{source}` output"
                 else:
                     what = (f"the keys it caches are not its `{source}` output turned by rotate-half RoPE "
                             f"(largest difference {float((turned - cached_k).abs().max()):.3g} against keys up to "
@@ -106,7 +129,8 @@ def preflight(model, keys: bool = True) -> None:
                             "or another pairing of the rotary channels)")
                 raise _refuse(model, i, what)
         if not _close(v, cached_v, eps):
-            raise _refuse(model, i, "the values it caches are not its `v_proj` output "
+            where = "the value slice of its `qkv_proj`" if key_source(attn[i]) == "qkv_proj" else "its `v_proj` output"
+            raise _refuse(model, i, f"the values it caches are not {where} "
                           f"(largest difference {float((v - cached_v).abs().max()):.3g})")
     _PASSED[model] = done | {"values"} | ({"keys"} if keys else set())
 

@@ -27,7 +27,7 @@ from ..methods import MethodSpec, storage_bits
 from ..quantizer import VectorQuantizer, build_quantizers
 from ..recipe import Recipe
 from ..shape import kv_shape
-from .attention import ATTN_NAME, refuse_model_options, register_attention, register_handler
+from .attention import register_handler, switch_attention
 from .fingerprint import check_recipe
 from .kivi import kivi_handler
 from .parts import attention_modules, hook_projections
@@ -96,8 +96,6 @@ class SimulatedQuantization:
         self.shape = kv_shape(model.config)
         if recipe is not None:
             check_recipe(recipe, model)
-        if spec.family == "kivi":
-            refuse_model_options("the simulated KIVI attention", model)
         if spec.reads_model_tensors:  # values (and pre-RoPE keys) read where the model makes them, or a refusal
             preflight(model, keys=spec.pre_rope_keys)
         self.attn = attention_modules(model)
@@ -145,10 +143,8 @@ class SimulatedQuantization:
         self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
         self._handles += hook_projections(self.model, self._quantize_projection)
         if self.spec.family == "kivi":
-            register_attention()
             register_handler(kivi_handler)
-            self._saved_attn = self.model.config._attn_implementation
-            self.model.set_attn_implementation(ATTN_NAME)
+            self._saved_attn = switch_attention(self.model)
             for a in self.attn:
                 a.kvsqueeze_kivi = self.spec
         return self

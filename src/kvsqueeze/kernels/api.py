@@ -107,12 +107,14 @@ def _entry(backend: Backend | str, device_type: str) -> Callable:
     return _load(resolve_backend(backend, device_type))
 
 
-def _check(q: torch.Tensor, kv: StoreView, rope: Rope, key_mask: torch.Tensor | None) -> None:
+def _check(q: torch.Tensor, kv: StoreView, rope: Rope, key_mask: torch.Tensor | None, partial: bool) -> None:
+    """Raise one ValueError listing every problem of the inputs (`partial`: the backend reads partial rotary)."""
     b, hq, d = q.shape
     t = kv.tokens
     pos = kv.positions.shape
     if (q.dtype == torch.float32 and d == kv.head_dim and not d % 2 and not hq % kv.heads and b == kv.batch
-            and t > 0 and len(pos) == 2 and pos[0] >= t and pos[1] == b and 2 * rope.half == d
+            and t > 0 and len(pos) == 2 and pos[0] >= t and pos[1] == b
+            and (2 * rope.half == d or (partial and 0 < 2 * rope.half < d))
             and (key_mask is None or (key_mask.dtype == torch.bool and key_mask.shape == (b, t)))):
         return  # every decode step passes here: the messages below are built only for a bad input
     problems = []
@@ -122,9 +124,9 @@ def _check(q: torch.Tensor, kv: StoreView, rope: Rope, key_mask: torch.Tensor | 
         problems.append(f"q head_dim {d} != cache head_dim {kv.head_dim} (must be even for RoPE)")
     if hq % kv.heads:
         problems.append(f"{hq} query heads are not a multiple of {kv.heads} KV heads")
-    if 2 * rope.half != d:
+    if 2 * rope.half != d and not (partial and 0 < 2 * rope.half < d):
         problems.append(f"the RoPE frequencies turn {2 * rope.half} channels, the heads have {d} (partial rotary "
-                        "is not supported by the kernels)")
+                        "is read by the reference backend only)")
     if b != kv.batch:
         problems.append(f"q has {b} rows, the cache {kv.batch}")
     if t == 0:
@@ -138,7 +140,8 @@ def _check(q: torch.Tensor, kv: StoreView, rope: Rope, key_mask: torch.Tensor | 
 
 
 def decode_attention(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
-                     key_mask: torch.Tensor | None = None, backend: Backend | str = Backend.AUTO) -> torch.Tensor:
+                     key_mask: torch.Tensor | None = None, backend: Backend | str = Backend.AUTO,
+                     softcap: float | None = None, sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """Attention of one new query token per row over a compressed cache.
 
     Args:
@@ -149,10 +152,17 @@ def decode_attention(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
         scaling: score multiplier (usually D ** -0.5).
         key_mask: bool [B, T], False where a row must not attend (padding, sliding window); None: all.
         backend: a `Backend` or its name.
+        softcap: scores become softcap * tanh(score / softcap) before the mask (Gemma-2); None: not capped.
+        sink_logits: [Hq], a learned logit per query head that joins the softmax with no value (GPT-OSS).
 
     Returns:
         float32 [B, Hq, D].
     """
     impl = _entry(backend, q.device.type)
-    _check(q, kv, rope, key_mask)
-    return impl(q.contiguous(), kv, rope, float(scaling), key_mask)
+    _check(q, kv, rope, key_mask, getattr(impl, "partial_rotary", False))
+    if sink_logits is not None and sink_logits.numel() != q.shape[1]:
+        raise ValueError(f"decode_attention: sink_logits must hold one logit per query head ({q.shape[1]}), "
+                         f"got {tuple(sink_logits.shape)}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"decode_attention: softcap must be positive (None: no cap), got {softcap}")
+    return impl(q.contiguous(), kv, rope, float(scaling), key_mask, softcap, sink_logits)

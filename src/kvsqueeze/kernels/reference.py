@@ -14,7 +14,7 @@ import torch
 
 from ..affine import dequantize
 from ..packing import unpack_codes
-from ..rope import Rope, apply_rope
+from ..rope import Rope
 from .view import Outliers, StoreView
 
 
@@ -47,7 +47,8 @@ def dequantize_view(kv: StoreView) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def decode_attention(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
-                     key_mask: torch.Tensor | None) -> torch.Tensor:
+                     key_mask: torch.Tensor | None, softcap: float | None = None,
+                     sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """See `kvsqueeze.kernels.decode_attention`; q float32 [B, Hq, D] -> float32 [B, Hq, D]."""
     bsz, hq, d = q.shape
     h, t = kv.heads, kv.tokens
@@ -55,11 +56,19 @@ def decode_attention(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
     k, v = dequantize_view(kv)  # [T, B, C]
     k = k.view(t, bsz, h, d).permute(1, 2, 0, 3)  # [B, H, T, D]
     v = v.view(t, bsz, h, d).permute(1, 2, 0, 3)
-    cos, sin = rope.cos_sin(kv.positions[:t].t())  # [B, T, D/2]
-    k = apply_rope(k, cos[:, None], sin[:, None])
+    k = rope.apply(k, kv.positions[:t].t()[:, None])  # turned at each token's position
     qg = q.view(bsz, h, g, d)  # query head h * G + j reads KV head h
     scores = torch.einsum("bhgd,bhtd->bhgt", qg, k) * scaling  # [B, H, G, T]
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     if key_mask is not None:
         scores = scores.masked_fill(~key_mask[:, None, None, :], float("-inf"))
-    probs = scores.softmax(dim=-1)
+    if sink_logits is not None:  # one more logit per query head, with no value
+        extra = sink_logits.float().to(scores.device).view(1, h, g, 1).expand(bsz, h, g, 1)
+        probs = torch.cat([scores, extra], dim=-1).softmax(dim=-1)[..., :-1]
+    else:
+        probs = scores.softmax(dim=-1)
     return torch.einsum("bhgt,bhtd->bhgd", probs, v).reshape(bsz, hq, d)
+
+
+decode_attention.partial_rotary = True  # `rope` may turn only the leading channels of each head

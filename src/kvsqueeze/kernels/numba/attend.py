@@ -58,6 +58,7 @@ from .tables import BLOCK, RopeTables, build_tables
 from .values import sink_values, value_sums
 
 _NO_BIAS = np.zeros((0, 0), np.float32)
+_NO_SINK_LOGITS = np.zeros(0, np.float32)
 _NO_OUTLIERS = (np.zeros(0, np.uint32), np.zeros(0, np.uint16), np.zeros(0, np.uint16), -1)
 _POINTERLESS = np.zeros(0, np.uint32)  # fixed-count value outliers: no pass reads row pointers
 _TABLES: dict[tuple, RopeTables] = {}  # (frequencies, scaling) -> RoPE tables, grown by doubling
@@ -65,9 +66,10 @@ _SCRATCH = threading.local()  # per thread: float32 buffers a call's scores and 
 
 
 def decode_attention(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
-                     key_mask: torch.Tensor | None) -> torch.Tensor:
+                     key_mask: torch.Tensor | None, softcap: float | None = None,
+                     sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """See `kvsqueeze.kernels.decode_attention`; q float32 [B, Hq, D] on the CPU -> float32 [B, Hq, D]."""
-    inputs = kernel_inputs(q, kv, rope, scaling, key_mask)
+    inputs = kernel_inputs(q, kv, rope, scaling, key_mask, softcap, sink_logits)
     # work items are handed out one at a time: a thread that starts late (woken from sleep after other work,
     # such as torch's, ran on the machine) leaves its items to the others instead of holding up the pass
     chunk = numba.set_parallel_chunksize(1)
@@ -87,8 +89,9 @@ class KernelInputs(NamedTuple):
     [nnz], k_val / v_val fp16 bits [nnz]; k_under, v_under: the code under every outlier (-1: codes vary);
     v_fixed: value outliers per slot when every slot holds that many (0: counts vary); chan_head, chan_pos
     uint32 [C]: the head and offset of every channel; sink_k, sink_v fp16 bits [B, S, C], sink_slot int32 [B, S];
-    scale_zero fp16 bits [T, B, 2]; bias float32 [B, T] of 0 / -inf ([0, 0]: no mask); threads: numba's;
-    scores float32 [B, Hq, T] and sz float32 [2, B, T]: scratch space.
+    scale_zero fp16 bits [T, B, 2]; bias float32 [B, T] of 0 / -inf ([0, 0]: no mask); softcap: the logit cap
+    (0: none); sink_logit float32 [Hq]: a learned logit per query head that joins the softmax without a value
+    (empty: none); threads: numba's; scores float32 [B, Hq, T] and sz float32 [2, B, T]: scratch space.
     """
 
     q: np.ndarray
@@ -121,13 +124,16 @@ class KernelInputs(NamedTuple):
     sink_slot: np.ndarray
     scale_zero: np.ndarray
     bias: np.ndarray
+    softcap: np.float32
+    sink_logit: np.ndarray
     threads: int
     scores: np.ndarray
     sz: np.ndarray
 
 
 def kernel_inputs(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
-                  key_mask: torch.Tensor | None) -> KernelInputs:
+                  key_mask: torch.Tensor | None, softcap: float | None = None,
+                  sink_logits: torch.Tensor | None = None) -> KernelInputs:
     """The passes' inputs for one call (also what `benchmarks/decode_passes.py` times the passes on)."""
     a = _arrays(kv)
     klut, vlut = _luts(kv)
@@ -149,7 +155,9 @@ def kernel_inputs(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
     return KernelInputs(_np(q), a.k_codes[:t], a.v_codes[:t], klut, vlut, kv.k_bits, kv.v_bits, kv.heads, positions,
                         tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling), *k_sparse, *v_sparse,
                         v_fixed, *_channel_maps(kv.heads, d), a.sink_k, a.sink_v, a.sink_slot, a.scale_zero[:t],
-                        bias, numba.get_num_threads(), _scratch("scores", bsz * hq * t).reshape(bsz, hq, t),
+                        bias, np.float32(softcap or 0.0), _NO_SINK_LOGITS if sink_logits is None else
+                        np.ascontiguousarray(sink_logits.detach().float().cpu().numpy().reshape(hq)),
+                        numba.get_num_threads(), _scratch("scores", bsz * hq * t).reshape(bsz, hq, t),
                         _scratch("sz", 2 * bsz * t).reshape(2, bsz, t))
 
 
@@ -313,7 +321,7 @@ def _position_range(positions):
 @njit(cache=True)
 def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo,
             scaling, k_ptr, k_chan, k_val, k_under, v_ptr, v_chan, v_val, v_under, v_fixed, chan_head,
-            chan_pos, sink_k, sink_v, sink_slot, scale_zero, bias, threads, scores, sz):
+            chan_pos, sink_k, sink_v, sink_slot, scale_zero, bias, softcap, sink_logit, threads, scores, sz):
     """All passes in order, one dispatch from Python; returns float32 [B, Hq, D]. The arguments are the fields of
     `KernelInputs`, one by one: passed as one tuple, its arrays compile to code about a third slower."""
     bsz, hq, d = q.shape
@@ -326,7 +334,11 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, c
     if has_sinks:
         sink_scores(q, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, sink_k, sink_slot, scores)
     m = np.empty((bsz, hq), np.float32)
-    row_max(scores, bias, m)
+    row_max(scores, bias, softcap, m)
+    if sink_logit.shape[0]:  # a learned logit joins each query head's softmax: it may be the maximum
+        for b in range(bsz):
+            for hh in range(hq):
+                m[b, hh] = max(m[b, hh], sink_logit[hh])
     items = starts.shape[0] - 1
     partial = np.empty((bsz, heads, items, hq // heads, d), np.float32)
     psum = np.empty((bsz, heads, items, hq // heads), np.float32)
@@ -360,5 +372,7 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, c
                     out)
     for b in range(bsz):
         for hh in range(hq):
+            if sink_logit.shape[0]:
+                total[b, hh] += np.exp(sink_logit[hh] - m[b, hh])
             out[b, hh] /= total[b, hh]
     return out

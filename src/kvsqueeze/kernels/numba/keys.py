@@ -141,14 +141,18 @@ def sink_scores(q, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, si
 
 
 @njit(parallel=True, cache=True)
-def row_max(scores, bias, m):
+def row_max(scores, bias, softcap, m):
     """m[b, hq] = max over T of scores[b, hq] + bias[b], the bias added in place (bias float32 [B, T] of
-    0 / -inf, or [0, 0]: none). The softmax itself happens in the value pass: exp(score - m) there."""
+    0 / -inf, or [0, 0]: none), after soft-capping the scores to softcap * tanh(score / softcap) where
+    softcap > 0 (Gemma-2). The softmax itself happens in the value pass: exp(score - m) there."""
     n_rows, hq_all, n_tok = scores.shape
     full = n_tok // LANES * LANES
     for r in prange(n_rows * hq_all):
         row = r * n_tok
         flat = scores.reshape(-1)
+        if softcap > 0:
+            for t in range(n_tok):
+                flat[row + t] = softcap * np.tanh(flat[row + t] / softcap)
         if bias.shape[0]:
             brow = bias[r // hq_all]
             for t in range(n_tok):

