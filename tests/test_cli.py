@@ -117,3 +117,21 @@ def test_dtype_reaches_the_model_and_float16_calibration_runs_in_float32(tiny_mo
         # the same statistics as the float32 model's, up to the float16 rounding of the activations
         assert torch.isfinite(t).all(), name
         torch.testing.assert_close(t.float(), full.tensors[name].float(), atol=5e-2, rtol=5e-2, msg=name)
+
+
+def test_device_reaches_the_model_or_is_refused_with_the_reason(tiny_model_dir, tiny_recipe_dir, capsys):
+    import torch
+
+    from kvsqueeze.integrations.loading import load_model
+
+    model, _ = load_model(str(tiny_model_dir), device="cpu")
+    assert next(model.parameters()).device == torch.device("cpu")
+    args = ["generate", "--model", str(tiny_model_dir), "--recipe", str(tiny_recipe_dir), "--prompt", "the cache",
+            "--max-new-tokens", "2"]
+    assert main([*args, "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert main([*args, "--device", "gpu0"]) == 2
+    assert "not a torch device name" in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        assert main([*args, "--device", "cuda"]) == 2
+        assert "sees no CUDA GPU; use --device cpu" in capsys.readouterr().err

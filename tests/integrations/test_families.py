@@ -145,9 +145,6 @@ def test_compressed_cache_equals_simulated_quantization(supported):
     assert not torch.allclose(want, fp, atol=1e-3)  # the quantization did something
 
 
-PARTIAL_ROTARY = {"phi"}
-
-
 def test_fused_decode_equals_dense_with_a_left_padded_batch(supported):
     name, model, recipe = supported
     ids = random_ids(2, 10, seed=4)
@@ -157,12 +154,7 @@ def test_fused_decode_equals_dense_with_a_left_padded_batch(supported):
     with torch.no_grad():
         dense = model.generate(ids, cache=kvsqueeze.cache_for(model, recipe, "nuq3-1%"), **kw)
         cache = kvsqueeze.cache_for(model, recipe, "nuq3-1%")
-        backend = Backend.NUMBA
-        if name in PARTIAL_ROTARY:  # the numba kernel turns whole heads: it refuses before any token
-            with pytest.raises(UnsupportedModelError, match="partial rotary"):
-                fused_decode(model, cache, Backend.NUMBA).__enter__()
-            backend = Backend.REFERENCE
-        with fused_decode(model, cache, backend):
+        with fused_decode(model, cache, Backend.NUMBA):
             fused = model.generate(ids, cache=cache, **kw)
     assert fused.shape == (2, 22) and torch.equal(fused, dense)
 

@@ -228,6 +228,25 @@ def test_backend_equals_reference_beyond_65536_tokens(backend):
 
 
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("rotary", [8, 32, 0])
+def test_backend_equals_reference_when_rope_turns_part_of_each_head(backend, rotary):
+    """Partial rotary (Phi, StableLM: the first R channels turn in pairs (j, j + R/2), the rest pass) and no
+    rotation at all (NoPE layers, `Rope.identity`), with outliers, sinks and padding restarting positions."""
+    batch, tokens, heads, head_dim = 2, 150, 2, 64
+    real = torch.ones(batch, tokens, dtype=torch.bool)
+    real[1, :37] = False
+    store = make_store(tokens, batch, heads, head_dim, 3, 0.02, 2, real=real, positions=positions_for(tokens, batch, real))
+    kv = store.view()
+    q = torch.randn(batch, heads * 3, head_dim, generator=torch.Generator().manual_seed(7))
+    rope = Rope.default(rotary, theta=100.0) if rotary else Rope.identity(head_dim)
+    ref = decode_attention(q, kv, rope, 0.125, key_mask=real, backend=Backend.REFERENCE)
+    got = decode_attention(q, kv, rope, 0.125, key_mask=real, backend=backend)
+    torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+    full = decode_attention(q, kv, Rope.default(head_dim, theta=100.0), 0.125, key_mask=real, backend=backend)
+    assert (full - got).abs().max() > 1e-3  # the channels past R really are left alone
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_softcap_and_sink_logits_equal_the_reference_and_the_formula(backend):
     """Soft-capped logits (Gemma-2) and a learned logit per query head with no value (GPT-OSS), as the models'
     own eager attention computes them: cap, mask, then softmax over the tokens and the sink logit."""
@@ -335,8 +354,8 @@ def test_bad_inputs_are_explained():
         decode_attention(torch.zeros(1, 4, 16, dtype=torch.float16), kv, rope, 1.0)
     with pytest.raises(ValueError, match="key_mask must be bool"):
         decode_attention(torch.zeros(1, 4, 16), kv, rope, 1.0, key_mask=torch.ones(1, 4, dtype=torch.bool))
-    with pytest.raises(ValueError, match="RoPE frequencies turn 8 channels, the heads have 16"):
-        decode_attention(torch.zeros(1, 4, 16), kv, Rope.default(8), 1.0)  # a table read past its end otherwise
+    with pytest.raises(ValueError, match="RoPE frequencies turn 32 channels, the heads have 16"):
+        decode_attention(torch.zeros(1, 4, 16), kv, Rope.default(32), 1.0)  # a table read past its end otherwise
 
 
 # ---- generate() through the fused path ------------------------------------------------------------

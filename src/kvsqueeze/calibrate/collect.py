@@ -92,7 +92,7 @@ def _collect(model, samples: torch.Tensor, sinks: int, progress: bool) -> Activa
     total_loss = 0.0
     try:
         for j in tqdm(range(s), desc="fisher", unit="seq", disable=not progress):
-            ids = samples[j : j + 1]
+            ids = samples[j : j + 1].to(embed.weight.device)
             captured.clear()
             emb = embed(ids).detach().requires_grad_(True)
             out = model(inputs_embeds=emb, labels=ids, use_cache=False)

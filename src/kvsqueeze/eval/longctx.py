@@ -26,7 +26,7 @@ ENGINES = ("sim", "cache")
 @torch.no_grad()
 def greedy_answer(model, tok, text: str, cache, max_new_tokens: int = ANSWER_TOKENS) -> str:
     """Greedy continuation of `text` through `cache` (a fresh transformers Cache)."""
-    ids = tok(text, return_tensors="pt")["input_ids"]
+    ids = tok(text, return_tensors="pt")["input_ids"].to(next(model.parameters()).device)
     out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache,
                          max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
     return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)

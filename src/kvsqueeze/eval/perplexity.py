@@ -33,6 +33,7 @@ class PplRow:
 @torch.no_grad()
 def window_nll(model, ids: torch.Tensor, sim: SimulatedQuantization) -> tuple[float, int]:
     """Summed next-token NLL over ids [B, T] and the number of predicted tokens."""
+    ids = ids.to(next(model.parameters()).device)
     out = model(input_ids=ids, cache=sim.new_cache(), use_cache=True)
     logits = out.logits[:, :-1].float()
     if not torch.isfinite(logits).all():

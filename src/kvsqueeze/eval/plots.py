@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DEFAULT_DTYPE, InspectConfig
+from ..config import DEFAULT_DEVICE, DEFAULT_DTYPE, InspectConfig
 
 
 def _plt():
@@ -24,7 +24,7 @@ def capture_kv(model, ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
     """Per layer pre-RoPE keys, post-RoPE keys (as the model caches them) and values [T, C] of ids [1, T]."""
     from ..integrations.parts import read_forward
 
-    reads, cache = read_forward(model, ids)
+    reads, cache = read_forward(model, ids.to(next(model.parameters()).device))
     out = {"k_pre": [], "k_post": [], "v": []}
     for i, layer in enumerate(cache.layers):
         out["k_pre"].append(reads[(i, "k")][0].float())
@@ -34,12 +34,13 @@ def capture_kv(model, ids: torch.Tensor) -> dict[str, list[torch.Tensor]]:
 
 
 def inspect_activations(model_name: str, text_name: str, out_dir: str, layer: int | None = InspectConfig.layer,
-                        seqlen: int = InspectConfig.seqlen, dtype: str = DEFAULT_DTYPE) -> list[Path]:
+                        seqlen: int = InspectConfig.seqlen, dtype: str = DEFAULT_DTYPE,
+                        device: str = DEFAULT_DEVICE) -> list[Path]:
     """Write the per-channel magnitude plot for one layer and the per-layer distribution plot."""
     from ..integrations.loading import load_model
     from .texts import load_text, token_windows
 
-    model, tok = load_model(model_name, dtype)
+    model, tok = load_model(model_name, dtype, device)
     ids = token_windows(tok, load_text(text_name).evaluation, seqlen, max_windows=1)
     acts = capture_kv(model, ids)
     n_layers = len(acts["v"])

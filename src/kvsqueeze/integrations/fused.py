@@ -33,7 +33,6 @@ import torch
 from ..kernels import Backend, decode_attention, resolve_backend
 from .attention import causal_bool_mask, register_handler, switch_attention
 from .layers import MARKER, CompressedLayer
-from .preflight import UnsupportedModelError
 
 
 def fused_attention(module, query: torch.Tensor, key, value, attention_mask, scaling: float | None, **kwargs):
@@ -102,15 +101,7 @@ def enable_fused_decode(model, cache, backend: Backend | str = Backend.AUTO) -> 
     if not layers:
         raise ValueError("fused decode reads the compressed store of a CompressedCache built by "
                          "`kvsqueeze.cache_for` with a quantized method (e.g. 'nuq3-1%'); this cache has none")
-    resolved = resolve_backend(backend, layers[0].store.device)
-    for layer in layers:
-        rope = layer.rope
-        if rope.rotary_dim != layer.head_dim and resolved != Backend.REFERENCE:
-            raise UnsupportedModelError(
-                f"layer {layer.layer_idx} of {type(model).__name__} turns {rope.rotary_dim} of the {layer.head_dim} "
-                f"channels of a head (partial rotary), which the {resolved.value} decode kernel does not implement; "
-                "pass backend='reference', or attend densely (no fused decode)")
-    return FusedDecode(model, cache, resolved)
+    return FusedDecode(model, cache, resolve_backend(backend, layers[0].store.device))
 
 
 @contextlib.contextmanager

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from ..config import DEFAULT_DTYPE, DEFAULT_MODEL, DTYPES
+from ..config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MODEL, DTYPES
 from ..shape import kv_shape
 
 
@@ -130,12 +130,29 @@ def resolve_model_path(model: str) -> str:
     return model
 
 
-def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype | str = DEFAULT_DTYPE):
+def resolve_device(device: torch.device | str) -> torch.device:
+    """`device` as a torch device this machine has, or a ModelLoadError that says why not."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ModelLoadError(f"--device {device!r} is not a torch device name (cpu, cuda, cuda:1, ...)") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ModelLoadError(f"--device {device}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ModelLoadError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    if dev.type not in ("cpu", "cuda") and not getattr(torch, dev.type, None):
+        raise ModelLoadError(f"--device {device}: torch has no {dev.type!r} backend here")
+    return dev
+
+
+def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype | str = DEFAULT_DTYPE,
+               device: torch.device | str = DEFAULT_DEVICE):
     """Load (model, tokenizer) in eval mode.
 
     Args:
         model: a name of `BUNDLED` ('smollm2-135m', ...), a hub id available offline or a local directory.
         dtype: a torch dtype or its name, one of `config.DTYPES`.
+        device: where the model runs ("cpu", "cuda", ...); every command moves its inputs there.
 
     Attention runs through SDPA, except for models that soft-cap their attention logits (Gemma-2), which
     SDPA cannot do: those keep transformers' eager attention.
@@ -146,6 +163,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype | str = DEFAULT_DT
         if dtype not in DTYPES:
             raise ModelLoadError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
         dtype = getattr(torch, dtype)
+    dev = resolve_device(device)
     path = resolve_model_path(model)
     try:
         tok = AutoTokenizer.from_pretrained(path)
@@ -156,7 +174,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype | str = DEFAULT_DT
             f"could not load model {model!r}: {exc}. Pass a local directory with config.json and weights, "
             f"a Hugging Face model id available offline, or {DEFAULT_MODEL!r}"
         ) from exc
-    lm.eval()
+    lm.to(dev).eval()
     lm.config.name_or_path = model
     kv_shape(lm.config)  # fail early on models without KV heads
     return lm, tok

@@ -107,14 +107,14 @@ def _entry(backend: Backend | str, device_type: str) -> Callable:
     return _load(resolve_backend(backend, device_type))
 
 
-def _check(q: torch.Tensor, kv: StoreView, rope: Rope, key_mask: torch.Tensor | None, partial: bool) -> None:
-    """Raise one ValueError listing every problem of the inputs (`partial`: the backend reads partial rotary)."""
+def _check(q: torch.Tensor, kv: StoreView, rope: Rope, key_mask: torch.Tensor | None) -> None:
+    """Raise one ValueError listing every problem of the inputs."""
     b, hq, d = q.shape
     t = kv.tokens
     pos = kv.positions.shape
     if (q.dtype == torch.float32 and d == kv.head_dim and not d % 2 and not hq % kv.heads and b == kv.batch
             and t > 0 and len(pos) == 2 and pos[0] >= t and pos[1] == b
-            and (2 * rope.half == d or (partial and 0 < 2 * rope.half < d))
+            and 0 < 2 * rope.half <= d
             and (key_mask is None or (key_mask.dtype == torch.bool and key_mask.shape == (b, t)))):
         return  # every decode step passes here: the messages below are built only for a bad input
     problems = []
@@ -124,9 +124,8 @@ def _check(q: torch.Tensor, kv: StoreView, rope: Rope, key_mask: torch.Tensor | 
         problems.append(f"q head_dim {d} != cache head_dim {kv.head_dim} (must be even for RoPE)")
     if hq % kv.heads:
         problems.append(f"{hq} query heads are not a multiple of {kv.heads} KV heads")
-    if 2 * rope.half != d and not (partial and 0 < 2 * rope.half < d):
-        problems.append(f"the RoPE frequencies turn {2 * rope.half} channels, the heads have {d} (partial rotary "
-                        "is read by the reference backend only)")
+    if not 0 < 2 * rope.half <= d:
+        problems.append(f"the RoPE frequencies turn {2 * rope.half} channels, the heads have {d}")
     if b != kv.batch:
         problems.append(f"q has {b} rows, the cache {kv.batch}")
     if t == 0:
@@ -159,7 +158,7 @@ def decode_attention(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
         float32 [B, Hq, D].
     """
     impl = _entry(backend, q.device.type)
-    _check(q, kv, rope, key_mask, getattr(impl, "partial_rotary", False))
+    _check(q, kv, rope, key_mask)
     if sink_logits is not None and sink_logits.numel() != q.shape[1]:
         raise ValueError(f"decode_attention: sink_logits must hold one logit per query head ({q.shape[1]}), "
                          f"got {tuple(sink_logits.shape)}")

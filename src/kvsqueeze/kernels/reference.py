@@ -69,6 +69,3 @@ def decode_attention(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
     else:
         probs = scores.softmax(dim=-1)
     return torch.einsum("bhgt,bhtd->bhgd", probs, v).reshape(bsz, hq, d)
-
-
-decode_attention.partial_rotary = True  # `rope` may turn only the leading channels of each head

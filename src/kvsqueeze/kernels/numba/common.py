@@ -54,10 +54,11 @@ def block_rotation(q, b, positions, t0, n, cos_hi, sin_hi, cos_lo, sin_lo, qr, c
     Consecutive positions p0 + u (the usual case): RoPE(p0 + u) = RoPE(p0) RoPE(u), and
     q . RoPE(p0) RoPE(u) k = (RoPE(p0)^T q) . RoPE(u) k, so the block's queries are turned back by p0
     into qr [1, Hq, D] and every block rotates its keys by the fixed low tables (cos_lo, sin_lo at u):
-    no per-block tables. Otherwise (padding restarts the positions inside the block) cs, sn [D/2, BLOCK]
-    get cos/sin at each token's own position and q is used as it is.
+    no per-block tables. Otherwise (padding restarts the positions inside the block) cs, sn [R/2, BLOCK]
+    get cos/sin at each token's own position and q is used as it is. Channels from R on (partial rotary) are
+    not turned: qr holds them as q does.
     """
-    half, hq_all = cs.shape[0], q.shape[1]
+    half, hq_all, d = cs.shape[0], q.shape[1], q.shape[2]
     p0 = positions[t0, b]
     for t in range(1, n):
         if positions[t0 + t, b] != p0 + t:
@@ -67,7 +68,9 @@ def block_rotation(q, b, positions, t0, n, cos_hi, sin_hi, cos_lo, sin_lo, qr, c
             return False
     hi = p0 // BLOCK
     lo = p0 - hi * BLOCK
-    d = 2 * half
+    for r in range(hq_all):
+        for c in range(2 * half, d):
+            qr[0, r, c] = q[b, r, c]
     for j in range(0, half, LANES):  # cos/sin of p0 at 16 pairs a vector, then every query head's pairs
         m = half - j
         ch, sh = vload_first(cos_hi, hi * half + j, m), vload_first(sin_hi, hi * half + j, m)

@@ -32,6 +32,9 @@ if BLOCK != 4 * LANES:  # `_dot_group` covers a block with four vectors
 def key_scores(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, starts, scores):
     """scores[b, hq, t] = scaling * q[b, hq] . RoPE(LUT-dequantized key of token t, KV head hq // G).
 
+    RoPE turns the first R = 2 * len(inv_freq) channels of a head in pairs (j, j + R/2) (the tables' width:
+    R = D unless the model rotates part of each head) and leaves the others as they are.
+
     Args:
         q: float32 [B, Hq, D]; codes: uint32 [T, B, W]; klut: float32 [C, 16] per-channel tables.
         positions: int32 [T, B]; cos_hi .. sin_lo: `rope.RopeTables`.
@@ -41,7 +44,7 @@ def key_scores(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo, s
     n_tok, n_rows, _ = codes.shape
     hq_all, d = q.shape[1], q.shape[2]
     g_size = hq_all // heads
-    half = d // 2
+    rot = cos_lo.shape[0]  # rotary pairs
     n_items = starts.shape[0] - 1
     max_words = ((d * bits + 31) >> 5) + 2  # a head's words, and one more that `decode` reads
     vscale = vsplat(scaling)
@@ -49,8 +52,8 @@ def key_scores(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo, s
         b = item // n_items
         first, last = starts[item % n_items], starts[item % n_items + 1]
         wb = np.empty((max_words, BLOCK), np.uint32)
-        cs = np.empty((half, BLOCK), np.float32)
-        sn = np.empty((half, BLOCK), np.float32)
+        cs = np.empty((rot, BLOCK), np.float32)
+        sn = np.empty((rot, BLOCK), np.float32)
         qr = np.empty((1, hq_all, d), np.float32)
         for t0 in range(first, last, BLOCK):
             n = min(BLOCK, last - t0)
@@ -62,7 +65,7 @@ def key_scores(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo, s
                 w0 = (h * d * bits) >> 5
                 gather_words(codes, b, t0, n, w0, (((h + 1) * d * bits - 1) >> 5) - w0 + 1, wb, BLOCK)
                 for gt in range(0, g_size, KEY_TILE):
-                    _dot_group(qs, qb, h * g_size + gt, min(KEY_TILE, g_size - gt), wb, w0, h * d, half, bits,
+                    _dot_group(qs, qb, h * g_size + gt, min(KEY_TILE, g_size - gt), wb, w0, h * d, rot, d, bits,
                                klut, ct, st, n, vscale, scores, ((b * hq_all) + h * g_size + gt) * n_tok + t0, n_tok)
 
 
@@ -72,14 +75,28 @@ def _rot(x, y, c, s):
 
 
 @njit(cache=True, inline="always")
-def _dot_group(q, b, qh, ng, wb, w0, c0, half, bits, klut, cs, sn, n, vscale, scores, base, n_tok):
+def _dot_group(q, b, qh, ng, wb, w0, c0, half, d, bits, klut, cs, sn, n, vscale, scores, base, n_tok):
     """Scores of query heads qh..qh+ng (ng <= 3) for one block: 64 tokens (four vectors) per pass over the pairs.
 
-    The 12 accumulators stay in registers; each pair (j, j + D/2) of the head's channels is decoded, rotated
-    and multiplied into every query head of the tile, so a query element is broadcast once per 64 tokens.
+    The 12 accumulators stay in registers; each rotary pair (j, j + half) of the head's channels is decoded,
+    rotated and multiplied into every query head of the tile, so a query element is broadcast once per 64
+    tokens; channels past 2 * half (partial rotary) are decoded and multiplied as they are.
     """
     for k in range(0, n, 4 * LANES):
         a0 = a1 = a2 = a3 = e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = vsplat(ZERO)
+        for j in range(2 * half, d):  # channels RoPE leaves alone
+            x0 = decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k)
+            x1 = decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k + LANES)
+            x2 = decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k + 2 * LANES)
+            x3 = decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k + 3 * LANES)
+            qx = vsplat(q[b, qh, j])
+            a0, a1, a2, a3 = vfma(qx, x0, a0), vfma(qx, x1, a1), vfma(qx, x2, a2), vfma(qx, x3, a3)
+            if ng > 1:
+                qx = vsplat(q[b, qh + 1, j])
+                e0, e1, e2, e3 = vfma(qx, x0, e0), vfma(qx, x1, e1), vfma(qx, x2, e2), vfma(qx, x3, e3)
+            if ng > 2:
+                qx = vsplat(q[b, qh + 2, j])
+                f0, f1, f2, f3 = vfma(qx, x0, f0), vfma(qx, x1, f1), vfma(qx, x2, f2), vfma(qx, x3, f3)
         for j in range(half):
             xr0, yr0 = _rot(decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k),
                             decode(wb, BLOCK, w0, c0 + j + half, bits, klut, c0 + j + half, k),
@@ -124,7 +141,7 @@ def sink_scores(q, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, si
     """Overwrite the scores of sink tokens with those of their exact keys (fp16 bits, uint16 [B, S, C], pre-RoPE)."""
     hq_all, d = q.shape[1], q.shape[2]
     g_size = hq_all // heads
-    half = d // 2
+    half = cos_lo.shape[0]  # rotary pairs (j, j + half); channels from 2 * half on are not turned
     for b in range(sink_slot.shape[0]):
         for s in range(sink_slot.shape[1]):
             t = sink_slot[b, s]
@@ -137,6 +154,8 @@ def sink_scores(q, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, si
                     cos, sin = cos_sin_at(positions[t, b], j, cos_hi, sin_hi, cos_lo, sin_lo)
                     x, y = f16(sink_k[b, s, base + j]), f16(sink_k[b, s, base + j + half])
                     acc += q[b, hq, j] * (x * cos - y * sin) + q[b, hq, j + half] * (y * cos + x * sin)
+                for j in range(2 * half, d):
+                    acc += q[b, hq, j] * f16(sink_k[b, s, base + j])
                 scores[b, hq, t] = acc * scaling
 
 

@@ -110,14 +110,21 @@ def key_outliers(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo,
     """
     n_tok, n_rows, n_words = codes.shape
     hq_all, d = q.shape[1], q.shape[2]
-    n_chan, g_size, half, width = chan_head.shape[0], hq_all // heads, d // 2, klut.shape[1]
+    n_chan, g_size, half, width = chan_head.shape[0], hq_all // heads, cos_lo.shape[0], klut.shape[1]
     bounds = sparse_parts(pointers, parts)
     qt = np.empty((n_rows, n_chan, g_size, 2), np.float32)
     pair, c_out = np.empty(n_chan, np.uint64), np.empty(n_chan, np.uint64)  # pair of c; offset of hq = h * G in scores
     for c in range(n_chan):
         h, j = chan_head[c], chan_pos[c]
-        pair[c] = j % half
         c_out[c] = h * g_size * n_tok
+        if j >= 2 * half:  # past the rotary channels (partial rotary): delta * q[j] alone, `pair` says so
+            pair[c] = half
+            for b in range(n_rows):
+                for g in range(g_size):
+                    qt[b, c, g, 0] = scaling * q[b, h * g_size + g, j]
+                    qt[b, c, g, 1] = 0.0
+            continue
+        pair[c] = j % half
         partner, sign = (j + half, scaling) if j < half else (j - half, -scaling)
         for b in range(n_rows):
             for g in range(g_size):
@@ -159,9 +166,12 @@ def key_outliers(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo,
             else:
                 delta = f16(values[e]) - lut[c * uwidth + _code(codes_flat, uw, slot, c, ub)]
             pr = pair[c]
-            ch, sh = chi[hi_row + pr], shi[hi_row + pr]
-            cl, sl = clo[pr * U(BLOCK) + lo_col], slo[pr * U(BLOCK) + lo_col]
-            dc, ds = delta * (ch * cl - sh * sl), delta * (sh * cl + ch * sl)  # delta * (cos, sin)
+            if pr < uhalf:
+                ch, sh = chi[hi_row + pr], shi[hi_row + pr]
+                cl, sl = clo[pr * U(BLOCK) + lo_col], slo[pr * U(BLOCK) + lo_col]
+                dc, ds = delta * (ch * cl - sh * sl), delta * (sh * cl + ch * sl)  # delta * (cos, sin)
+            else:  # a channel RoPE leaves alone
+                dc, ds = delta, np.float32(0.0)
             o, qi = row_out + c_out[c], (b * U(n_chan) + c) * ug * U(2)
             g = U(0)
             while g + U(2) < ug:  # three query heads at a time, loads before stores (rows T apart would alias)
