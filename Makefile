@@ -23,7 +23,7 @@ $(OUT)/recipe/recipe.json: | setup
 
 demo: setup $(OUT)/recipe/recipe.json
 	$(BIN)/kvsqueeze eval --model smollm2-135m --text bbc --recipe $(OUT)/recipe \
-		$(if $(strip $(METHODS)),--methods "$(METHODS)") --max-windows 4 --json $(OUT)/eval.json
+		$(if $(strip $(METHODS)),--methods "$(METHODS)") --json $(OUT)/eval.json
 
 test: setup
 	$(BIN)/python -m pytest -q

@@ -1,10 +1,16 @@
 """The KVQuant ablation ladder and bit-width table on one model and text (simulated quantization).
 
-    python benchmarks/ladder.py --recipe out/recipe [--model smollm2-135m] [--text bbc]
-        [--seqlen 2048] [--windows 4] [--json benchmarks/results/ladder.json]
+    python benchmarks/ladder.py --recipe out/recipe --recipe-sink0 out/recipe-sink0 [--model smollm2-135m]
+        [--text bbc] [--seqlen 2048] [--windows 8] [--json benchmarks/results/ladder.json]
 
-Writes {"model", "text", "seqlen", "windows", "rows": [{"method", "avg_bits", "ppl", "step"}]}
-and prints a Markdown table (PPL change against fp16) for the README.
+A fair ladder: every rung that keeps the first token exact (`sink1`) reads a recipe calibrated without it
+(`--recipe`, `kvsqueeze calibrate --sinks 1`, the default), every rung that quantizes it (`sink0`) a recipe
+calibrated with it (`--recipe-sink0`, `--sinks 0`), so no rung quantizes a token its statistics never saw;
+the per-channel int / nf baselines and the unweighted / Fisher / Fisher * s^2 steps keep the same sink as
+nuq, so each step changes one thing. Windows are spread over the whole evaluation part.
+
+Writes {"model", "text", "seqlen", "windows", "window_sources", "recipes", "rows": [{"method", "avg_bits",
+"ppl", "ci95", "kld_mean", "kld_p99", "top1", "step", "recipe_sinks"}]} and prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from pathlib import Path
 import torch
 
 from kvsqueeze.eval.perplexity import evaluate
-from kvsqueeze.eval.texts import load_text, token_windows
+from kvsqueeze.eval.texts import evaluation_windows, load_text
 from kvsqueeze.integrations.loading import load_model
 from kvsqueeze.methods import parse_method
 from kvsqueeze.recipe import Recipe
@@ -27,25 +33,27 @@ LADDER = [
     ("int3", "int3: keys per-token post-RoPE (baseline)"),
     ("int3:kchan", "+ keys per-channel (post-RoPE)"),
     ("int3:kchan:pre", "+ keys pre-RoPE"),
-    ("nuq3:sink0:unw", "nuq3, unweighted k-means"),
-    ("nuq3:sink0:fisher", "nuq3, Fisher-weighted"),
-    ("nuq3:sink0", "nuq3, Fisher * s^2 (KVQuant)"),
-    ("nuq3-0.1%:pm:sink0", "+ 0.1% outliers, per-matrix"),
-    ("nuq3-1%:pm:sink0", "+ 1% outliers, per-matrix"),
-    ("nuq3-0.1%:sink0", "+ 0.1% outliers, per-vector"),
-    ("nuq3-1%:sink0", "+ 1% outliers, per-vector"),
-    ("nuq3-1%", "+ 1 fp16 attention sink"),
+    ("int3:kchan:pre:sink1", "+ 1 fp16 attention sink"),
+    ("nuq3:unw", "nuq3, unweighted k-means"),
+    ("nuq3:fisher", "nuq3, Fisher-weighted"),
+    ("nuq3", "nuq3, Fisher * s^2 (KVQuant)"),
+    ("nuq3-0.1%:pm", "+ 0.1% outliers, per-matrix"),
+    ("nuq3-1%:pm", "+ 1% outliers, per-matrix"),
+    ("nuq3-0.1%", "+ 0.1% outliers, per-vector"),
+    ("nuq3-1%", "+ 1% outliers, per-vector"),
+    ("nuq3:sink0", "nuq3 without the sink (its own recipe)"),
+    ("nuq3-1%:sink0", "nuq3-1% without the sink (its own recipe)"),
 ]
 BITS = [
     (f"{fam}{b}{suffix}", f"{b}-bit")  # described from the name by benchmarks/report.py
     for b in (4, 3, 2)
-    for fam, suffix in (("int", ""), ("nf", ""), ("int", ":kchan:pre"), ("nf", ":kchan:pre"), ("nuq", ""), ("nuq", "-1%"))
+    for fam, suffix in (("int", ""), ("nf", ""), ("int", ":kchan:pre:sink1"), ("nf", ":kchan:pre:sink1"),
+                        ("nuq", ""), ("nuq", "-1%"))
 ]
 OTHERS = [
     ("kivi2", "KIVI-2 (group 32, 128 fp16 recent)"),
     ("kivi4", "KIVI-4"),
     ("group3", "grouped uniform per-token, group 128 (ATOM/FlexGen)"),
-    ("group3:g64", "grouped uniform per-token, group 64"),
     ("nuq-k3v2-1%", "mixed: keys 3-bit, values 2-bit, 1% outliers"),
 ]
 
@@ -54,37 +62,48 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--text", default="bbc")
-    ap.add_argument("--recipe", required=True)
+    ap.add_argument("--recipe", required=True, help="calibrated with --sinks 1 (the default)")
+    ap.add_argument("--recipe-sink0", required=True, help="calibrated with --sinks 0, for the sink0 rungs")
     ap.add_argument("--seqlen", type=int, default=2048)
-    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--json", default="benchmarks/results/ladder.json")
     args = ap.parse_args()
 
     torch.manual_seed(0)
     model, tok = load_model(args.model)
-    recipe = Recipe.load(args.recipe)
-    windows = token_windows(tok, load_text(args.text).evaluation, args.seqlen, args.windows)
+    by_sinks = {}
+    for path in (args.recipe, args.recipe_sink0):
+        r = Recipe.load(path)
+        by_sinks[int(r.meta["settings"]["sinks"])] = r
+    if set(by_sinks) != {0, 1}:
+        raise SystemExit(f"--recipe and --recipe-sink0 must be calibrated with --sinks 1 and 0, got {sorted(by_sinks)}")
+    ew = evaluation_windows(tok, load_text(args.text), args.seqlen, args.windows)
     steps: dict[str, str] = {"fp16": "fp16 baseline"}
     for name, label in LADDER + BITS + OTHERS:
         steps.setdefault(parse_method(name).name, label)
     specs = [parse_method(n) for n in steps]
+    recipes = {s.name: by_sinks[min(s.sinks, 1)] for s in specs if s.needs_recipe}
     t0 = time.perf_counter()
-    rows = evaluate(model, windows, specs, recipe)
+    rows = evaluate(model, ew.ids, specs, by_sinks[1], recipes=recipes)
     base = rows[0].ppl
     payload = {
         "model": args.model, "text": f"{args.text} (evaluation part)", "seqlen": args.seqlen,
-        "windows": int(windows.shape[0]),
-        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
-        "recipe": recipe.meta.get("settings"),
+        "windows": int(ew.ids.shape[0]), "window_sources": ew.describe(),
+        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
+                   f"torch {torch.__version__}",
+        "recipes": {str(k): v.meta.get("settings") for k, v in sorted(by_sinks.items())},
         "seconds": round(time.perf_counter() - t0, 1),
-        "rows": [{"method": r.method, "avg_bits": round(r.avg_bits, 4), "ppl": round(r.ppl, 4),
-                  "step": steps[r.method]} for r in rows],
+        "rows": [{**r.as_dict(), "step": steps[r.method],
+                  "recipe_sinks": int(recipes[r.method].meta["settings"]["sinks"]) if r.method in recipes else None}
+                 for r in rows],
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
-    print("| method | what | avg bits | PPL | vs fp16 |\n|---|---|---|---|---|")
+    print("| method | what | avg bits | PPL | vs fp16 | 95% CI | KLD | top-1 |\n|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| `{r.method}` | {steps[r.method]} | {r.avg_bits:.2f} | {r.ppl:.3f} | {(r.ppl / base - 1) * 100:+.2f}% |")
+        ci = f"[{r.ci95[0]:+.2f}, {r.ci95[1]:+.2f}]" if r.ci95 else ""
+        print(f"| `{r.method}` | {steps[r.method]} | {r.avg_bits:.2f} | {r.ppl:.3f} | {(r.ppl / base - 1) * 100:+.2f}% "
+              f"| {ci} | {r.kld_mean:.4f} | {100 * r.top1:.1f}% |")
     print(f"wrote {args.json}")
 
 

@@ -39,7 +39,7 @@ def _cli(*args: str, log: Path) -> tuple[str, float]:
     return proc.stdout, seconds
 
 
-def run_model(name: str, args, out: Path) -> dict:
+def run_model(name: str, args, out: Path, previous: dict) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "log.txt"
     recipe = out / "recipe"
@@ -47,9 +47,13 @@ def run_model(name: str, args, out: Path) -> dict:
     if not (recipe / "recipe.json").exists():
         _, timings["calibrate"] = _cli("calibrate", "--model", name, "--text", "bbc", "--out", str(recipe),
                                        "--samples", str(args.samples), "--seqlen", str(args.seqlen), log=log)
-    _, timings["eval"] = _cli("eval", "--model", name, "--text", "bbc", "--recipe", str(recipe), "--methods",
-                              ",".join(METHODS), "--seqlen", str(args.seqlen), "--max-windows", str(args.windows),
-                              "--json", str(out / "eval.json"), log=log)
+    if not (args.reuse and (out / "eval.json").exists()):
+        _, timings["eval"] = _cli("eval", "--model", name, "--text", "bbc", "--recipe", str(recipe), "--methods",
+                                  ",".join(METHODS), "--seqlen", str(args.seqlen), "--max-windows",
+                                  str(args.windows), "--json", str(out / "eval.json"), log=log)
+    timings["calibrate"] = json.loads((recipe / "recipe.json").read_text())["timings_s"]["total"]
+    if "eval" not in timings:  # reused: its time as the run that made it recorded it
+        timings["eval"] = previous.get("eval")
     _, timings["passkey"] = _cli("passkey", "--model", name, "--recipe", str(recipe), "--methods", "fp16,nuq3-1%",
                                  "--lengths", str(args.passkey_length), "--trials", str(args.trials), "--engine",
                                  "cache", "--json", str(out / "passkey.json"), log=log)
@@ -57,8 +61,14 @@ def run_model(name: str, args, out: Path) -> dict:
                                      "--prompt", PROMPT, "--max-new-tokens", "24", "--decode", "auto", log=log)
     evaluation = json.loads((out / "eval.json").read_text())
     return {"eval": evaluation, "passkey": json.loads((out / "passkey.json").read_text()),
-            "generate": {"method": "nuq3-1%", "decode": "auto", "prompt": PROMPT, "output": text.strip()[-600:]},
-            "seconds": {k: round(v, 1) for k, v in timings.items()}}
+            "generate": {"method": "nuq3-1%", "decode": "auto", "prompt": PROMPT, **_generated(text)},
+            "seconds": {k: round(v, 1) for k, v in timings.items() if v is not None}}
+
+
+def _generated(stdout: str) -> dict:
+    """The continuation `kvsqueeze generate` printed and the memory report under it."""
+    text, _, report = stdout.partition("\nKV cache ")
+    return {"text": text.strip(), "memory_report": ("KV cache " + report).strip() if report else ""}
 
 
 def _rows(evaluation: dict) -> list[dict]:
@@ -84,34 +94,54 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def machine() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one), its core count and torch's version."""
+    import os
+
+    import torch
+
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b,gemma3-270m")
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--seqlen", type=int, default=2048)
-    ap.add_argument("--windows", type=int, default=4)
+    ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--passkey-length", type=int, default=1024)
     ap.add_argument("--trials", type=int, default=3)
     ap.add_argument("--out", default="out/models")
     ap.add_argument("--json", default="benchmarks/results/models.json")
+    ap.add_argument("--reuse", action="store_true", help="keep an eval.json already in --out (the table it holds "
+                    "says which windows it was measured on)")
     args = ap.parse_args()
-    import torch
-
     result = {"command": "python benchmarks/models.py " + " ".join(sys.argv[1:]),
-              "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-                         f"torch {torch.__version__}",
+              "machine": machine(),
               "settings": {"text": "bbc", "calibration": f"{args.samples} x {args.seqlen} tokens",
                            "eval": f"{args.windows} x {args.seqlen} tokens", "methods": METHODS},
               "models": {}, "rows": []}
     problems = []
+    earlier = json.loads(Path(args.json).read_text()).get("models", {}) if Path(args.json).exists() else {}
     for name in args.models.split(","):
-        info = run_model(name, args, Path(args.out) / name)
+        info = run_model(name, args, Path(args.out) / name, earlier.get(name, {}).get("seconds", {}))
         result["models"][name] = info
         rows = _rows(info["eval"])
         result["rows"] += [{"model": name, **r} for r in rows]
         ppl = {r["method"]: r["ppl"] for r in rows}
         if not ppl["nuq2-1%"] >= ppl["nuq3-1%"] >= ppl["nuq4-1%"]:
             problems.append(f"{name}: PPL does not shrink with bits ({', '.join(f'{m} {ppl[m]:.3f}' for m in LADDER)})")
+        ev = info["eval"]
+        placed = "spread over the part" if ev.get("window_sources") else "the first windows of the part"
+        result["settings"]["eval"] = f"{ev['windows']} x {ev['seqlen']} tokens ({placed})"
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")  # after each model: a partial run counts
         print(table(result["rows"]), flush=True)
     if problems:

@@ -45,10 +45,20 @@ def describe(name: str) -> str:
     return f"{bits}{dtype}, {keys}{extra}"
 
 
+def _window_note(data: dict) -> str:
+    src = data.get("window_sources")
+    if not src:
+        return f"{data['windows']} windows of {data['seqlen']} tokens"
+    cats = f", covering {len(src['categories'])} categories" if src.get("categories") else ""
+    return f"{src['windows']} windows of {src['seqlen']} tokens spread over the {src['of']} of the part{cats}"
+
+
 def ladder(data: dict, methods: tuple[str, ...] | None = None) -> str:
     base = next(r["ppl"] for r in data["rows"] if r["method"] == "fp16")
-    out = [f"{data['model']}, {data['text']}, {data['windows']} windows of {data['seqlen']} tokens "
-           f"({data.get('machine', 'x86_64, 2 cores')})\n", "| method | what | avg bits | PPL | vs fp16 |", "|---|---|---:|---:|---:|"]
+    full = "ci95" in data["rows"][0]
+    head = "| method | what | avg bits | PPL | vs fp16 |" + (" 95% CI | KLD | top-1 |" if full else "")
+    out = [f"{data['model']}, {data['text']}, {_window_note(data)} ({data.get('machine', 'x86_64, 2 cores')})\n",
+           head, "|---|---|---:|---:|---:|" + ("---:|---:|---:|" if full else "")]
     rows = data["rows"]
     if methods is not None:
         at = {r["method"]: r for r in rows}
@@ -56,8 +66,11 @@ def ladder(data: dict, methods: tuple[str, ...] | None = None) -> str:
     for r in rows:
         step = r.get("step", "") if methods is None else ""  # a selection describes each method on its own
         what = step if step and not step.endswith("-bit") else describe(r["method"])
-        out.append(f"| `{r['method']}` | {what} | {r['avg_bits']:.2f} | {r['ppl']:.3f} | "
-                   f"{(r['ppl'] / base - 1) * 100:+.2f}% |")
+        line = f"| `{r['method']}` | {what} | {r['avg_bits']:.2f} | {r['ppl']:.3f} | {(r['ppl'] / base - 1) * 100:+.2f}% |"
+        if full:
+            ci = f"{r['ci95'][0]:+.2f} … {r['ci95'][1]:+.2f}" if r.get("ci95") else "–"
+            line += f" {ci} | {r['kld_mean']:.4f} | {100 * r['top1']:.1f}% |"
+        out.append(line)
     return "\n".join(out)
 
 
@@ -165,9 +178,33 @@ def demo(data: dict) -> str:
             + ", ".join(cells) + ".")
 
 
+def models(data: dict) -> str:
+    """PPL of each method on each bundled model (`benchmarks/models.py`), change against the model's own fp16."""
+    names = list(data["models"])
+    by = {(r["model"], r["method"]): r for r in data["rows"]}
+    methods = data["settings"]["methods"]
+    st = data["settings"]
+    out = [f"BBC evaluation part, {st['eval']}, recipes from {st['calibration']} of the calibration part "
+           f"({data['machine']})\n",
+           "| method | " + " | ".join(f"`{n}`" for n in names) + " |", "|---|" + "---:|" * len(names)]
+    for m in methods:
+        cells = []
+        for n in names:
+            r, base = by.get((n, m)), by.get((n, "fp16"))
+            if r is None:
+                cells.append("–")
+            elif m == "fp16":
+                cells.append(f"{r['ppl']:.3f}")
+            else:
+                cells.append(f"{r['ppl']:.3f} ({(r['ppl'] / base['ppl'] - 1) * 100:+.1f}%, {r['avg_bits']:.2f} b)")
+        out.append(f"| `{m}` | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 # block name -> (JSON file, renderer)
 BLOCKS = {
     "ladder": ("ladder.json", ladder),
+    "models": ("models.json", models),
     "ladder-headline": ("ladder.json", lambda d: ladder(d, HEADLINE)),
     "demo": ("demo_amd_epyc.json", demo),
     "mixed-bits": ("eval_mixed_bits.json", ladder),

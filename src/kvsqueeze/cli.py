@@ -101,6 +101,7 @@ def cmd_calibrate(args) -> None:
     print(f"[2/3] activations and Fisher information in {acts.seconds:.1f}s (calibration loss {acts.loss:.3f})")
     recipe = fit_recipe(model, acts, cfg, args.model, text.name)
     print(f"[3/3] ranges, thresholds and codebooks in {recipe.meta['timings_s']['fit']:.1f}s")
+    recipe.meta["calibration_pieces"] = sorted(text.calibration_pieces)  # lets eval tell held-out text apart
     recipe.meta["timings_s"]["load"] = round(t_load, 2)
     recipe.meta["timings_s"]["total"] = round(time.perf_counter() - t0, 2)
     out = recipe.save(args.out)
@@ -117,7 +118,7 @@ def cmd_calibrate(args) -> None:
 
 def cmd_eval(args) -> None:
     from .eval.perplexity import evaluate, format_table
-    from .eval.texts import load_text, token_windows
+    from .eval.texts import evaluation_windows, load_text
     from .integrations.loading import load_model
     from .methods import parse_methods
 
@@ -127,15 +128,30 @@ def cmd_eval(args) -> None:
     model, tok = load_model(args.model, args.dtype, args.device)
     _check_methods(model, specs, recipe)
     text = load_text(args.text)
+    calibrated_sinks = recipe.meta.get("settings", {}).get("sinks") if recipe is not None else None
+    for s in specs:
+        if s.needs_recipe and calibrated_sinks is not None and s.sinks < calibrated_sinks:
+            print(f"note: {s.name} quantizes the first {calibrated_sinks - s.sinks} token(s) of each sequence, which "
+                  f"the recipe's statistics left out (calibrated with --sinks {calibrated_sinks}); calibrate with "
+                  f"--sinks {s.sinks} to measure it like for like", file=sys.stderr)
+    seen = set(recipe.meta.get("calibration_pieces", ())) if recipe is not None else set()
+    overlap = sum(1 for d in text.evaluation_pieces if d in seen)
+    if overlap:
+        print(f"warning: {overlap} of the {len(text.evaluation_pieces)} evaluation pieces of {text.name} are in the "
+              "text the recipe was calibrated on: these numbers are not on held-out text", file=sys.stderr)
     payloads = []
     for seqlen in seqlens:
-        windows = token_windows(tok, text.evaluation, seqlen, args.max_windows)
-        print(f"{args.model} on {text.name} (evaluation part): {windows.shape[0]} windows of {seqlen} tokens")
-        rows = evaluate(model, windows, specs, recipe)
+        ew = evaluation_windows(tok, text, seqlen, args.max_windows)
+        about = ew.describe()
+        spread = f", {len(about['categories'])} categories" if about["categories"] else ""
+        print(f"{args.model} on {text.name} (evaluation part): {about['windows']} of its {about['of']} windows of "
+              f"{seqlen} tokens, spread over {about['pieces']} pieces{spread}")
+        rows = evaluate(model, ew.ids, specs, recipe)
         print(format_table(rows))
         payloads.append({
-            "model": args.model, "text": text.name, "seqlen": seqlen, "windows": int(windows.shape[0]),
-            "rows": [{"method": r.method, "avg_bits": round(r.avg_bits, 4), "ppl": round(r.ppl, 4)} for r in rows],
+            "model": args.model, "text": text.name, "seqlen": seqlen, "windows": int(ew.ids.shape[0]),
+            "window_sources": about, "calibration_overlap": overlap, "recipe_sinks": calibrated_sinks,
+            "rows": [r.as_dict() for r in rows],
         })
     if args.json:
         _write_json(args.json, payloads[0] if len(payloads) == 1 else {"runs": payloads})

