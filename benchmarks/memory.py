@@ -117,7 +117,7 @@ def quantized_cache_row(model, backend: str, bits: int, kv, tokens: int) -> dict
 def analytic_row(model, method: str, tokens: int) -> dict:
     shape = kv_shape(model.config)
     spec = parse_method(method)
-    total = shape.layers * storage_bits(spec, tokens, shape.channels)["total"] / 8
+    total = shape.layers * storage_bits(spec, tokens, shape.channels, head_dim=shape.head_dim)["total"] / 8
     fp16 = 2 * shape.layers * tokens * shape.channels * FP16_BYTES
     return {
         "method": f"{spec.name} (analytic)", "bytes_per_token": round(total / tokens, 2),

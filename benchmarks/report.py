@@ -33,6 +33,9 @@ def describe(name: str) -> str:
     from kvsqueeze.methods import parse_method
 
     spec = parse_method(name)
+    if spec.family == "turbo":
+        split = ", the higher-RMS half of each head 1 bit wider" if spec.split else ""
+        return f"TurboQuant-MSE: random rotation, sphere Lloyd-Max levels, fp16 norm per head{split}"
     if spec.family in ("kivi", "group", "fp16"):
         return {"kivi": f"KIVI, groups of {spec.group_size}, {spec.window} recent tokens fp16",
                 "group": f"uniform per token, groups of {spec.group_size} channels",

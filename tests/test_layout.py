@@ -1,6 +1,6 @@
 """The package's layers and the one-way arrows between them, read from the source (every import, lazy ones too).
 
-numerics (datatypes, affine, quantizer, outliers, packing, rope, methods, shape,
+numerics (datatypes, affine, quantizer, turbo, outliers, packing, rope, methods, shape,
 recipe, config) <- cache (the store) <- kernels' view; only `integrations/`,
 `calibrate/`, `eval/` and the CLI may import transformers.
 """
@@ -13,7 +13,8 @@ from pathlib import Path
 import kvsqueeze
 
 ROOT = Path(kvsqueeze.__file__).parent
-NUMERICS = {"datatypes", "affine", "quantizer", "outliers", "packing", "rope", "methods", "shape", "recipe", "config"}
+NUMERICS = {"datatypes", "affine", "quantizer", "turbo", "outliers", "packing", "rope", "methods", "shape", "recipe",
+            "config"}
 
 
 def _module_name(path: Path) -> str:

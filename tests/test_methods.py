@@ -69,7 +69,7 @@ def test_needs_recipe():
 
 # ---- property: every name the grammar accepts round-trips --------------------------------------
 FLAGS = ["ktok", "kchan", "vtok", "vchan", "pre", "post", "pm", "pv", "unw", "fisher", "fs2",
-         "sink0", "sink1", "sink3", "g16", "g32", "g64", "r32", "r128", "r256"]
+         "sink0", "sink1", "sink3", "g16", "g32", "g64", "r32", "r128", "r256", "split"]
 
 
 @st.composite

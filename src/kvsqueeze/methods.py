@@ -12,7 +12,7 @@ Grammar::
 
     FAMILY BITS [-PCT%] [:FLAG ...]
 
-    FAMILY  fp16 | int | nf | nuq | kivi | group
+    FAMILY  fp16 | int | nf | nuq | kivi | group | turbo
     BITS    2 | 3 | 4 (both K and V)  or  k3v2 (keys 3 bits, values 2 bits)
     PCT     outlier percentage, e.g. 1 or 0.1 (kept exactly in fp16)
     FLAG    ktok | kchan       keys per token / per channel
@@ -23,13 +23,17 @@ Grammar::
             unw | fisher | fs2 nuq codebook fit: unweighted / Fisher / Fisher*s^2
             gN                 group size (kivi, group)
             rN                 KIVI fp16 window of recent tokens
+            split              turbo: each head's higher-RMS half one bit wider (2.5 / 3.5 bits)
 
 Family defaults follow the papers: `int`/`nf` are the per-token post-RoPE
 baselines of KVQuant's tables; `nuq` is KVQuant (keys per channel pre-RoPE,
 values per token, Fisher*s^2 codebooks, per-vector outliers, one sink);
 `kivi` is KIVI (keys per channel in groups of 32 tokens post-RoPE, values per
 token in groups of 32 channels, 128 recent tokens fp16); `group` is the
-FlexGen/ATOM grouped per-token uniform quantizer (groups of 128 channels).
+FlexGen/ATOM grouped per-token uniform quantizer (groups of 128 channels);
+`turbo` is TurboQuant's MSE quantizer (`kvsqueeze.turbo`: a fixed random
+rotation of each head vector, the optimal scalar codebook of the rotated
+coordinates and an fp16 norm, keys after RoPE, nothing calibrated).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ import math
 import re
 from dataclasses import dataclass, field
 
-FAMILIES = ("fp16", "int", "nf", "nuq", "kivi", "group")
+FAMILIES = ("fp16", "int", "nf", "nuq", "kivi", "group", "turbo")
+FIXED_AXES = ("kivi", "group", "turbo")  # families whose axes and RoPE side the paper fixes
 SUPPORTED_BITS = (2, 3, 4)
 FIT_VARIANTS = ("fs2", "fisher", "unw")  # Fisher*s^2 (the paper's), Fisher only, unweighted
 
@@ -76,6 +81,7 @@ class MethodSpec:
     fit: str = "fs2"
     group_size: int | None = None  # kivi / group only
     window: int | None = None  # kivi only: recent tokens kept fp16
+    split: bool = False  # turbo only: the higher-RMS half of each head's channels one bit wider
     name: str = field(default="", init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -109,7 +115,7 @@ class MethodSpec:
     @property
     def needs_recipe(self) -> bool:
         """True when the method reads offline statistics from a calibration recipe."""
-        if self.family in ("fp16", "kivi", "group"):
+        if self.family in ("fp16", "kivi", "group", "turbo"):
             return False
         if self.family == "nuq":
             return True
@@ -126,7 +132,7 @@ class MethodSpec:
 
 
 _NAME_RE = re.compile(
-    r"^(?P<family>fp16|int|nf|nuq|kivi|group)"
+    r"^(?P<family>fp16|int|nf|nuq|kivi|group|turbo)"
     r"(?:-?(?:(?P<bits>\d+)|k(?P<kb>\d+)v(?P<vb>\d+)))?"
     r"(?:-(?P<pct>\d+(?:\.\d+)?)%)?"
     r"(?P<flags>(?::[a-z0-9]+)*)$"
@@ -142,6 +148,7 @@ FAMILY_DEFAULTS = {
     "nuq": dict(_COMMON, sinks=1),
     "kivi": dict(_COMMON, key_rope="post", group_size=32, window=128),
     "group": dict(_COMMON, key_axis="token", key_rope="post", group_size=128),
+    "turbo": dict(_COMMON, key_axis="token", key_rope="post"),
 }
 
 
@@ -188,7 +195,7 @@ def parse_method(name: str) -> MethodSpec:
         pct = float(m["pct"])
         if not 0 < pct < 50:
             raise MethodError(f"method {name!r}: outlier percentage must be in (0, 50), got {pct}")
-        if family in ("kivi", "group"):
+        if family in FIXED_AXES:
             raise MethodError(f"method {name!r}: {family} has no outlier option (KVQuant families only)")
         fields["outlier_fraction"] = pct / 100.0
     for flag in filter(None, m["flags"].split(":")):
@@ -223,17 +230,22 @@ def _apply_flag(name: str, family: str, flag: str, fields: dict) -> None:
     }
     if flag in simple:
         key, value = simple[flag]
-        if family in ("kivi", "group") and key in ("key_axis", "value_axis", "key_rope"):
+        if family in FIXED_AXES and key in ("key_axis", "value_axis", "key_rope"):
             raise MethodError(f"method {name!r}: {family} has fixed axes; flag ':{flag}' does not apply")
         if key == "fit" and family != "nuq":
             raise MethodError(f"method {name!r}: ':{flag}' chooses a nuq codebook fit; {family} has standard levels")
         fields[key] = value
         return
+    if flag == "split":
+        if family != "turbo":
+            raise MethodError(f"method {name!r}: ':split' gives turbo's outlier half one bit more; {family} has none")
+        fields["split"] = True
+        return
     m = re.fullmatch(r"(sink|g|r)(\d+)", flag)
     if not m:
         raise MethodError(
             f"method {name!r}: unknown flag ':{flag}'; known flags: ktok kchan vtok vchan pre post "
-            "pm pv sinkN unw fisher fs2 gN rN"
+            "pm pv sinkN unw fisher fs2 gN rN split"
         )
     kind, n = m[1], int(m[2])
     if kind == "sink":
@@ -258,7 +270,7 @@ def canonical_name(spec: MethodSpec) -> str:
         out += "-" + _pct_label(spec.outlier_fraction)
     d = FAMILY_DEFAULTS[spec.family]
     flags = []
-    if spec.family not in ("kivi", "group"):
+    if spec.family not in FIXED_AXES:
         if spec.key_axis != d["key_axis"]:
             flags.append("ktok" if spec.key_axis == "token" else "kchan")
         if spec.key_rope != d["key_rope"]:
@@ -275,6 +287,8 @@ def canonical_name(spec: MethodSpec) -> str:
         flags.append(f"g{spec.group_size}")
     if spec.family == "kivi" and spec.window != d["window"]:
         flags.append(f"r{spec.window}")
+    if spec.split:
+        flags.append("split")
     return out + "".join(":" + f for f in flags)
 
 
@@ -313,6 +327,7 @@ def storage_bits(
     channels: int,
     k_outliers: float | None = None,
     v_outliers: float | None = None,
+    head_dim: int | None = None,
 ) -> dict[str, float]:
     """Bits one layer's K and V cache occupies, by component.
 
@@ -322,6 +337,7 @@ def storage_bits(
         channels: K (= V) channels per token in the layer, kv_heads * head_dim.
         k_outliers, v_outliers: outliers actually stored; by default the
             nominal fraction of the quantized elements.
+        head_dim: channels per head (turbo stores one fp16 norm per head vector; other families ignore it).
 
     Returns:
         dict with keys codes, scales, outlier_values, outlier_indices,
@@ -347,6 +363,12 @@ def storage_bits(
         out["scales"] = SCALE_ZERO_BITS * (math.ceil(q / g) * channels + q * math.ceil(channels / g))
     elif spec.family == "group":
         out["scales"] = 2.0 * SCALE_ZERO_BITS * q * math.ceil(channels / spec.group_size)
+    elif spec.family == "turbo":
+        if not head_dim or channels % head_dim:
+            raise ValueError(f"turbo's storage needs the head dimension (one norm per head vector), got {head_dim}")
+        parts = 2 if spec.split else 1
+        out["codes"] += 2.0 * q * channels * 0.5 * spec.split  # the outlier half's extra bit, K and V
+        out["scales"] = 2.0 * FP16_BITS * q * (channels // head_dim) * parts  # fp16 norms, K and V
     else:
         k_vectors = channels if spec.key_axis == "channel" else q
         v_vectors = channels if spec.value_axis == "channel" else q

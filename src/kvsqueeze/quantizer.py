@@ -21,6 +21,9 @@ from .datatypes import check_codebook, standard_levels, uniform_levels
 from .methods import MethodError, MethodSpec, fixed_outlier_count, topk_per_side
 from .outliers import clamp_range, online_thresholds, outlier_mask
 from .recipe import Recipe, RecipeError
+from .turbo import TurboQuantizer
+
+TURBO_SEEDS = 1000  # rotation seeds: layer l draws keys from 2000 l, values from 2000 l + 1000
 
 
 @dataclass(frozen=True)
@@ -137,9 +140,10 @@ def _channel_range(spec: MethodSpec, recipe: Recipe, layer: int, tensor: str) ->
 
 
 def build_quantizers(
-    spec: MethodSpec, recipe: Recipe | None, layer: int, channels: int
+    spec: MethodSpec, recipe: Recipe | None, layer: int, channels: int, head_dim: int | None = None
 ) -> tuple[VectorQuantizer | None, VectorQuantizer | None]:
-    """Key and value quantizers of one layer (None for fp16; KIVI keys are handled by `kivi.py`).
+    """Key and value quantizers of one layer (None for fp16; KIVI keys are handled by `kivi.py`; turbo's are
+    `turbo.TurboQuantizer`s, which need `head_dim`, with a rotation of their own per layer and tensor).
 
     Raises:
         RecipeError: the method needs offline statistics and no recipe (or the
@@ -164,6 +168,11 @@ def build_quantizers(
                 VectorQuantizer(uniform_levels(spec.v_bits), "token", group=g))
     if spec.family == "kivi":
         return None, VectorQuantizer(uniform_levels(spec.v_bits), "token", group=spec.group_size)
+    if spec.family == "turbo":
+        if not head_dim or channels % head_dim:
+            raise MethodError(f"method {spec.name!r} rotates each head vector: give the head dimension")
+        return (TurboQuantizer(spec.k_bits, head_dim, seed=2 * TURBO_SEEDS * layer, split=spec.split),
+                TurboQuantizer(spec.v_bits, head_dim, seed=2 * TURBO_SEEDS * layer + TURBO_SEEDS, split=spec.split))
 
     def one(kv: str, bits: int, axis: str, tensor: str) -> VectorQuantizer:
         levels = _levels(spec, recipe, layer, kv, bits)

@@ -224,10 +224,10 @@ def _kv_bits(shape: ModelShape, spec: MethodSpec, tokens: int, batch: int) -> fl
     every sequence of a batch shares; they are counted once, not `batch`
     times. `storage_bits` at zero tokens is exactly that fixed part.
     """
-    per_seq = storage_bits(spec, tokens, shape.channels)["total"]
+    per_seq = storage_bits(spec, tokens, shape.channels, head_dim=shape.head_dim)["total"]
     shared = 0.0
     if spec.family in ("int", "nf", "nuq"):
-        empty = storage_bits(spec, 0, shape.channels)
+        empty = storage_bits(spec, 0, shape.channels, head_dim=shape.head_dim)
         shared = empty["scales"] + empty["codebook"]
     return shape.layers * (batch * (per_seq - shared) + shared)
 

@@ -53,6 +53,8 @@ def check_supported(spec: MethodSpec) -> None:
     why = None
     if spec.family in ("kivi", "group"):
         why = f"{spec.family} quantizes in groups with an fp16 window, which this cache does not store"
+    elif spec.family == "turbo":
+        why = "turbo stores rotated head vectors (codes and an fp16 norm each), which this cache does not store"
     elif spec.key_rope != "pre" or spec.key_axis != "channel":
         why = f"its keys are quantized per {spec.key_axis} {spec.key_rope}-RoPE"
     elif spec.value_axis != "token":

@@ -99,7 +99,8 @@ class SimulatedQuantization:
         if spec.reads_model_tensors:  # values (and pre-RoPE keys) read where the model makes them, or a refusal
             preflight(model, keys=spec.pre_rope_keys)
         self.attn = attention_modules(model)
-        qs = [build_quantizers(spec, recipe, i, self.shape.channels) for i in range(self.shape.layers)]
+        qs = [build_quantizers(spec, recipe, i, self.shape.channels, self.shape.head_dim)
+              for i in range(self.shape.layers)]
         pre = spec.pre_rope_keys
         self.k_pre = [k if pre else None for k, _ in qs]
         self.k_post = [None if pre else k for k, _ in qs]
@@ -163,6 +164,9 @@ class SimulatedQuantization:
     def new_cache(self) -> Cache:
         """A fresh cache for one batch of sequences (post-RoPE keys are quantized on entry)."""
         self.counter.reset()
+        for q in (*self.k_pre, *self.k_post, *self.v):
+            if hasattr(q, "reset"):
+                q.reset()  # a quantizer that adapts to a prompt (turbo's split) starts over
         return Cache(layers=[SimulatedLayer(self, i) for i in range(self.shape.layers)])
 
     def storage(self, tokens: int, batch: int = 1) -> dict[str, float]:
@@ -173,6 +177,7 @@ class SimulatedQuantization:
                 self.spec, tokens, self.shape.channels,
                 k_outliers=self.counter.k[i] / batch if self.spec.outlier_fraction else None,
                 v_outliers=self.counter.v[i] / batch if self.spec.outlier_fraction else None,
+                head_dim=self.shape.head_dim,
             )
             for k, v in b.items():
                 total[k] = total.get(k, 0.0) + v
