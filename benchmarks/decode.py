@@ -22,6 +22,11 @@ calibrated thresholds (`--recipe`, a middle layer; without one, a synthetic
 per-channel quantizer on NormalFloat levels), so about 1% of the elements are
 outliers as in real caches. Speed does not depend on the values otherwise.
 
+`--step`: the whole per-layer work of one decode step, what a user waits for:
+compress the new token's key and value (quantize, pack, append to the store)
+and attend with the fused kernel, against a `DynamicCache` layer's step
+(concatenate the new key and value, then SDPA) in float32 and bfloat16.
+
 `--e2e`: greedy decoding on the default model after a `--prompt`-token BBC
 prompt, decode tokens/s (prefill timed apart) for the compressed cache with
 fused decode, `DynamicCache` and transformers' `QuantizedCache` (quanto).
@@ -81,6 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--recipe", default=DEFAULT_RECIPE if Path(DEFAULT_RECIPE).exists() else None)
     p.add_argument("--no-reference", action="store_true", help="skip the (slow) reference backend")
     p.add_argument("--e2e", action="store_true", help="also time greedy decoding on the default model")
+    p.add_argument("--step", action="store_true", help="time whole per-layer decode steps (append + attention)")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--prompt", type=int, default=8192, help="e2e prompt tokens")
     p.add_argument("--new", type=int, default=32, help="e2e decoded tokens")
@@ -232,6 +238,74 @@ def ratios(rows: list[dict]) -> dict:
     return out
 
 
+# ---- whole decode steps ------------------------------------------------------------------------------
+def step_rows(args, recipe) -> list[dict]:
+    """One layer's whole decode step: append one token, then attend; each variant restored after each call."""
+    hq, h, d = shape(args, recipe)
+    c = h * d
+    rope, scaling = Rope.default(d), d**-0.5
+    rows = []
+    g = torch.Generator().manual_seed(7)
+    for tokens in (int(x) for x in args.contexts.split(",")):
+        q = torch.randn(1, hq, d)
+        k1, v1 = torch.randn(1, 1, c, generator=g), torch.randn(1, 1, c, generator=g)
+        variants = {}
+        for i, method in enumerate(args.methods.split(",")):
+            kq, vq = quantizers(method, recipe, c, seed=i)
+            store = fill_store(kq, vq, tokens - 1, c, d, parse_method(method).sinks, PositionLog(), seed=i)
+            pos = torch.full((1, 1), tokens - 1)
+
+            def fused(store=store, pos=pos):
+                store.append(k1, v1, None, pos)
+                return decode_attention(q, store.view(), rope, scaling, backend="numba")
+
+            out = fused()  # the fused step, checked against the reference on the same store
+            want = decode_attention(q, store.view(), rope, scaling, backend="reference")
+            if not torch.allclose(out, want, atol=2e-5, rtol=1e-4):
+                raise SystemExit(f"{method} step at {tokens} tokens differs from the reference")
+            store.crop(tokens - 1)
+            variants[(method, "append + numba")] = (fused, lambda store=store: store.crop(tokens - 1))
+        for dtype in (torch.float32, torch.bfloat16):
+            keys = torch.randn(1, h, tokens - 1, d).to(dtype)
+            values = torch.randn(1, h, tokens - 1, d).to(dtype)
+            qd, kn, vn = q.view(1, hq, 1, d).to(dtype), k1.view(1, h, 1, d).to(dtype), v1.view(1, h, 1, d).to(dtype)
+
+            def dense(keys=keys, values=values, qd=qd, kn=kn, vn=vn):  # what DynamicLayer.update + SDPA do
+                k, v = torch.cat([keys, kn], dim=-2), torch.cat([values, vn], dim=-2)
+                return F.scaled_dot_product_attention(qd, k, v, scale=scaling, enable_gqa=True)
+
+            variants[(f"dense-{str(dtype).split('.')[-1]}", "cat + torch-sdpa")] = (dense, lambda: None)
+        times = {key: [] for key in variants}
+        for call, reset in variants.values():
+            call()
+            reset()
+        keys_ = list(variants)
+        for r in range(args.rounds):
+            for key in keys_[r % len(keys_):] + keys_[: r % len(keys_)]:
+                call, reset = variants[key]
+                t0 = time.perf_counter()
+                call()
+                times[key].append(time.perf_counter() - t0)
+                reset()
+        for (method, what), ts in times.items():
+            rows.append({"context": tokens, "method": method, "step": what,
+                         "median_ms": round(1e3 * statistics.median(ts), 3), "repeats": len(ts)})
+            print(f"{tokens:>7} {method:>16} {what:>18} {rows[-1]['median_ms']:>10.3f} ms")
+    return rows
+
+
+def step_ratios(rows: list[dict]) -> dict:
+    """Median dense step time (fp32, bf16) over each fused method's whole step, per context."""
+    out = {}
+    for ctx in sorted({r["context"] for r in rows}):
+        at = {r["method"]: r["median_ms"] for r in rows if r["context"] == ctx}
+        for method, ms in at.items():
+            if not method.startswith("dense"):
+                for dense in ("dense-float32", "dense-bfloat16"):
+                    out[f"{ctx}: {dense} step / fused {method} step"] = round(at[dense] / ms, 3)
+    return out
+
+
 # ---- end to end --------------------------------------------------------------------------------------
 def greedy(model, ids: torch.Tensor, cache, new: int) -> tuple[float, float, list[int]]:
     """(prefill seconds, decode tokens/s, tokens) of greedy decoding with `cache`."""
@@ -303,6 +377,13 @@ def main(argv=None) -> None:
                "timing": f"median of {args.rounds} interleaved rounds, the order rotated each round "
                          f"(reference: {reference_rounds(args)} rounds after them)",
                "layers": args.layers}
+    if args.step:
+        payload["steps"] = step_rows(args, recipe)
+        payload["step_ratios"] = step_ratios(payload["steps"])
+        payload["step_timing"] = ("one layer's decode step: fused = store.append of the new token (quantize, pack, "
+                                  "append) + decode_attention; dense = torch.cat of the new key and value onto "
+                                  "the layer's cache + SDPA; each variant restored to the same length after each "
+                                  "call, outside the timing")
     if args.e2e:
         payload["e2e"] = e2e_rows(args, recipe)
     payload["machine"]["load_average_end"] = os.getloadavg()

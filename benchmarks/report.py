@@ -204,10 +204,29 @@ def models(data: dict) -> str:
     return "\n".join(out)
 
 
+def peers(data: dict) -> str:
+    """Every quantizer on the same windows (`benchmarks/peers.py`), sorted by bits within each engine."""
+    base = {r["engine"]: r["ppl"] for r in data["rows"] if r["method"] == "fp16"}
+    ours = next(iter(base.values()))
+    out = [f"{data['model']}, {data['text']}, {_window_note(data)} ({data['machine']})\n",
+           "| method | engine | bits / element | PPL | vs fp16 | 95% CI | KLD mean | KLD p99 | top-1 |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        ref = base.get(r["engine"], ours)
+        ci = f"{r['ci95'][0]:+.2f} … {r['ci95'][1]:+.2f}" if r.get("ci95") else "–"
+        out.append(f"| `{r['method']}` | {r['engine']} | {r['avg_bits']:.2f} | {r['ppl']:.3f} | "
+                   f"{(r['ppl'] / ref - 1) * 100:+.2f}% | {ci} | {r['kld_mean']:.4f} | {r['kld_p99']:.3f} | "
+                   f"{100 * r['top1']:.1f}% |")
+    for k, v in data.get("not_measured", {}).items():
+        out.append(f"\nNot measured — {k}: {v}")
+    return "\n".join(out)
+
+
 # block name -> (JSON file, renderer)
 BLOCKS = {
     "ladder": ("ladder.json", ladder),
     "models": ("models.json", models),
+    "peers": ("peers.json", peers),
     "ladder-headline": ("ladder.json", lambda d: ladder(d, HEADLINE)),
     "demo": ("demo_amd_epyc.json", demo),
     "mixed-bits": ("eval_mixed_bits.json", ladder),

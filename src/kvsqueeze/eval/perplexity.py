@@ -91,6 +91,28 @@ def paired_interval(nll: torch.Tensor, base: torch.Tensor, tokens: torch.Tensor,
     return float(lo), float(hi)
 
 
+def against_reference(ref: torch.Tensor, ref_p: torch.Tensor, ref_top: torch.Tensor, logp: torch.Tensor,
+                      target: torch.Tensor) -> tuple[float, torch.Tensor, int]:
+    """One window's summed NLL of `logp` [T-1, V] on `target` [T-1], its per-token KL divergence from the
+    reference distribution (ref: log-probabilities, ref_p: probabilities), and how many of its top tokens are
+    the reference's (ref_top)."""
+    nll = float(-logp.gather(1, target[:, None]).sum())
+    kld = (ref_p * (ref - logp)).sum(-1).clamp_min(0).cpu()
+    return nll, kld, int((logp.argmax(-1) == ref_top).sum())
+
+
+def row_from_windows(name: str, avg_bits: float, nll: list[float], tokens: list[int], klds: list[torch.Tensor],
+                     top1: int, base_nll: list[float] | None) -> PplRow:
+    """A `PplRow` from per-window results (base_nll: the fp16 method's, for the interval; None for fp16)."""
+    nll_t, tok = torch.tensor(nll), torch.tensor(tokens)
+    count = int(tok.sum())
+    mean = float(nll_t.sum()) / count
+    kld = torch.cat(klds).double()
+    ci = None if base_nll is None else paired_interval(nll_t, torch.tensor(base_nll), tok)
+    return PplRow(name, avg_bits, math.exp(mean), mean, count, float(kld.mean()),
+                  float(torch.quantile(kld, 0.99)) if kld.numel() else 0.0, top1 / count, ci, tuple(nll))
+
+
 def evaluate(
     model,
     windows: torch.Tensor,
@@ -126,26 +148,17 @@ def evaluate(
             with SimulatedQuantization(model, spec, recipes.get(spec.name, recipe)) as sim:
                 logp = ref if spec == fp16 else window_logits(model, ids, sim)[0]
                 st = sim.storage(w.numel())
-            a["nll"].append(float(-logp.gather(1, target[:, None]).sum()))
+            nll, kld, top1 = against_reference(ref, ref_p, ref_top, logp, target)
+            a["nll"].append(nll)
             a["tok"].append(int(target.numel()))
-            a["kld"].append((ref_p * (ref - logp)).sum(-1).clamp_min(0).cpu())
-            a["top1"] += int((logp.argmax(-1) == ref_top).sum())
+            a["kld"].append(kld)
+            a["top1"] += top1
             a["bits"], a["elems"] = a["bits"] + st["total"], a["elems"] + st["elements"]
             bar.update(1)
     bar.close()
-    base = torch.tensor(base_nll)
-    rows = []
-    for spec in specs:
-        a = acc[spec.name]
-        nll, tok = torch.tensor(a["nll"]), torch.tensor(a["tok"])
-        count = int(tok.sum())
-        mean = float(nll.sum()) / count
-        kld = torch.cat(a["kld"]).double()
-        ci = None if spec == fp16 else paired_interval(nll, base, tok)
-        rows.append(PplRow(spec.name, a["bits"] / a["elems"], math.exp(mean), mean, count, float(kld.mean()),
-                           float(torch.quantile(kld, 0.99)) if kld.numel() else 0.0, a["top1"] / count, ci,
-                           tuple(a["nll"])))
-    return rows
+    return [row_from_windows(s.name, acc[s.name]["bits"] / acc[s.name]["elems"], acc[s.name]["nll"],
+                             acc[s.name]["tok"], acc[s.name]["kld"], acc[s.name]["top1"],
+                             None if s == fp16 else base_nll) for s in specs]
 
 
 def format_table(rows: list[PplRow]) -> str:
