@@ -116,3 +116,15 @@ def test_turbo_runs_in_the_simulation_and_is_refused_by_the_compressed_cache(tin
     assert errs["turbo4"] < errs["turbo2:split"] < errs["turbo2"]
     with pytest.raises(MethodError, match="turbo stores rotated head vectors"):
         kvsqueeze.cache_for(tiny_llama, None, "turbo3")
+
+
+def test_turbo_through_the_eval_command(tiny_model_dir, text_file, tmp_path):
+    import json
+
+    from kvsqueeze.cli import main
+
+    js = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(tiny_model_dir), "--text", str(text_file), "--methods",
+                 "fp16,turbo3,turbo2:split", "--seqlen", "64", "--max-windows", "2", "--json", str(js)]) == 0
+    rows = {r["method"]: r for r in json.loads(js.read_text())["rows"]}
+    assert rows["turbo3"]["avg_bits"] == pytest.approx(3 + 16 / 16) and rows["turbo2:split"]["kld_mean"] > 0

@@ -68,7 +68,7 @@ def _check_methods(model, specs, recipe) -> None:
     shape = kv_shape(model.config)
     for s in specs:
         for layer in range(shape.layers):
-            build_quantizers(s, recipe, layer, shape.channels)
+            build_quantizers(s, recipe, layer, shape.channels, shape.head_dim)
 
 
 def _write_json(path: str | None, payload: dict) -> None:
