@@ -16,8 +16,8 @@ chunks of exactly that length reproduces token-by-token decoding (every flush ha
 every query sees the same exact and quantized tokens), at the cost of one forward per chunk. Its bits are
 what it holds in a 16-bit model (codes, an fp16 scale and zero-point per group of 64, the exact residual
 left at the end of a window); the bytes it held in this float32 run, where its scales and residual are
-float32, are recorded beside them. llama.cpp computes with the GGUF's quantized weights, so its rows compare with llama.cpp's own
-f16 cache, not with ours.
+float32, are recorded beside them. llama.cpp computes with the GGUF's quantized weights, so its rows
+compare with llama.cpp's own f16 cache, not with ours.
 """
 
 from __future__ import annotations

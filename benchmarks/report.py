@@ -69,7 +69,8 @@ def ladder(data: dict, methods: tuple[str, ...] | None = None) -> str:
     for r in rows:
         step = r.get("step", "") if methods is None else ""  # a selection describes each method on its own
         what = step if step and not step.endswith("-bit") else describe(r["method"])
-        line = f"| `{r['method']}` | {what} | {r['avg_bits']:.2f} | {r['ppl']:.3f} | {(r['ppl'] / base - 1) * 100:+.2f}% |"
+        change = (r["ppl"] / base - 1) * 100
+        line = f"| `{r['method']}` | {what} | {r['avg_bits']:.2f} | {r['ppl']:.3f} | {change:+.2f}% |"
         if full:
             ci = f"{r['ci95'][0]:+.2f} … {r['ci95'][1]:+.2f}" if r.get("ci95") else "–"
             line += f" {ci} | {r['kld_mean']:.4f} | {100 * r['top1']:.1f}% |"

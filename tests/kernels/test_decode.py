@@ -235,7 +235,8 @@ def test_backend_equals_reference_when_rope_turns_part_of_each_head(backend, rot
     batch, tokens, heads, head_dim = 2, 150, 2, 64
     real = torch.ones(batch, tokens, dtype=torch.bool)
     real[1, :37] = False
-    store = make_store(tokens, batch, heads, head_dim, 3, 0.02, 2, real=real, positions=positions_for(tokens, batch, real))
+    store = make_store(tokens, batch, heads, head_dim, 3, 0.02, 2, real=real,
+                       positions=positions_for(tokens, batch, real))
     kv = store.view()
     q = torch.randn(batch, heads * 3, head_dim, generator=torch.Generator().manual_seed(7))
     rope = Rope.default(rotary, theta=100.0) if rotary else Rope.identity(head_dim)

@@ -50,22 +50,19 @@ def register_handler(handler: Callable) -> None:
         _HANDLERS.append(handler)
 
 
-def kvsqueeze_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Attention dispatch: the first registered handler that takes the call, or SDPA."""
-    for handler in _HANDLERS:
-        out = handler(module, query, key, value, attention_mask, scaling, **kwargs)
-        if out is not None:
-            return out
-    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+def _dispatcher(fallback: Callable, doc: str) -> Callable:
+    """An attention function: the first registered handler that takes the call, else `fallback(module)`'s."""
 
+    def kvsqueeze_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+        for handler in _HANDLERS:
+            out = handler(module, query, key, value, attention_mask, scaling, **kwargs)
+            if out is not None:
+                return out
+        return fallback(module)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                **kwargs)
 
-def kvsqueeze_eager_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """Attention dispatch: the first registered handler that takes the call, or the family's eager attention."""
-    for handler in _HANDLERS:
-        out = handler(module, query, key, value, attention_mask, scaling, **kwargs)
-        if out is not None:
-            return out
-    return family_eager(module)(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    kvsqueeze_attention.__doc__ = doc
+    return kvsqueeze_attention
 
 
 def family_eager(module) -> Callable:
@@ -76,6 +73,12 @@ def family_eager(module) -> Callable:
                                     f"{type(module).__module__} has no `eager_attention_forward` to fall back on; "
                                     "load the model with attn_implementation='sdpa'")
     return eager
+
+
+kvsqueeze_attention = _dispatcher(lambda module: sdpa_attention_forward,
+                                  "Attention dispatch: the first registered handler that takes the call, or SDPA.")
+kvsqueeze_eager_attention = _dispatcher(family_eager, "Attention dispatch: the first registered handler that "
+                                        "takes the call, or the family's eager attention.")
 
 
 def register_attention() -> None:

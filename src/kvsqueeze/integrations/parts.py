@@ -172,9 +172,10 @@ def hook_projections(model, fn, kinds: tuple[str, ...] = ("k", "v")) -> list:
     """Forward hooks where each attention module's keys ("k": `key_module`) and values ("v": `v_proj`) are made.
 
     `fn(layer, kind, output)` sees each output — [B, T, C], or [B, T, H, D] where a per-head `k_norm` makes
-    the keys (`flatten(2)` gives [B, T, C] either way; a norm over [B, H, T, D] is handed over transposed) — and may return a tensor of its shape to replace it
-    (None keeps it). This is the one place kvsqueeze reads keys and values where the model makes them. A fused
-    `qkv_proj` is hooked once: `fn` sees its key and value slices, and what it returns replaces them.
+    the keys (`flatten(2)` gives [B, T, C] either way; a norm over [B, H, T, D] is handed over transposed) —
+    and may return a tensor of its shape to replace it (None keeps it). This is the one place kvsqueeze reads
+    keys and values where the model makes them. A fused `qkv_proj` is hooked once: `fn` sees its key and
+    value slices, and what it returns replaces them.
 
     Returns:
         The hook handles; `remove()` each when done.

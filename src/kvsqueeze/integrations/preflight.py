@@ -92,7 +92,8 @@ def preflight(model, keys: bool = True) -> None:
             raise _refuse(model, None, f"its RoPE ({moving[0]}) changes its frequencies with the sequence length, "
                           "and the model caches each key turned by the frequencies of the step that wrote it, which "
                           "keys stored before RoPE and turned at read time cannot reproduce", "use a method that "
-                          "quantizes keys after RoPE (e.g. int4, kivi2), or a fixed rope scaling (linear, llama3, yarn)")
+                          "quantizes keys after RoPE (e.g. int4, kivi2), or a fixed rope scaling (linear, llama3, "
+                          "yarn)")
         rotaries = layer_rotaries(model, d)
         positions = torch.arange(PREFLIGHT_TOKENS, device=device).view(1, -1)
         try:
@@ -121,7 +122,8 @@ def preflight(model, keys: bool = True) -> None:
                     what = (f"its keys are cached as its `{source}` gives them, without RoPE (a layer without "
                             "RoPE whose attention module does not say so with `use_rope`)")
                 elif not rotaries[i].turns:
-                    what = f"its attention module says it uses no RoPE, yet the keys it caches are not its `{source}` output"
+                    what = (f"its attention module says it uses no RoPE, yet the keys it caches are not its "
+                            f"`{source}` output")
                 else:
                     what = (f"the keys it caches are not its `{source}` output turned by rotate-half RoPE "
                             f"(largest difference {float((turned - cached_k).abs().max()):.3g} against keys up to "
