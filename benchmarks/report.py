@@ -50,8 +50,8 @@ def describe(name: str) -> str:
 
 def _window_note(data: dict) -> str:
     src = data.get("window_sources")
-    if not src:
-        return f"{data['windows']} windows of {data['seqlen']} tokens"
+    if not src:  # measured before windows were spread over the part
+        return f"the first {data['windows']} windows of {data['seqlen']} tokens of the part"
     cats = f", covering {len(src['categories'])} categories" if src.get("categories") else ""
     return f"{src['windows']} windows of {src['seqlen']} tokens spread over the {src['of']} of the part{cats}"
 
