@@ -21,6 +21,9 @@ import sys
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).parent))
+import report  # noqa: E402  (the README's renderer of this table)
+
 METHODS = ["fp16", "int4", "int3", "kivi2", "nuq4-1%", "nuq3-1%", "nuq2-1%"]
 LADDER = ["nuq2-1%", "nuq3-1%", "nuq4-1%"]  # PPL must not grow along this list's reverse
 PROMPT = "The BBC reported that the government"
@@ -76,24 +79,6 @@ def _rows(evaluation: dict) -> list[dict]:
     return [{"method": r["method"], "avg_bits": r["avg_bits"], "ppl": r["ppl"]} for r in rows]
 
 
-def table(rows: list[dict]) -> str:
-    models = list(dict.fromkeys(r["model"] for r in rows))
-    by = {(r["model"], r["method"]): r for r in rows}
-    lines = ["| method | " + " | ".join(models) + " |", "|---|" + "---|" * len(models)]
-    for m in METHODS:
-        cells = []
-        for model in models:
-            r, base = by.get((model, m)), by.get((model, "fp16"))
-            if r is None:
-                cells.append("–")
-            elif m == "fp16":
-                cells.append(f"{r['ppl']:.3f}")
-            else:
-                cells.append(f"{r['ppl']:.3f} ({100 * (r['ppl'] / base['ppl'] - 1):+.1f}%, {r['avg_bits']:.2f} b)")
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 def machine() -> str:
     """The CPU's model name (from /proc/cpuinfo where there is one), its core count and torch's version."""
     import os
@@ -143,7 +128,7 @@ def main() -> None:
         placed = "spread over the part" if ev.get("window_sources") else "the first windows of the part"
         result["settings"]["eval"] = f"{ev['windows']} x {ev['seqlen']} tokens ({placed})"
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")  # after each model: a partial run counts
-        print(table(result["rows"]), flush=True)
+        print(report.models(result), flush=True)
     if problems:
         raise SystemExit("; ".join(problems))
 

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import platform
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ from kvsqueeze.shape import kv_shape
 
 sys.path.insert(0, str(Path(__file__).parent))
 from memory import tensor_bytes  # noqa: E402
+from models import machine  # noqa: E402
 
 OURS = ["fp16", "kivi2", "kivi4", "turbo2:split", "turbo3:split", "nuq4-1%", "nuq3-1%", "nuq2-1%"]
 QUANTIZED_CACHE = [("quanto", 2), ("quanto", 4), ("hqq", 2), ("hqq", 3), ("hqq", 4)]
@@ -134,7 +134,7 @@ def main() -> None:
     payload = {
         "model": args.model, "text": f"{args.text} (evaluation part)", "seqlen": args.seqlen,
         "windows": int(ew.ids.shape[0]), "window_sources": ew.describe(),
-        "machine": f"{platform.processor() or platform.machine()}, torch {torch.__version__}",
+        "machine": machine(),
         "recipe": recipe.meta.get("settings"), "seconds": round(time.perf_counter() - t0, 1),
         "not_measured": missing, "rows": rows,
     }
