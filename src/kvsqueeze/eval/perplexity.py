@@ -133,10 +133,13 @@ def evaluate(
     names = [s.name for s in specs]
     acc = {n: {"nll": [], "tok": [], "kld": [], "top1": 0, "bits": 0.0, "elems": 0.0} for n in names}
     base_nll = []
+    # quantizers built (and the recipe checked) once per method; each window only installs the hooks
+    sims = {s.name: SimulatedQuantization(model, s, recipes.get(s.name, recipe)) for s in specs}
+    reference = sims.get(fp16.name) or SimulatedQuantization(model, fp16, recipe)
     bar = tqdm(total=len(specs) * windows.shape[0], disable=not progress, desc="eval", unit="win")
     for w in windows:
         ids = w.view(1, -1)
-        with SimulatedQuantization(model, fp16, recipe) as sim:
+        with reference as sim:
             ref = window_logits(model, ids, sim)[0]  # [T-1, V]
         target = ids[0, 1:].to(ref.device)
         ref_top = ref.argmax(-1)
@@ -145,7 +148,7 @@ def evaluate(
         for spec in specs:
             bar.set_postfix_str(spec.name)
             a = acc[spec.name]
-            with SimulatedQuantization(model, spec, recipes.get(spec.name, recipe)) as sim:
+            with sims[spec.name] as sim:
                 logp = ref if spec == fp16 else window_logits(model, ids, sim)[0]
                 st = sim.storage(w.numel())
             nll, kld, top1 = against_reference(ref, ref_p, ref_top, logp, target)
