@@ -67,6 +67,9 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--json", default="benchmarks/results/ladder.json")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep the rows of an existing --json measured on the same windows with the same recipes and "
+                         "measure only the methods it lacks")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -83,27 +86,37 @@ def main() -> None:
         steps.setdefault(parse_method(name).name, label)
     specs = [parse_method(n) for n in steps]
     recipes = {s.name: by_sinks[min(s.sinks, 1)] for s in specs if s.needs_recipe}
+    settings = {str(k): v.meta.get("settings") for k, v in sorted(by_sinks.items())}
+    kept: dict[str, dict] = {}
+    if args.reuse and Path(args.json).exists():
+        old = json.loads(Path(args.json).read_text())
+        if (old["seqlen"], old["window_sources"], old["recipes"], old["model"]) != (
+                args.seqlen, ew.describe(), settings, args.model):
+            raise SystemExit(f"--reuse: {args.json} was measured on other windows, model or recipes; run without it")
+        kept = {r["method"]: r for r in old["rows"] if r["method"] in steps and r["method"] != "fp16"}
     t0 = time.perf_counter()
-    rows = evaluate(model, ew.ids, specs, by_sinks[1], recipes=recipes)
-    base = rows[0].ppl
+    todo = [s for s in specs if s.name not in kept]
+    measured = {r.method: {**r.as_dict(), "step": steps[r.method], "recipe_sinks": (
+        int(recipes[r.method].meta["settings"]["sinks"]) if r.method in recipes else None)}
+        for r in evaluate(model, ew.ids, todo, by_sinks[1], recipes=recipes)}
+    table = [measured.get(name) or kept[name] for name in steps]
+    base = table[0]["ppl"]
     payload = {
         "model": args.model, "text": f"{args.text} (evaluation part)", "seqlen": args.seqlen,
         "windows": int(ew.ids.shape[0]), "window_sources": ew.describe(),
         "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
                    f"torch {torch.__version__}",
-        "recipes": {str(k): v.meta.get("settings") for k, v in sorted(by_sinks.items())},
-        "seconds": round(time.perf_counter() - t0, 1),
-        "rows": [{**r.as_dict(), "step": steps[r.method],
-                  "recipe_sinks": int(recipes[r.method].meta["settings"]["sinks"]) if r.method in recipes else None}
-                 for r in rows],
+        "recipes": settings, "seconds": round(time.perf_counter() - t0, 1),
+        **({"reused_rows": sorted(kept)} if kept else {}),
+        "rows": table,
     }
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
     print("| method | what | avg bits | PPL | vs fp16 | 95% CI | KLD | top-1 |\n|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        ci = f"[{r.ci95[0]:+.2f}, {r.ci95[1]:+.2f}]" if r.ci95 else ""
-        print(f"| `{r.method}` | {steps[r.method]} | {r.avg_bits:.2f} | {r.ppl:.3f} | {(r.ppl / base - 1) * 100:+.2f}% "
-              f"| {ci} | {r.kld_mean:.4f} | {100 * r.top1:.1f}% |")
+    for r in table:
+        ci = f"[{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}]" if r["ci95"] else ""
+        print(f"| `{r['method']}` | {r['step']} | {r['avg_bits']:.2f} | {r['ppl']:.3f} | "
+              f"{(r['ppl'] / base - 1) * 100:+.2f}% | {ci} | {r['kld_mean']:.4f} | {100 * r['top1']:.1f}% |")
     print(f"wrote {args.json}")
 
 

@@ -42,6 +42,7 @@ from kvsqueeze.shape import kv_shape
 sys.path.insert(0, str(Path(__file__).parent))
 from memory import tensor_bytes  # noqa: E402
 from models import machine  # noqa: E402
+from report import peers as report_peers  # noqa: E402
 
 OURS = ["fp16", "kivi2", "kivi4", "turbo2:split", "turbo3:split", "nuq4-1%", "nuq3-1%", "nuq2-1%"]
 QUANTIZED_CACHE = [("quanto", 2), ("quanto", 4), ("hqq", 2), ("hqq", 3), ("hqq", 4)]
@@ -73,29 +74,70 @@ def quantized_cache_bits(bits: int, tokens: int) -> float:
     return ((tokens - residual) * (bits + 32 / GROUP) + residual * 16) / tokens
 
 
+LLAMA_CPP_TYPES = [  # (method, K type, V type, bits per K/V element: 32-element blocks with one fp16 scale)
+    ("fp16", "F16", "F16", 16.0),
+    ("q8_0", "Q8_0", "Q8_0", 8.5),
+    ("q4_0", "Q4_0", "Q4_0", 4.5),
+    ("k-q8_0/v-q4_0", "Q8_0", "Q4_0", 6.5),
+]
+
+
 def llama_cpp_rows(model_name: str, windows: torch.Tensor) -> list[dict] | str:
-    """llama.cpp's KV cache types on the same windows, or why there are none."""
+    """llama.cpp's KV cache types on the same token windows, each against llama.cpp's own f16 cache, or why
+    there are none.
+
+    The windows' token ids go to llama.cpp as they are (the GGUF holds the same vocabulary the HF tokenizer was
+    built from), one window per fresh context, all logits kept; flash attention is on, which llama.cpp needs
+    for a quantized V cache, for every type including f16."""
     if importlib.util.find_spec("llama_cpp") is None:
         return ("llama-cpp-python is not installed (`pip install llama-cpp-python==0.3.36`, which builds from "
                 "source in about 12 minutes): no llama.cpp rows")
-    return "llama.cpp rows are not measured by this script yet"
+    import tempfile
+
+    import llama_cpp
+
+    from kvsqueeze.integrations.loading import BUNDLED, _bundled_gguf
+
+    if model_name.lower() not in BUNDLED:
+        return f"llama.cpp rows need one of the bundled GGUF models ({', '.join(BUNDLED)}), not {model_name!r}"
+    seqlen = windows.shape[1]
+    rows, refs, base_nll = [], {}, None
+    with tempfile.TemporaryDirectory() as tmp:
+        gguf = _bundled_gguf(model_name.lower(), Path(tmp))
+        for method, k_type, v_type, bits in LLAMA_CPP_TYPES:
+            llm = llama_cpp.Llama(
+                model_path=str(gguf), n_ctx=seqlen, n_batch=512, n_ubatch=512, logits_all=True,
+                n_threads=torch.get_num_threads(), flash_attn=True, verbose=False, seed=0,
+                type_k=getattr(llama_cpp, f"GGML_TYPE_{k_type}"), type_v=getattr(llama_cpp, f"GGML_TYPE_{v_type}"))
+            nll, tokens, klds, top1 = [], [], [], 0
+            for i, w in enumerate(windows):
+                llm.reset()  # the next eval drops every cached token past n_tokens = 0
+                llm.eval(w.tolist())
+                logits = torch.from_numpy(llm.scores[: seqlen - 1].copy()).float()
+                logp = logits.log_softmax(-1)
+                if not torch.isfinite(logp).all():
+                    raise FloatingPointError(f"llama.cpp {method} produced NaN/Inf logits on window {i}")
+                if method == "fp16":
+                    refs[i] = logp
+                ref = refs[i]
+                target = w[1:]
+                n, k, t1 = against_reference(ref, ref.exp(), ref.argmax(-1), logp, target)
+                nll.append(n)
+                tokens.append(int(target.numel()))
+                klds.append(k)
+                top1 += t1
+                print(f"llama.cpp {method}: window {i + 1} of {windows.shape[0]}", flush=True)
+            row = row_from_windows(method, bits, nll, tokens, klds, top1, base_nll)
+            if method == "fp16":
+                base_nll = nll
+            engine = f"llama.cpp {llama_cpp.__version__} (GGUF weights, flash attention)"
+            rows.append({**row.as_dict(), "engine": engine, "cache_types": {"k": k_type.lower(), "v": v_type.lower()}})
+            del llm
+    return rows
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--text", default="bbc")
-    ap.add_argument("--recipe", required=True)
-    ap.add_argument("--seqlen", type=int, default=2048)
-    ap.add_argument("--windows", type=int, default=8)
-    ap.add_argument("--json", default="benchmarks/results/peers.json")
-    args = ap.parse_args()
-
-    torch.manual_seed(0)
-    model, tok = load_model(args.model)
-    recipe = Recipe.load(args.recipe)
-    ew = evaluation_windows(tok, load_text(args.text), args.seqlen, args.windows)
-    t0 = time.perf_counter()
+def measure_hf_rows(model, ew, recipe: Recipe, seqlen: int) -> tuple[list[dict], dict[str, str]]:
+    """Our rows and QuantizedCache's, and what could not be measured and why."""
     ours = evaluate(model, ew.ids, [parse_method(m) for m in OURS], recipe)
     rows = [{**r.as_dict(), "engine": "kvsqueeze (simulated)"} for r in ours]
     base_nll = list(ours[0].window_nll)  # fp16, the first of OURS
@@ -123,9 +165,42 @@ def main() -> None:
             top1 += t1
             bits_held.append(held)
             print(f"{name}: window {len(nll)} of {ew.ids.shape[0]}", flush=True)
-        row = row_from_windows(name, quantized_cache_bits(bits, args.seqlen), nll, tokens, klds, top1, base_nll)
+        row = row_from_windows(name, quantized_cache_bits(bits, seqlen), nll, tokens, klds, top1, base_nll)
         rows.append({**row.as_dict(), "engine": f"transformers QuantizedCache ({backend}, residual {RESIDUAL})",
                      "bits_held_in_this_float32_run": round(sum(bits_held) / len(bits_held), 3)})
+    return rows, missing
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--text", default="bbc")
+    ap.add_argument("--recipe", required=True)
+    ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--windows", type=int, default=8)
+    ap.add_argument("--json", default="benchmarks/results/peers.json")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep the kvsqueeze and QuantizedCache rows of an existing --json measured on the same "
+                         "windows with the same recipe, and measure only the llama.cpp rows")
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    model, tok = load_model(args.model)
+    recipe = Recipe.load(args.recipe)
+    ew = evaluation_windows(tok, load_text(args.text), args.seqlen, args.windows)
+    t0 = time.perf_counter()
+    previous = json.loads(Path(args.json).read_text()) if args.reuse and Path(args.json).exists() else None
+    if previous is not None:
+        same = (previous["seqlen"] == args.seqlen and previous["window_sources"] == ew.describe()
+                and previous["recipe"] == recipe.meta.get("settings") and previous["model"] == args.model)
+        if not same:
+            raise SystemExit(f"--reuse: {args.json} was measured on other windows, model or recipe; run without it")
+        rows = [r for r in previous["rows"] if not r["engine"].startswith("llama.cpp")]
+        missing = {k: v for k, v in previous["not_measured"].items() if k != "llama.cpp"}
+        reused = {"rows_from": previous.get("measured_on", "an earlier run"), "seconds": previous["seconds"]}
+    else:
+        rows, missing = measure_hf_rows(model, ew, recipe, args.seqlen)
+        reused = None
     llama = llama_cpp_rows(args.model, ew.ids)
     if isinstance(llama, str):
         missing["llama.cpp"] = llama
@@ -136,17 +211,11 @@ def main() -> None:
         "windows": int(ew.ids.shape[0]), "window_sources": ew.describe(),
         "machine": machine(),
         "recipe": recipe.meta.get("settings"), "seconds": round(time.perf_counter() - t0, 1),
+        "measured_on": time.strftime("%Y-%m-%d"), **({"reused": reused} if reused else {}),
         "not_measured": missing, "rows": rows,
     }
     Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
-    base = next(r["ppl"] for r in rows if r["method"] == "fp16")
-    print("| method | engine | avg bits | PPL | vs fp16 | 95% CI | KLD | top-1 |\n|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        ci = f"{r['ci95'][0]:+.2f} … {r['ci95'][1]:+.2f}" if r["ci95"] else "–"
-        print(f"| `{r['method']}` | {r['engine']} | {r['avg_bits']:.2f} | {r['ppl']:.3f} | "
-              f"{(r['ppl'] / base - 1) * 100:+.2f}% | {ci} | {r['kld_mean']:.4f} | {100 * r['top1']:.1f}% |")
-    for k, v in missing.items():
-        print(f"not measured: {k}: {v}")
+    print(report_peers(payload))
     print(f"wrote {args.json}")
 
 

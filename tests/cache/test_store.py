@@ -277,6 +277,49 @@ def _assert_replaced_codes_are_outlier_code(store: KVStore) -> None:
         assert (dense[slots] == store.OUTLIER_CODE).all()
 
 
+def _store_arrays(store: KVStore) -> dict[str, torch.Tensor]:
+    out = {"k_codes": store.k_codes.view(), "v_codes": store.v_codes.view(), "v_scale_zero": store.v_scale_zero.view(),
+           "sink_k": store.sink_k, "sink_v": store.sink_v, "sink_slot": store.sink_slot}
+    for name, sparse in (("k", store.k_outliers), ("v", store.v_outliers)):
+        if sparse is not None:
+            out |= {f"{name}_pointers": sparse.pointer_view(), f"{name}_channels": sparse.channels.view(),
+                    f"{name}_values": sparse.values.view()}
+    return out
+
+
+@pytest.mark.parametrize("c, bits, fraction, sinks, family", [
+    (32, 3, 0.05, 1, "nuq"), (40, 2, 0.0, 0, "nf"), (80, 4, 0.05, 2, "int"), (130, 3, 0.02, 3, "nuq"),
+    (64, 2, 0.01, 0, "nuq"),
+])
+def test_triton_encoder_writes_the_bits_of_the_torch_path(c, bits, fraction, sinks, family):
+    """The fused quantize-and-pack of new tokens (a GPU store's encoder; Triton's interpreter here) against the
+    torch ops, array by array, over a left-padded prefill and single-token decode steps."""
+    kq, vq = _quantizers(c, bits, fraction, "vector", family=family)
+    stores = [KVStore(kq, vq, c, sinks, encoder=enc) for enc in ("torch", "triton")]
+    assert [store.encoder for store in stores] == ["torch", "triton"]
+    real = torch.ones(2, 9, dtype=torch.bool)
+    real[1, :4] = False
+    chunks = [(9, real)] + [(1, None)] * 3
+    for step, (n, r) in enumerate(chunks):
+        k, v = _tokens(2, n, c, 100 + step)
+        for store in stores:
+            store.append(k, v, r)
+    got, want = _store_arrays(stores[1]), _store_arrays(stores[0])
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+    assert torch.equal(stores[1].dequantize()[1], stores[0].dequantize()[1])
+
+
+def test_store_encoder_is_explicit():
+    kq, vq = _quantizers(32, 3, 0.05, "vector")
+    assert KVStore(kq, vq, 32).encoder == "torch"  # a CPU store
+    kq, vq = _quantizers(32, 3, 0.05, "matrix")
+    assert KVStore(kq, vq, 32, encoder="triton").encoder == "torch"  # per-matrix value thresholds: torch alone
+    with pytest.raises(ValueError, match="encoder must be"):
+        KVStore(kq, vq, 32, encoder="cuda")
+
+
 def test_store_reset_empties_it():
     kq, vq = _quantizers(32, 3, 0.05, "vector")
     store = KVStore(kq, vq, 32, sinks=1)

@@ -25,9 +25,12 @@ from kvsqueeze.kernels import api as kernels_api
 from kvsqueeze.quantizer import VectorQuantizer
 
 # The fast backends are held to the reference; a fast backend that fails to import fails these tests instead of
-# leaving them out, unless KVSQUEEZE_ALLOW_NO_NUMBA=1 says this machine is known to lack numba.
+# leaving them out, unless KVSQUEEZE_ALLOW_NO_NUMBA=1 says this machine is known to lack numba. The triton
+# backend runs here under Triton's interpreter (conftest.py sets TRITON_INTERPRET=1 when there is no GPU).
 NO_NUMBA = os.environ.get("KVSQUEEZE_ALLOW_NO_NUMBA") == "1"
-FAST_BACKENDS = [] if NO_NUMBA else [Backend.NUMBA]
+FAST_BACKENDS = ([] if NO_NUMBA else [Backend.NUMBA]) + [Backend.TRITON]
+# the interpreter runs every program in Python: the longest caches only through numba
+COMPILED_BACKENDS = [b for b in FAST_BACKENDS if b is not Backend.TRITON]
 
 
 def make_quantizers(sample_keys: torch.Tensor, bits: int, fraction: float, v_bits: int | None = None):
@@ -215,7 +218,7 @@ def test_backend_equals_reference_mixed_bits_padding_and_long_positions(backend)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("backend", COMPILED_BACKENDS)
 def test_backend_equals_reference_beyond_65536_tokens(backend):
     tokens, heads, head_dim = 65_600, 1, 64
     store = make_store(tokens, 1, heads, head_dim, 3, 0.01, 1)
@@ -306,6 +309,32 @@ def test_reference_equals_attention_over_the_layer_read(tiny_llama):
 
 
 # ---- the backend choice ---------------------------------------------------------------------------
+def test_the_triton_backend_loads_and_auto_keeps_numba_for_cpu_tensors():
+    assert resolve_backend("triton", "cpu") is Backend.TRITON  # under the interpreter; its import error fails here
+    assert resolve_backend("triton", "cuda") is Backend.TRITON
+    assert resolve_backend("auto", "cuda") is Backend.TRITON  # numba does not run on CUDA tensors
+    if not NO_NUMBA:
+        assert resolve_backend("auto", "cpu") is Backend.NUMBA
+
+
+def test_the_triton_backend_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
+    from kvsqueeze.kernels.triton import attend
+
+    monkeypatch.delenv("TRITON_INTERPRET")
+    for f in (kernels_api._load, kernels_api._entry):
+        f.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="cannot run on cpu"):
+            resolve_backend("triton", "cpu")
+        kv = view_of(make_store(3, 1, 1, 16, 3, 0.0, 0))
+        with pytest.raises(ValueError, match="runs on CUDA tensors"):
+            attend.decode_attention(torch.randn(1, 1, 16), kv, Rope.default(16), 0.25, None)
+    finally:
+        monkeypatch.undo()
+        for f in (kernels_api._load, kernels_api._entry):
+            f.cache_clear()
+
+
 @pytest.mark.skipif(NO_NUMBA, reason="KVSQUEEZE_ALLOW_NO_NUMBA=1: this machine is known to lack numba")
 def test_the_numba_backend_loads():
     assert resolve_backend("numba", "cpu") is Backend.NUMBA  # its real import error, if any, fails this test
@@ -400,6 +429,27 @@ def test_generate_fused_equals_dense_path(tiny_llama, tiny_recipe, method, monke
     assert len(calls) == LAYERS * (new - 1)  # every decode step of every layer, never the prefill
     assert handle.closed and tiny_llama.config._attn_implementation == "sdpa"
     assert all(isinstance(layer, CompressedLayer) and layer.decode_backend is None for layer in cache.layers)
+
+
+def test_generate_through_the_triton_backend_equals_the_dense_path(tiny_llama, tiny_recipe):
+    """generate() with the Triton kernels as the decode backend (under the interpreter here), left padding and
+    sinks: the same tokens as the dense path."""
+    from conftest import random_ids
+
+    import kvsqueeze
+    from kvsqueeze.integrations.fused import fused_decode
+
+    ids = random_ids(2, 10, seed=8)
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    kw = {"attention_mask": mask, "max_new_tokens": 6, "min_new_tokens": 6, "do_sample": False, "pad_token_id": 0}
+    with torch.no_grad():
+        expected = tiny_llama.generate(ids, cache=kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq3-1%"), **kw)
+        cache = kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq3-1%")
+        with fused_decode(tiny_llama, cache, "triton") as handle:
+            assert handle.backend is Backend.TRITON
+            got = tiny_llama.generate(ids, cache=cache, **kw)
+    assert torch.equal(got, expected)
 
 
 def _step_logits(model, cache, ids, start: int, stop: int, prefill: bool = False) -> list[torch.Tensor]:

@@ -95,6 +95,17 @@ class TokenOutliers:
         self.values.append(x[rows, cols].to(torch.float16))
         return mask
 
+    def append_rows(self, channels: torch.Tensor, values: torch.Tensor) -> None:
+        """Append N fixed-count rows given as channels int16 [N, fixed] (ascending, 16-bit patterns) and their
+        fp16 values [N, fixed], as a fused encoder writes them."""
+        shape = tuple(channels.shape)
+        if self.fixed is None or shape != tuple(values.shape) or len(shape) != 2 or shape[1] != self.fixed:
+            raise ValueError(f"append_rows takes [N, {self.fixed}] channels and values of fixed-count rows, got "
+                             f"{tuple(channels.shape)} and {tuple(values.shape)}")
+        self._tokens += channels.shape[0]
+        self.channels.append(channels.reshape(-1))
+        self.values.append(values.reshape(-1))
+
     def _pad_rows(self, mask: torch.Tensor) -> torch.Tensor:
         """Give every row exactly `fixed` entries (extra entries store exact values: harmless)."""
         counts = mask.sum(dim=1)

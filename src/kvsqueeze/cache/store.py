@@ -38,6 +38,7 @@ how many of their rows are in use, nothing copied.
 from __future__ import annotations
 
 import operator
+import os
 
 import torch
 
@@ -62,13 +63,16 @@ class KVStore:
         device: where every array lives.
         head_dim: D, the width of one KV head (default: C, one head).
         positions: the cache's `PositionLog`, shared by its layers (default: a log of this store's own).
+        encoder: who quantizes and packs new tokens: "torch" (the quantizer's torch ops), "triton" (one fused
+            Triton program per slot, `kernels.triton.encode`; on CPU tensors only under Triton's interpreter) or
+            "auto" (triton for a store on a CUDA device, torch elsewhere). Both write the same bits.
     """
 
     OUTLIER_CODE = 0  # the code stored under every outlier (and in sink slots)
 
     def __init__(self, k_quant: VectorQuantizer, v_quant: VectorQuantizer, channels: int, sinks: int = 0,
                  device: torch.device | str = "cpu", head_dim: int | None = None,
-                 positions: PositionLog | None = None):
+                 positions: PositionLog | None = None, encoder: str = "auto"):
         if k_quant.axis != "channel" or v_quant.axis != "token" or v_quant.group:
             raise ValueError("KVStore stores per-channel keys and per-token values (KVQuant's axes)")
         head_dim = head_dim or channels
@@ -84,6 +88,16 @@ class KVStore:
         self.k_bits, self.v_bits = k_quant.bits, v_quant.bits
         scale, zero = choose_qparams(k_quant.lo.view(1, -1), k_quant.hi.view(1, -1))  # fp16-exact float32 [1, C]
         self.k_scale, self.k_zero = scale.view(-1).half().to(self.device), zero.view(-1).half().to(self.device)
+        if encoder not in ("auto", "torch", "triton"):
+            raise ValueError(f"encoder must be 'auto', 'torch' or 'triton', got {encoder!r}")
+        if encoder == "auto":
+            encoder = "triton" if self.device.type == "cuda" else "torch"
+        if encoder == "triton" and (k_quant.group or v_quant.scope != "vector"):
+            encoder = "torch"  # per-matrix value thresholds: the torch path alone
+        if encoder == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError(f"the triton encoder runs on CUDA tensors (this store is on {self.device}); use "
+                             "encoder='auto' or 'torch'")
+        self.encoder = encoder
         self.batch = 0
         self._allocations: tuple = ()  # what the last view held, and the memo its views share
         self._memo: dict = {}
@@ -147,6 +161,9 @@ class KVStore:
         xk = keys.transpose(0, 1).reshape(t * b, c).float()  # [T*B, C], slot order
         xv = values.transpose(0, 1).reshape(t * b, c).float()
         flat_sink = sink.t().reshape(-1, 1)  # [T*B, 1]
+        if self.encoder == "triton":
+            self._append_fused(xk, xv, flat_sink, t, b)
+            return
         enc_k, enc_v = self.key_quantizer.encode(xk), self.value_quantizer.encode(xv)
         # codes never read back (under outliers, padding entries of fixed-count rows included, and in sink
         # slots) are OUTLIER_CODE
@@ -161,6 +178,23 @@ class KVStore:
         self.v_codes.append(pack_codes(v_codes, self.v_bits).view(t, b, -1))
         sz = torch.cat([enc_v.scale, enc_v.zero], dim=1).masked_fill(flat_sink, 0)  # [T*B, 2], fp16-exact
         self.v_scale_zero.append(sz.half().view(t, b, 2))
+
+    def _append_fused(self, xk: torch.Tensor, xv: torch.Tensor, flat_sink: torch.Tensor, t: int, b: int) -> None:
+        """`append`'s encoding in one Triton program per slot (`kernels.triton.encode`); the same bits."""
+        from ..kernels.triton.encode import OUTLIER_CODE, encode
+
+        assert OUTLIER_CODE == self.OUTLIER_CODE
+        kq, vq = self.key_quantizer, self.value_quantizer
+        side = self.v_fixed // 2 if self.v_outliers is not None else 0
+        enc = encode(xk, xv, flat_sink.view(-1), kq.lo, kq.hi, self.k_scale, self.k_zero, kq.levels, vq.levels,
+                     self.k_outliers is not None, side)
+        if self.k_outliers is not None:
+            self.k_outliers.append(enc["k_mask"], xk)
+        if self.v_outliers is not None:
+            self.v_outliers.append_rows(enc["v_chan"], enc["v_val"])
+        self.k_codes.append(enc["k_words"].view(t, b, -1))
+        self.v_codes.append(enc["v_words"].view(t, b, -1))
+        self.v_scale_zero.append(enc["v_sz"].view(t, b, 2))
 
     def _take_sinks(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
         """Mark the new tokens that are sinks [B, T] and store them in fp16."""

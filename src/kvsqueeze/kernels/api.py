@@ -10,7 +10,7 @@ positions inside the op.
 
 Backends compute the same thing (`Backend`): `reference` dequantizes the whole
 cache with torch ops and runs plain softmax attention (the oracle; any
-device); `numba` is the fused CPU kernel. A backend asked for by name raises
+device); `numba` is the fused CPU kernel, `triton` the fused GPU kernels. A backend asked for by name raises
 its own import error when it cannot load; `auto` takes the fastest one that
 loads for the tensors' device, and warns once when it has to fall back.
 """
@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import functools
 import importlib
+import os
 import warnings
 from collections.abc import Callable
 
@@ -35,11 +36,20 @@ class Backend(str, enum.Enum):
     AUTO = "auto"  # the fastest available for the tensors' device
     REFERENCE = "reference"  # pure torch, any device: dequantize everything, then softmax attention
     NUMBA = "numba"  # fused CPU kernel (numba, parallel)
+    TRITON = "triton"  # fused GPU kernels (Triton); on CPU tensors only under TRITON_INTERPRET=1
 
 
-_MODULES = {Backend.NUMBA: ".numba", Backend.REFERENCE: ".reference"}  # imported on first use
-_DEVICES = {Backend.NUMBA: ("cpu",), Backend.REFERENCE: None}  # device types each runs on; None: any
-_PREFERENCE = (Backend.NUMBA, Backend.REFERENCE)  # fastest first
+_MODULES = {Backend.NUMBA: ".numba", Backend.TRITON: ".triton", Backend.REFERENCE: ".reference"}  # imported on use
+_PREFERENCE = (Backend.NUMBA, Backend.TRITON, Backend.REFERENCE)  # fastest first, for each device
+
+
+def _devices(backend: Backend) -> tuple[str, ...] | None:
+    """Device types a backend runs on (None: any). Triton's interpreter runs its programs on CPU tensors."""
+    if backend is Backend.NUMBA:
+        return ("cpu",)
+    if backend is Backend.TRITON:
+        return ("cuda", "cpu") if os.environ.get("TRITON_INTERPRET") == "1" else ("cuda",)
+    return None
 
 
 @functools.cache
@@ -49,7 +59,7 @@ def _load(backend: Backend) -> Callable:
 
 
 def _runs_on(backend: Backend, device_type: str) -> bool:
-    return _DEVICES[backend] is None or device_type in _DEVICES[backend]
+    return _devices(backend) is None or device_type in _devices(backend)
 
 
 def _loads(backend: Backend) -> bool:
@@ -60,10 +70,15 @@ def _loads(backend: Backend) -> bool:
     return True
 
 
+def _candidates(device_type: str) -> list[Backend]:
+    """What `auto` may take on a device type, fastest first: Triton's interpreter (CPU tensors) only when asked
+    for by name, since it runs every program in Python."""
+    return [b for b in _PREFERENCE if _runs_on(b, device_type) and (b is not Backend.TRITON or device_type == "cuda")]
+
+
 def available_backends(device: torch.device | str = "cpu") -> list[Backend]:
-    """Backends that can run on `device` in this environment, fastest first."""
-    kind = torch.device(device).type
-    return [b for b in _PREFERENCE if _runs_on(b, kind) and _loads(b)]
+    """Backends `auto` can take on `device` in this environment, fastest first."""
+    return [b for b in _candidates(torch.device(device).type) if _loads(b)]
 
 
 @functools.cache
@@ -89,15 +104,14 @@ def resolve_backend(backend: Backend | str, device: torch.device | str = "cpu") 
         raise ValueError(f"unknown backend {backend!r}; choose one of {[b.value for b in Backend]}") from None
     kind = torch.device(device).type
     if backend is Backend.AUTO:
-        for b in _PREFERENCE:
-            if _runs_on(b, kind):
-                if _loads(b):
-                    return b
-                _warn_fallback(b, kind)
+        for b in _candidates(kind):
+            if _loads(b):
+                return b
+            _warn_fallback(b, kind)
         raise RuntimeError(f"no decode backend runs on {kind}")  # unreachable: the reference runs anywhere
     if not _runs_on(backend, kind):
         raise ValueError(f"backend {backend.value!r} cannot run on {torch.device(device)} "
-                         f"(it runs on {', '.join(_DEVICES[backend])}); use backend='auto' or 'reference'")
+                         f"(it runs on {', '.join(_devices(backend))}); use backend='auto' or 'reference'")
     _load(backend)
     return backend
 

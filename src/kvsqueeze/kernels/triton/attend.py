@@ -1,0 +1,176 @@
+"""GPU backend of `decode_attention`, in Triton: the packed codes are read in place, never dequantized into memory.
+
+Passes over one layer (KVQuant, Hooper et al., arXiv 2401.18079, Section 3.7), each one Triton program grid:
+
+1. keys (`passes.key_scores`): a program takes BLOCK_T tokens of one row and one KV head, unpacks each
+   channel's codes, dequantizes them by that channel's lookup table LUT[c] = level * scale[c] + zero[c],
+   turns them by RoPE at each token's position in registers and dots them with all G query heads of the
+   GQA group, so a head's codes are read once for its G query heads; raw scores go to a [B, Hq, T] buffer;
+2. key outliers (`key_outliers`, CSC): a fixed number of non-zeros per program, whichever tokens they fall in
+   (load balanced: a burst of outliers in a few tokens spreads over many programs); each adds
+   q . RoPE(exact - dequantized) to its token's score with an atomic add;
+3. sinks (`sink_scores`): their scores are recomputed from the exact fp16 keys;
+4. values, split over the sequence as flash decoding does (`value_partial`): each program takes a range of
+   tokens of one row and KV head, scales, caps and masks their scores, keeps a running maximum and sum and
+   accumulates softmax weight times value, each value dequantized from its codes and its slot's scale and
+   zero-point (a sink's slot reads its exact value); `combine` joins the splits (and a learned sink logit);
+5. value outliers (`value_outliers`, CSR, equal non-zeros per program) add p_t (exact - dequantized).
+
+Splits are sized so that rows x KV heads x splits fill the GPU at batch 1 and long contexts. Under Triton's
+interpreter (`TRITON_INTERPRET=1`) the same programs run on CPU tensors, which is how the tests hold them
+to the reference backend on a machine without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import triton
+
+from ...rope import Rope
+from ..view import Outliers, StoreView
+from . import passes
+
+BLOCK_T = 64  # tokens a key / value program takes at a time
+SPARSE_BLOCK = 128  # outlier entries per sparse program
+INTERPRETED_BLOCK_T, INTERPRETED_SPARSE_BLOCK = 128, 1024  # the interpreter pays per program: fewer, larger
+_TABLES: dict[tuple, tuple[int, tuple[torch.Tensor, ...]]] = {}  # (frequencies, scaling, device) -> tables
+
+
+def interpreting() -> bool:
+    """True when Triton's interpreter runs the programs (on CPU tensors)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def _p2(n: int) -> int:
+    return triton.next_power_of_2(max(1, n))
+
+
+def _tables(rope: Rope, max_position: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """cos_hi, sin_hi [rows, R/2] at hi = row * 64 (scaling folded in) and cos_lo, sin_lo [64, R/2] at lo < 64,
+    float32 on `device`; angles in float64, rounded once, as `Rope.cos_sin`. Rows grow by doubling."""
+    key = (rope.inv_freq.numpy().tobytes(), rope.scaling, str(device))
+    rows_needed = max_position // passes.LOW + 1
+    have = _TABLES.get(key)
+    if have is not None and have[0] >= rows_needed:
+        return have[1]
+    rows = 1 << (rows_needed - 1).bit_length()
+    freq = rope.inv_freq.double()
+    hi = torch.arange(rows, dtype=torch.float64)[:, None] * passes.LOW * freq[None, :]
+    lo = torch.arange(passes.LOW, dtype=torch.float64)[:, None] * freq[None, :]
+    tabs = tuple(x.float().contiguous().to(device) for x in
+                 (hi.cos() * rope.scaling, hi.sin() * rope.scaling, lo.cos(), lo.sin()))
+    _TABLES[key] = (rows, tabs)
+    return tabs
+
+
+def _splits(tokens: int, programs: int, device: torch.device, block_t: int) -> int:
+    """Tokens per split: a multiple of BLOCK_T, enough splits that the programs fill the device."""
+    if device.type == "cuda":
+        want = 2 * _multiprocessors(device.index or 0)
+    else:
+        want = 2  # the interpreter: the split-and-combine path, kept cheap
+    per = triton.cdiv(tokens, max(1, want // max(1, programs)))
+    return max(block_t, triton.cdiv(per, block_t) * block_t)
+
+
+@functools.cache
+def _multiprocessors(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _pointers(sparse: Outliers, slots: int) -> tuple[torch.Tensor | None, int, int]:
+    """(pointers or None, fixed count or 0, binary-search steps) of one sparse array."""
+    if sparse.fixed is not None:
+        return None, int(sparse.fixed), 0
+    if sparse.pointers is None:
+        raise ValueError("outliers without row pointers must say how many entries every slot holds (fixed)")
+    return sparse.pointers, 0, max(1, slots.bit_length())
+
+
+def _check_sizes(q: torch.Tensor, kv: StoreView) -> None:
+    bsz, hq, _ = q.shape
+    t = kv.tokens
+    words = max(kv.k_codes.shape[-1], kv.v_codes.shape[-1])
+    if bsz * hq * t >= 1 << 31 or t * bsz * words >= 1 << 31:
+        raise ValueError(f"{bsz} rows x {hq} query heads x {t} tokens is 2**31 scores or more (or as many code "
+                         "words), past what the triton backend addresses in one call; use backend='reference' or "
+                         "a shorter cache")
+
+
+def decode_attention(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
+                     key_mask: torch.Tensor | None, softcap: float | None = None,
+                     sink_logits: torch.Tensor | None = None) -> torch.Tensor:
+    """See `kvsqueeze.kernels.decode_attention`; q float32 [B, Hq, D] on a CUDA device (or on the CPU under
+    Triton's interpreter) -> float32 [B, Hq, D]."""
+    dev = q.device
+    if dev.type != "cuda" and not interpreting():
+        raise ValueError(f"the triton backend runs on CUDA tensors, got {dev}; use backend='auto'")
+    _check_sizes(q, kv)
+    bsz, hq, d = q.shape
+    h, t = kv.heads, kv.tokens
+    g = hq // h
+    slots = t * bsz
+    half = rope.half
+    rest = d - 2 * half
+    lo_pos, hi_pos = (int(x) for x in torch.aminmax(kv.positions[:t]))  # the one wait for the device
+    if lo_pos < 0:
+        raise ValueError(f"RoPE positions must be >= 0, got {lo_pos}")
+    cos_hi, sin_hi, cos_lo, sin_lo = _tables(rope, hi_pos, dev)
+    levels_k = kv.k_levels.to(dev, torch.float32)
+    klut = (levels_k[None, :] * kv.k_scale.float()[:, None] + kv.k_zero.float()[:, None]).contiguous()
+    vlut = kv.v_levels.to(dev, torch.float32).contiguous()
+    k_codes, v_codes = kv.k_codes, kv.v_codes
+    positions, sz = kv.positions, kv.v_scale_zero
+    sinks = kv.sink_slot.shape[1]
+    wk, wv = k_codes.shape[-1], v_codes.shape[-1]
+    block_t, sparse_block = BLOCK_T, SPARSE_BLOCK
+    if interpreting():
+        block_t, sparse_block = INTERPRETED_BLOCK_T, INTERPRETED_SPARSE_BLOCK
+    shape = dict(D=d, G=g, G_P=_p2(g), HALF=half, HALF_P=_p2(half), PASS=rest, PASS_P=_p2(rest))
+
+    scores = torch.empty(bsz, hq, t, dtype=torch.float32, device=dev)
+    passes.key_scores[(bsz * h, triton.cdiv(t, block_t))](
+        q, k_codes, klut, positions, cos_hi, sin_hi, cos_lo, sin_lo, scores, t, bsz, wk, h, hq,
+        BITS=kv.k_bits, BLOCK_T=block_t, **shape)
+    k_out = kv.k_outliers
+    if k_out is not None and k_out.nnz:
+        ptr, fixed, steps = _pointers(k_out, slots)
+        passes.key_outliers[(triton.cdiv(k_out.nnz, sparse_block),)](
+            q, k_codes, klut, positions, cos_hi, sin_hi, cos_lo, sin_lo, scores,
+            k_out.values if ptr is None else ptr, k_out.channels, k_out.values, k_out.nnz, slots, t, bsz, wk, hq,
+            -1 if k_out.code is None else int(k_out.code),
+            D=d, G=g, HALF=half, BITS=kv.k_bits, FIXED=fixed, STEPS=steps, BLOCK=sparse_block)
+    if sinks:
+        passes.sink_scores[(bsz * h, sinks)](
+            q, kv.sink_k, kv.sink_slot, positions, cos_hi, sin_hi, cos_lo, sin_lo, scores, t, bsz, h, hq,
+            S=sinks, **shape)
+
+    split_t = _splits(t, bsz * h, dev, block_t)
+    nsplit = triton.cdiv(t, split_t)
+    m_part = torch.empty(bsz * hq * nsplit, dtype=torch.float32, device=dev)
+    l_part = torch.empty_like(m_part)
+    acc_part = torch.empty(bsz * hq * nsplit, d, dtype=torch.float32, device=dev)
+    mask = scores if key_mask is None else key_mask.to(dev).contiguous().view(torch.uint8)
+    passes.value_partial[(bsz * h, nsplit)](
+        scores, mask, v_codes, vlut, sz, kv.sink_v, kv.sink_slot, m_part, l_part, acc_part,
+        float(scaling), float(softcap or 1.0), t, bsz, wv, h, hq, split_t, nsplit,
+        S=sinks, D=d, D_P=_p2(d), G=g, G_P=_p2(g), BITS=kv.v_bits, HAS_MASK=key_mask is not None,
+        SOFTCAP=bool(softcap), BLOCK_T=block_t)
+    out = torch.empty(bsz, hq, d, dtype=torch.float32, device=dev)
+    stats = torch.empty(bsz * hq, 2, dtype=torch.float32, device=dev)
+    has_sink_logit = sink_logits is not None
+    logit = sink_logits.detach().to(dev, torch.float32).reshape(hq).contiguous() if has_sink_logit else stats
+    passes.combine[(bsz * hq,)](m_part, l_part, acc_part, logit, out, stats, hq, nsplit,
+                                D=d, D_P=_p2(d), NS_P=_p2(nsplit), HAS_SINK_LOGIT=has_sink_logit)
+    v_out = kv.v_outliers
+    if v_out is not None and v_out.nnz:
+        ptr, fixed, steps = _pointers(v_out, slots)
+        passes.value_outliers[(triton.cdiv(v_out.nnz, sparse_block),)](
+            v_codes, vlut, sz, kv.sink_slot, scores, stats, out,
+            v_out.values if ptr is None else ptr, v_out.channels, v_out.values, v_out.nnz, slots, t, bsz, wv, hq,
+            -1 if v_out.code is None else int(v_out.code),
+            S=sinks, D=d, G=g, BITS=kv.v_bits, FIXED=fixed, STEPS=steps, BLOCK=sparse_block)
+    return out
