@@ -50,6 +50,17 @@ BITS = [
     for fam, suffix in (("int", ""), ("nf", ""), ("int", ":kchan:pre:sink1"), ("nf", ":kchan:pre:sink1"),
                         ("nuq", ""), ("nuq", "-1%"))
 ]
+BUDGETS = [  # quality per bit: each layer's K / V bits and outliers chosen from the recipe (kvsqueeze.budget)
+    ("nuq@2.5", "bit budget 2.5: per-layer K/V bits and outliers from the Fisher objectives"),
+    ("nuq@2.6", "bit budget 2.6"),
+    ("nuq@3", "bit budget 3.0"),
+    ("nuq@3.5", "bit budget 3.5"),
+    ("nuq@4.5", "bit budget 4.5"),
+    ("nuq3-1%:sink16", "nuq3-1% with 16 fp16 sinks (more sinks, ~0.06 bits)"),
+    ("nuq@2.6:kl", "bit budget 2.6 from measured sensitivities (`kvsqueeze budget`)"),
+    ("nuq@3.5:kl", "bit budget 3.5 from measured sensitivities"),
+    ("nuq@4.5:kl", "bit budget 4.5 from measured sensitivities"),
+]
 OTHERS = [
     ("kivi2", "KIVI-2 (group 32, 128 fp16 recent)"),
     ("kivi4", "KIVI-4"),
@@ -82,7 +93,7 @@ def main() -> None:
         raise SystemExit(f"--recipe and --recipe-sink0 must be calibrated with --sinks 1 and 0, got {sorted(by_sinks)}")
     ew = evaluation_windows(tok, load_text(args.text), args.seqlen, args.windows)
     steps: dict[str, str] = {"fp16": "fp16 baseline"}
-    for name, label in LADDER + BITS + OTHERS:
+    for name, label in LADDER + BITS + OTHERS + BUDGETS:
         steps.setdefault(parse_method(name).name, label)
     specs = [parse_method(n) for n in steps]
     recipes = {s.name: by_sinks[min(s.sinks, 1)] for s in specs if s.needs_recipe}

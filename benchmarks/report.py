@@ -21,6 +21,8 @@ from kvsqueeze.config import EvalConfig
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "results.md")
 HEADLINE = tuple(EvalConfig().methods.split(","))  # the methods `make demo` evaluates
+BUDGET_ROWS = ("fp16", "nuq2-1%", "nuq@2.5", "nuq@2.6", "nuq@2.6:kl", "nuq@3", "nuq3-1%", "nuq@3.5", "nuq@3.5:kl",
+               "nuq3-1%:sink16", "nuq4-1%", "nuq@4.5", "nuq@4.5:kl")
 
 
 def _load(d: Path, name: str) -> dict | None:
@@ -33,6 +35,9 @@ def describe(name: str) -> str:
     from kvsqueeze.methods import parse_method
 
     spec = parse_method(name)
+    if spec.budget is not None:
+        proxy = "measured sensitivities" if spec.budget_proxy == "kl" else "the Fisher objectives"
+        return f"bit budget {spec.budget:g}: each layer's K / V bits and outliers from {proxy}"
     if spec.family == "turbo":
         split = ", the higher-RMS half of each head 1 bit wider" if spec.split else ""
         return f"TurboQuant-MSE: random rotation, sphere Lloyd-Max levels, fp16 norm per head{split}"
@@ -223,12 +228,35 @@ def peers(data: dict) -> str:
     return "\n".join(out)
 
 
+def budget_models(data: dict) -> str:
+    """Each model's bit budget against plain nuq at the bits the plain method stores (`benchmarks/budget.py`)."""
+    out = [f"BBC evaluation part, {data['models'][0]['windows']} spread windows of 2048 tokens, each model's own "
+           f"recipe ({data['machine']})\n",
+           "| model | plain | bits | vs fp16 | 95% CI | budget | bits | vs fp16 | 95% CI |",
+           "|---|---|---:|---:|---:|---|---:|---:|---:|"]
+    for m in data["models"]:
+        at = {r["method"]: r for r in m["rows"]}
+        for plain, budget in m["pairs"]:
+            a, b = at[plain], at[budget]
+            ci = lambda r: f"{r['ci95'][0]:+.2f} … {r['ci95'][1]:+.2f}"  # noqa: E731
+            out.append(f"| `{m['model']}` | `{plain}` | {a['avg_bits']:.2f} | {a['change_pct']:+.2f}% | {ci(a)} | "
+                       f"`{budget}` | {b['avg_bits']:.2f} | {b['change_pct']:+.2f}% | {ci(b)} |")
+    if data.get("decode"):
+        d = {r["method"]: r for r in data["decode"]}
+        out.append(f"\nOne fused decode step over all {data['decode'][0]['layers']} layers at "
+                   f"{data['decode'][0]['context']} tokens (numba): " + ", ".join(
+                       f"`{k}` {v['median_ms']:.1f} ms" for k, v in d.items()))
+    return "\n".join(out)
+
+
 # block name -> (JSON file, renderer)
 BLOCKS = {
     "ladder": ("ladder.json", ladder),
     "models": ("models.json", models),
     "peers": ("peers.json", peers),
     "ladder-headline": ("ladder.json", lambda d: ladder(d, HEADLINE)),
+    "ladder-budget": ("ladder.json", lambda d: ladder(d, BUDGET_ROWS)),
+    "budget-models": ("budget.json", budget_models),
     "demo": ("demo_amd_epyc.json", demo),
     "mixed-bits": ("eval_mixed_bits.json", ladder),
     "memory": ("memory.json", memory),

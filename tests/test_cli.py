@@ -135,3 +135,25 @@ def test_device_reaches_the_model_or_is_refused_with_the_reason(tiny_model_dir, 
     if not torch.cuda.is_available():
         assert main([*args, "--device", "cuda"]) == 2
         assert "sees no CUDA GPU; use --device cpu" in capsys.readouterr().err
+
+
+def test_calibrate_stores_bit_budgets_that_eval_and_inspect_read(tiny_model_dir, text_file, tmp_path, capsys):
+    from kvsqueeze.budget import allocate, recipe_allocation
+    from kvsqueeze.recipe import Recipe
+
+    out = tmp_path / "recipe"
+    assert main(["calibrate", "--model", str(tiny_model_dir), "--text", str(text_file), "--samples", "2",
+                 "--seqlen", "64", "--out", str(out), "--avg-bits", "2.8,3.5"]) == 0
+    assert "nuq@3.5:" in capsys.readouterr().out
+    recipe = Recipe.load(out)
+    assert set(recipe.meta["budgets"]) == {"2.8", "3.5"}
+    assert recipe_allocation(recipe, 3.5) == allocate(recipe, 3.5)  # what was stored is the choice itself
+    assert main(["eval", "--model", str(tiny_model_dir), "--text", str(text_file), "--recipe", str(out),
+                 "--methods", "fp16,nuq@3.5", "--seqlen", "64", "--max-windows", "2"]) == 0
+    assert "nuq@3.5" in capsys.readouterr().out
+    assert main(["inspect", "--recipe", str(out), "--avg-bits", "3.5", "--out", str(tmp_path / "plots")]) == 0
+    assert (tmp_path / "plots" / "budget_3.5.png").stat().st_size > 1000
+    assert main(["inspect", "--avg-bits", "3.5", "--out", str(tmp_path / "plots")]) == 2
+    assert "pass --recipe" in capsys.readouterr().err
+    assert main(["calibrate", "--model", str(tiny_model_dir), "--out", str(tmp_path / "x"), "--avg-bits", "1"]) == 2
+    assert "between 2 and 16" in capsys.readouterr().err

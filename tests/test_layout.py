@@ -1,7 +1,7 @@
 """The package's layers and the one-way arrows between them, read from the source (every import, lazy ones too).
 
 numerics (datatypes, affine, quantizer, turbo, outliers, packing, rope, methods, shape,
-recipe, config) <- cache (the store) <- kernels' view; only `integrations/`,
+recipe, budget, config) <- cache (the store) <- kernels' view; only `integrations/`,
 `calibrate/`, `eval/` and the CLI may import transformers.
 """
 
@@ -14,7 +14,7 @@ import kvsqueeze
 
 ROOT = Path(kvsqueeze.__file__).parent
 NUMERICS = {"datatypes", "affine", "quantizer", "turbo", "outliers", "packing", "rope", "methods", "shape", "recipe",
-            "config"}
+            "budget", "config"}
 
 
 def _module_name(path: Path) -> str:

@@ -103,6 +103,14 @@ def cmd_calibrate(args) -> None:
     print(f"[3/3] ranges, thresholds and codebooks in {recipe.meta['timings_s']['fit']:.1f}s")
     recipe.meta["calibration_pieces"] = sorted(text.calibration_pieces)  # lets eval tell held-out text apart
     recipe.meta["timings_s"]["load"] = round(t_load, 2)
+    for avg in _budgets(args.avg_bits):
+        from .budget import allocate, budget_key
+
+        alloc = allocate(recipe, avg)
+        recipe.meta.setdefault("budgets", {})[budget_key(avg, 1)] = alloc.as_dict()
+        mix = ", ".join(f"{kv} {n}x{label}" for kv, chosen in (("K", alloc.keys), ("V", alloc.values))
+                        for label, n in sorted(_count(c.label() for c in chosen).items()))
+        print(f"  nuq@{avg:g}: {alloc.bits:.3f} bits per element at {alloc.tokens} tokens; {mix}")
     recipe.meta["timings_s"]["total"] = round(time.perf_counter() - t0, 2)
     out = recipe.save(args.out)
     objs = recipe.meta["kmeans_objective"]
@@ -114,6 +122,26 @@ def cmd_calibrate(args) -> None:
                 print(f"  {kv.upper()} {bits}-bit weighted k-means objective (all layers): nuq {nuq:.4g}, "
                       f"uniform {sum(o['uniform'] for o in sel) / nuq:.2f}x, nf {sum(o['nf'] for o in sel) / nuq:.2f}x")
     print(f"recipe written to {out} in {recipe.meta['timings_s']['total']:.1f}s")
+
+
+def _budgets(text: str | None) -> list[float]:
+    if not text:
+        return []
+    try:
+        values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--avg-bits takes average bits per element, e.g. 3.5 or 2.6,3.5; got {text!r}") from None
+    bad = [v for v in values if not 2.0 <= v <= 16.0]
+    if bad:
+        raise ValueError(f"--avg-bits {bad[0]:g}: give an average between 2 and 16 bits per element")
+    return values
+
+
+def _count(items) -> dict:
+    out: dict = {}
+    for x in items:
+        out[x] = out.get(x, 0) + 1
+    return out
 
 
 def cmd_eval(args) -> None:
@@ -162,9 +190,54 @@ def cmd_eval(args) -> None:
         print(f"wrote {args.plot}")
 
 
+def cmd_budget(args) -> None:
+    from .budget import allocate, budget_key, sensitivity_key
+    from .calibrate.sensitivity import measure_sensitivity
+    from .eval.texts import calibration_windows, load_text
+    from .integrations.fingerprint import check_recipe
+    from .integrations.loading import load_model
+    from .recipe import Recipe
+
+    budgets = _budgets(args.avg_bits)
+    recipe = Recipe.load(args.recipe)
+    t0 = time.perf_counter()
+    model, tok = load_model(args.model, args.dtype, args.device)
+    check_recipe(recipe, model)
+    text = load_text(args.text)
+    windows = calibration_windows(tok, text.calibration, args.windows, args.seqlen)
+    print(f"measuring each layer's K and V at every calibrated choice on {args.windows} x {args.seqlen} tokens of "
+          f"{text.name} (calibration part)")
+    fractions = None if not args.outliers else tuple(sorted({0.0, *(float(f) / 100 for f in args.outliers.split(","))}))
+    table = measure_sensitivity(model, recipe, windows, sinks=args.sinks, fractions=fractions)
+    table["seconds"] = round(time.perf_counter() - t0, 1)
+    recipe.meta.setdefault("sensitivity", {})[sensitivity_key(args.sinks)] = table
+    for avg in budgets:
+        alloc = allocate(recipe, avg, args.sinks, proxy="kl")
+        recipe.meta.setdefault("budgets", {})[budget_key(avg, args.sinks, "kl")] = alloc.as_dict()
+        print(f"  nuq@{avg:g}:kl: {alloc.bits:.3f} bits per element at {alloc.tokens} tokens")
+    out = recipe.save(args.recipe)
+    print(f"sensitivities of {len(table['kl'])} choices in {table['seconds']:.0f}s, written to {out}; methods "
+          "nuq@AVG:kl read them")
+
+
 def cmd_inspect(args) -> None:
     from .eval.plots import inspect_activations
 
+    budgets = _budgets(args.avg_bits)
+    if budgets:  # the recipe's choice for each budget; no model run needed
+        from .budget import describe, recipe_allocation
+        from .eval.plots import plot_budget
+        from .recipe import Recipe
+
+        if not args.recipe:
+            raise ValueError("--avg-bits plots a recipe's bit budget: pass --recipe DIR as well")
+        recipe = Recipe.load(args.recipe)
+        for avg in budgets:
+            alloc = recipe_allocation(recipe, avg)
+            print(f"nuq@{avg:g} ({alloc.bits:.3f} bits per element at {alloc.tokens} tokens):")
+            print(describe(alloc))
+            print(f"wrote {plot_budget(alloc, str(Path(args.out) / f'budget_{avg:g}.png'))}")
+        return
     for path in inspect_activations(args.model, args.text, args.out, layer=args.layer, seqlen=args.seqlen,
                                     dtype=args.dtype, device=args.device):
         print(f"wrote {path}")
@@ -256,6 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--outliers", default=",".join(f"{100 * f:g}" for f in _CAL.fractions if f),
                    help="outlier percentages to calibrate, e.g. 0.1,1")
     c.add_argument("--sinks", type=int, default=_CAL.sinks, help="leading tokens left out of statistics")
+    c.add_argument("--avg-bits", help="also choose and store each layer's K/V bits for these averages "
+                                      "(e.g. 3.5 or 2.6,3.5): the method nuq@3.5 reads the choice")
     c.set_defaults(fn=cmd_calibrate)
 
     e = sub.add_parser("eval", help="perplexity of each method (simulated quantization)")
@@ -270,6 +345,18 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--plot", help="PNG of PPL against window length (with several --seqlen)")
     e.set_defaults(fn=cmd_eval)
 
+    b = sub.add_parser("budget", help="measure each layer's sensitivity for bit budgets nuq@AVG:kl (into the recipe)")
+    b.add_argument("--model", default=DEFAULT_MODEL)
+    _add_loading(b)
+    b.add_argument("--recipe", required=True, help="the model's recipe; the measurements are added to it")
+    b.add_argument("--text", default=DEFAULT_TEXT, help="'bbc' (calibration part) or a text file")
+    b.add_argument("--windows", type=int, default=2, help="calibration windows the KL divergence is taken over")
+    b.add_argument("--seqlen", type=int, default=1024)
+    b.add_argument("--sinks", type=int, default=1, help="fp16 sinks of the budgets that will read them")
+    b.add_argument("--avg-bits", help="also store the choices of these budgets, e.g. 2.6,3.5")
+    b.add_argument("--outliers", help="outlier percentages to measure besides none (default: all the recipe has)")
+    b.set_defaults(fn=cmd_budget)
+
     i = sub.add_parser("inspect", help="plots of key/value channel magnitudes and distributions")
     i.add_argument("--model", default=DEFAULT_MODEL)
     _add_loading(i)
@@ -277,6 +364,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--out", required=True)
     i.add_argument("--layer", type=int, default=_INSPECT.layer, help="layer for the per-channel plot (default: middle)")
     i.add_argument("--seqlen", type=int, default=_INSPECT.seqlen)
+    i.add_argument("--recipe", help="with --avg-bits: the recipe whose bit budget to show")
+    i.add_argument("--avg-bits", help="plot the bits per layer of these budgets (nuq@B) instead of activations")
     i.set_defaults(fn=cmd_inspect)
 
     k = sub.add_parser("passkey", help="passkey retrieval accuracy per method and prompt length")

@@ -10,9 +10,12 @@ indices and pointers, sinks, codebooks and fp16 windows all count.
 
 Grammar::
 
-    FAMILY BITS [-PCT%] [:FLAG ...]
+    FAMILY BITS [-PCT%] [:FLAG ...]      or      nuq@AVG [:sinkN]
 
     FAMILY  fp16 | int | nf | nuq | kivi | group | turbo
+    AVG     a bit budget, e.g. 3.5: average stored bits per K/V element, every byte counted; each
+            layer's key and value bit width and outlier fraction come from the recipe (`kvsqueeze.budget`):
+            from its Fisher objectives, or with `:kl` from measured sensitivities (`kvsqueeze budget`)
     BITS    2 | 3 | 4 (both K and V)  or  k3v2 (keys 3 bits, values 2 bits)
     PCT     outlier percentage, e.g. 1 or 0.1 (kept exactly in fp16)
     FLAG    ktok | kchan       keys per token / per channel
@@ -82,6 +85,8 @@ class MethodSpec:
     group_size: int | None = None  # kivi / group only
     window: int | None = None  # kivi only: recent tokens kept fp16
     split: bool = False  # turbo only: the higher-RMS half of each head's channels one bit wider
+    budget: float | None = None  # nuq only: average stored bits; each layer's K / V choice from the recipe
+    budget_proxy: str = "fisher"  # the loss a budget minimises: "fisher" objectives or measured "kl"
     name: str = field(default="", init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -133,6 +138,7 @@ class MethodSpec:
 
 _NAME_RE = re.compile(
     r"^(?P<family>fp16|int|nf|nuq|kivi|group|turbo)"
+    r"(?:@(?P<budget>\d+(?:\.\d+)?))?"
     r"(?:-?(?:(?P<bits>\d+)|k(?P<kb>\d+)v(?P<vb>\d+)))?"
     r"(?:-(?P<pct>\d+(?:\.\d+)?)%)?"
     r"(?P<flags>(?::[a-z0-9]+)*)$"
@@ -178,6 +184,8 @@ def parse_method(name: str) -> MethodSpec:
         if m["bits"] or m["kb"] or m["pct"] or m["flags"]:
             raise MethodError(f"method {name!r}: 'fp16' takes no bits, outliers or flags")
         return MethodSpec(family="fp16")
+    if m["budget"]:
+        return _budget_method(name, family, m)
     if m["bits"]:
         kb = vb = int(m["bits"])
     elif m["kb"]:
@@ -212,6 +220,32 @@ def parse_method(name: str) -> MethodSpec:
         if spec.sinks:
             raise MethodError(f"method {name!r}: KIVI has no attention sinks; drop ':sink{spec.sinks}'")
     return spec
+
+
+def _budget_method(name: str, family: str, m: re.Match) -> MethodSpec:
+    """`nuq@AVG[:sinkN]`: a bit budget (its bits and outliers per layer come from the recipe)."""
+    if family != "nuq":
+        raise MethodError(f"method {name!r}: a bit budget ('@AVG') chooses nuq codebooks per layer; "
+                          f"use 'nuq@{m['budget']}'")
+    if m["bits"] or m["kb"] or m["pct"]:
+        raise MethodError(f"method {name!r}: a bit budget chooses each layer's bits and outliers itself; drop "
+                          "the bit width and percentage, e.g. 'nuq@3.5'")
+    budget = float(m["budget"])
+    if not 2.0 <= budget <= 16.0:
+        raise MethodError(f"method {name!r}: the budget is average stored bits per element, between 2 and 16")
+    fields: dict = dict(FAMILY_DEFAULTS[family])
+    proxy = "fisher"
+    for flag in filter(None, m["flags"].split(":")):
+        if flag == "kl":
+            proxy = "kl"
+            continue
+        if not re.fullmatch(r"sink\d+", flag):
+            raise MethodError(f"method {name!r}: a bit budget takes a sink count (':sinkN') and ':kl' (measured "
+                              f"sensitivities), not ':{flag}'")
+        _apply_flag(name, family, flag, fields)
+    # the widest choice stands in for the spec's own bits; every consumer reads the layer's choice instead
+    return MethodSpec(family=family, **{**fields, "k_bits": max(SUPPORTED_BITS), "v_bits": max(SUPPORTED_BITS)},
+                      budget=budget, budget_proxy=proxy)
 
 
 def _apply_flag(name: str, family: str, flag: str, fields: dict) -> None:
@@ -264,6 +298,10 @@ def canonical_name(spec: MethodSpec) -> str:
     """The shortest name that parses back to `spec` (flags only where they differ from the family default)."""
     if spec.family == "fp16":
         return "fp16"
+    if spec.budget is not None:
+        sinks = FAMILY_DEFAULTS[spec.family].get("sinks", 0)
+        return (f"{spec.family}@{spec.budget:g}" + (f":sink{spec.sinks}" if spec.sinks != sinks else "")
+                + (":kl" if spec.budget_proxy == "kl" else ""))
     bits = str(spec.k_bits) if spec.k_bits == spec.v_bits else f"-k{spec.k_bits}v{spec.v_bits}"
     out = spec.family + bits
     if spec.outlier_fraction:
@@ -344,6 +382,9 @@ def storage_bits(
         pointers, sinks, codebook, fp16_window and total (all in bits), and
         elements (2 * tokens * channels, for an average).
     """
+    if spec.budget is not None:
+        raise MethodError(f"method {spec.name!r}: its bits differ by layer, as its recipe chose them; count them "
+                          "with kvsqueeze.budget.layer_storage_bits")
     out = dict(codes=0.0, scales=0.0, outlier_values=0.0, outlier_indices=0.0,
                pointers=0.0, sinks=0.0, codebook=0.0, fp16_window=0.0)
     elements = 2 * tokens * channels

@@ -12,11 +12,13 @@ arithmetic itself (scale, zero-point, nearest level) is `affine.py`.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from .affine import choose_qparams, dequantize, quantize
+from .budget import layer_choices
 from .datatypes import check_codebook, standard_levels, uniform_levels
 from .methods import MethodError, MethodSpec, fixed_outlier_count, topk_per_side
 from .outliers import clamp_range, online_thresholds, outlier_mask
@@ -152,6 +154,13 @@ def build_quantizers(
     """
     if not spec.quantized:
         return None, None
+    if spec.budget is not None:  # this layer's own key and value choice
+        k, v = layer_choices(spec, recipe, layer)
+        plain = dict(budget=None, outlier_scope="vector")
+        ks = dataclasses.replace(spec, k_bits=k.bits, v_bits=k.bits, outlier_fraction=k.fraction, **plain)
+        vs = dataclasses.replace(spec, k_bits=v.bits, v_bits=v.bits, outlier_fraction=v.fraction, **plain)
+        return (build_quantizers(ks, recipe, layer, channels, head_dim)[0],
+                build_quantizers(vs, recipe, layer, channels, head_dim)[1])
     if spec.needs_recipe and recipe is None:
         raise RecipeError(
             f"method {spec.name!r} uses offline calibration statistics: pass --recipe DIR "

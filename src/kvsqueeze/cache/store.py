@@ -37,6 +37,7 @@ how many of their rows are in use, nothing copied.
 
 from __future__ import annotations
 
+import importlib.util
 import operator
 import os
 
@@ -90,8 +91,9 @@ class KVStore:
         self.k_scale, self.k_zero = scale.view(-1).half().to(self.device), zero.view(-1).half().to(self.device)
         if encoder not in ("auto", "torch", "triton"):
             raise ValueError(f"encoder must be 'auto', 'torch' or 'triton', got {encoder!r}")
-        if encoder == "auto":
-            encoder = "triton" if self.device.type == "cuda" else "torch"
+        if encoder == "auto":  # the same bits either way: triton where it runs, else the torch ops
+            fused = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
+            encoder = "triton" if fused else "torch"
         if encoder == "triton" and (k_quant.group or v_quant.scope != "vector"):
             encoder = "torch"  # per-matrix value thresholds: the torch path alone
         if encoder == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":

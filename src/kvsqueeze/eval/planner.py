@@ -28,7 +28,7 @@ from fractions import Fraction
 from pathlib import Path
 
 from ..config import MemoryConfig
-from ..methods import MethodSpec, parse_method, parse_methods, storage_bits
+from ..methods import MethodError, MethodSpec, parse_method, parse_methods, storage_bits
 from ..shape import KVShape, kv_shape, positive_int
 from .tables import text_table
 
@@ -351,6 +351,11 @@ def run_memory_command(
     shape = resolve_model(model)
     ctx = parse_contexts(contexts)
     specs = parse_methods(methods)
+    for spec in specs:
+        if spec.budget is not None:
+            raise MethodError(f"method {spec.name!r}: the planner needs a method of fixed bits, and a budget's "
+                              "bits per layer come from its recipe; plan with the average it stores "
+                              f"(`kvsqueeze eval` reports it) or a fixed method such as nuq3-1%")
     mem = parse_bytes(gpu_mem)
     rows = plan(shape, specs, ctx, batch=batch, gpus=gpus, gpu_mem_bytes=mem)
     print(format_table(shape, rows, gpus, gpu_mem.strip()))

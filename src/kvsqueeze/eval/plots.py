@@ -109,3 +109,29 @@ def plot_ppl_by_length(runs: list[dict], path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def plot_budget(alloc, path: str) -> str:
+    """Bits per layer of a bit budget (`kvsqueeze.budget.Allocation`): keys and values side by side, the
+    layers that keep 1% (or 0.1%) outliers hatched."""
+    plt = _plt()
+    layers = range(len(alloc.keys))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.28 * len(alloc.keys)), 3.2))
+    sides = ((-0.2, alloc.keys, "keys", "#3b6ea8"), (0.2, alloc.values, "values", "#d08a2e"))
+    for shift, choices, label, color in sides:
+        bars = ax.bar([i + shift for i in layers], [c.bits for c in choices], width=0.4, label=label, color=color)
+        for bar, c in zip(bars, choices):
+            if c.fraction:
+                bar.set_hatch("//" if c.fraction >= 0.01 else ".")
+    ax.set_xlabel("layer")
+    ax.set_ylabel("bits")
+    ax.set_yticks([2, 3, 4])
+    ax.set_ylim(0, 4.6)
+    ax.set_title(f"nuq@{alloc.avg_bits:g}: {alloc.bits:.3f} bits per element at {alloc.tokens} tokens "
+                 "(hatched: outliers kept)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -23,6 +23,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..affine import check_finite
+from ..budget import layer_storage_bits
 from ..methods import MethodSpec, storage_bits
 from ..quantizer import VectorQuantizer, build_quantizers
 from ..recipe import Recipe
@@ -93,6 +94,7 @@ class SimulatedQuantization:
     def __init__(self, model, spec: MethodSpec, recipe: Recipe | None = None):
         self.model = model
         self.spec = spec
+        self.recipe = recipe
         self.shape = kv_shape(model.config)
         if recipe is not None:
             check_recipe(recipe, model)
@@ -173,12 +175,16 @@ class SimulatedQuantization:
         """Bits the cache holds for `tokens` tokens per row, with the outliers actually kept."""
         total: dict[str, float] = {}
         for i in range(self.shape.layers):
-            b = storage_bits(
-                self.spec, tokens, self.shape.channels,
-                k_outliers=self.counter.k[i] / batch if self.spec.outlier_fraction else None,
-                v_outliers=self.counter.v[i] / batch if self.spec.outlier_fraction else None,
-                head_dim=self.shape.head_dim,
-            )
+            if self.spec.budget is not None:  # each layer's own choice
+                b = layer_storage_bits(self.spec, self.recipe, i, tokens, self.shape.channels,
+                                       self.counter.k[i] / batch, self.counter.v[i] / batch)
+            else:
+                b = storage_bits(
+                    self.spec, tokens, self.shape.channels,
+                    k_outliers=self.counter.k[i] / batch if self.spec.outlier_fraction else None,
+                    v_outliers=self.counter.v[i] / batch if self.spec.outlier_fraction else None,
+                    head_dim=self.shape.head_dim,
+                )
             for k, v in b.items():
                 total[k] = total.get(k, 0.0) + v
         return total

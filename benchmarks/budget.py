@@ -1,0 +1,150 @@
+"""Bit budgets against plain nuq at the same average bits, on every bundled model, and their decode speed.
+
+    python benchmarks/budget.py [--models smollm2-135m,qwen2.5-coder-0.5b,gemma3-270m] [--windows 3]
+        [--decode-context 32768] [--json benchmarks/results/budget.json]
+
+Quality: for each model and each plain method (nuq2-1%, nuq3-1%, nuq4-1%), the budgeted method `nuq@B`
+with B = the average bits the plain method stores at 2,048 tokens by the budget's accounting (rounded up to
+1e-4, so the budget could choose the plain method in every layer and spends no more than it), both
+evaluated on the same spread windows of the BBC evaluation part with the model's own recipe
+(`out/models/<model>/recipe`, from `benchmarks/models.py`; `out/recipe` for the default model): PPL, its
+change against fp16 with a paired 95% interval, KLD and top-1.
+
+Decode: one decode step of fused attention (the numba backend) over every layer of the default model at
+`--decode-context` tokens, each layer's store built with its own quantizers (a budget's layers differ in
+bits and outliers), nuq3-1% against nuq@3.5; median of interleaved rounds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from kvsqueeze.eval.perplexity import evaluate
+from kvsqueeze.eval.texts import evaluation_windows, load_text
+from kvsqueeze.integrations.loading import load_model
+from kvsqueeze.budget import Choice, tensor_bits
+from kvsqueeze.methods import parse_method
+from kvsqueeze.recipe import Recipe
+
+sys.path.insert(0, str(Path(__file__).parent))
+from models import machine  # noqa: E402
+
+PLAIN = ["nuq2-1%", "nuq3-1%", "nuq4-1%"]
+
+
+def recipe_path(model: str) -> str:
+    return "out/recipe" if model == "smollm2-135m" else f"out/models/{model}/recipe"
+
+
+def quality_rows(model_name: str, windows: int, seqlen: int) -> dict:
+    model, tok = load_model(model_name)
+    recipe = Recipe.load(recipe_path(model_name))
+    fp = recipe.meta["model"]["fingerprint"]
+    channels = fp["kv_heads"] * fp["head_dim"]
+    specs = [parse_method("fp16")]
+    pairs = []
+    for plain in PLAIN:
+        spec = parse_method(plain)
+        # what the plain method stores by the budget's own accounting (values keep exactly their top-k
+        # outliers per token), rounded up: the budget can afford the plain method's choice in every layer
+        choice = Choice(spec.k_bits, spec.outlier_fraction)
+        held = sum(tensor_bits(kv, choice, seqlen, channels, spec.sinks)["total"] for kv in "kv")
+        bits = held / (2 * seqlen * channels)
+        budget = parse_method(f"nuq@{math.ceil(bits * 1e4) / 1e4:g}")
+        specs += [spec, budget]
+        pairs.append((plain, budget.name))
+    ew = evaluation_windows(tok, load_text("bbc"), seqlen, windows)
+    t0 = time.perf_counter()
+    rows = evaluate(model, ew.ids, specs, recipe)
+    base = rows[0].ppl
+    out = [{**r.as_dict(), "change_pct": round(100 * (r.ppl / base - 1), 3)} for r in rows]
+    for r in out:
+        print(f"{model_name:>20} {r['method']:>12} {r['avg_bits']:.3f} {r['ppl']:.3f} {r['change_pct']:+.2f}% "
+              f"{r['ci95']} kld {r['kld_mean']:.4f}", flush=True)
+    return {"model": model_name, "recipe": recipe_path(model_name), "windows": int(ew.ids.shape[0]),
+            "window_sources": ew.describe(), "seconds": round(time.perf_counter() - t0, 1), "pairs": pairs,
+            "rows": out}
+
+
+def decode_rows(context: int, rounds: int) -> list[dict]:
+    """Median ms of one fused decode step over all layers of the default model, per method."""
+    from decode import TAIL_DF, TAIL_Q99
+
+    from kvsqueeze.cache.positions import PositionLog
+    from kvsqueeze.cache.store import KVStore
+    from kvsqueeze.kernels import Rope, decode_attention
+    from kvsqueeze.quantizer import build_quantizers
+
+    recipe = Recipe.load(recipe_path("smollm2-135m"))
+    fp = recipe.meta["model"]["fingerprint"]
+    hq, h, d, layers = fp["heads"], fp["kv_heads"], fp["head_dim"], fp["layers"]
+    c = h * d
+    rope, scaling = Rope.default(d), d**-0.5
+    tdist = torch.distributions.StudentT(TAIL_DF)
+    q = torch.randn(1, hq, d)
+    caches = {}
+    for name in ("nuq3-1%", "nuq@3.5"):
+        spec = parse_method(name)
+        stores = []
+        for layer in range(layers):
+            kq, vq = build_quantizers(spec, recipe, layer, c)
+            torch.manual_seed(layer)
+            center, half = (kq.hi + kq.lo) / 2, (kq.hi - kq.lo) / 2
+            store = KVStore(kq, vq, c, spec.sinks, head_dim=d, positions=PositionLog())
+            for start in range(0, context, 8192):
+                n = min(8192, context - start)
+                store.append(center + half * tdist.sample((1, n, c)) / TAIL_Q99, tdist.sample((1, n, c)))
+            ref = decode_attention(q, store.view(), rope, scaling, backend="reference")
+            got = decode_attention(q, store.view(), rope, scaling, backend="numba")
+            if not torch.allclose(got, ref, atol=2e-5, rtol=1e-4):
+                raise SystemExit(f"{name} layer {layer}: the numba backend differs from the reference")
+            stores.append(store)
+        caches[name] = stores
+    times = {name: [] for name in caches}
+    for r in range(rounds + 1):
+        for name in (list(caches) if r % 2 else list(caches)[::-1]):
+            t0 = time.perf_counter()
+            for store in caches[name]:
+                decode_attention(q, store.view(), rope, scaling, backend="numba")
+            if r:  # the first round warms up
+                times[name].append(time.perf_counter() - t0)
+    rows = [{"method": name, "context": context, "layers": layers, "median_ms": round(1e3 * statistics.median(ts), 2),
+             "rounds": len(ts)} for name, ts in times.items()]
+    for row in rows:
+        print(row, flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b,gemma3-270m")
+    ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--decode-context", type=int, default=32768, help="0: skip the decode timing")
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--reuse-decode", action="store_true", help="keep the decode rows of an existing --json")
+    ap.add_argument("--json", default="benchmarks/results/budget.json")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    payload = {"machine": machine(), "plain": PLAIN, "models": []}
+    if args.reuse_decode and Path(args.json).exists():
+        payload["decode"] = json.loads(Path(args.json).read_text())["decode"]
+    elif args.decode_context:
+        payload["decode"] = decode_rows(args.decode_context, args.rounds)
+    for name in filter(None, args.models.split(",")):
+        payload["models"].append(quality_rows(name, args.windows, args.seqlen))
+        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")  # each model as it is done
+    Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,248 @@
+"""Bit budgets: each layer's key and value bit width and outlier fraction, chosen for an average of stored bits.
+
+A method `nuq@B` (e.g. `nuq@3.5`) stores every layer's keys and values with the bit width (2, 3 or 4) and
+outlier fraction (those the recipe was calibrated with) that minimise the summed predicted loss while the
+cache holds B bits per K/V element on average, every byte counted (codes, scales and zero-points, outlier
+values, indices and pointers, codebooks, the fp16 sinks).
+
+The predicted loss of quantizing one layer's keys (or values) with one choice is its codebook's objective,
+which the recipe stores: the Fisher-weighted squared error sum_i F_i (x_i - x^_i)^2 over the calibration
+tokens, to second order twice the loss increase that quantization alone costs (KVQuant, Hooper et al., arXiv
+2401.18079, Section 3.3; a diagonal Fisher approximation of the Hessian). Errors of different layers and
+tensors add to first order, so the budget is a multiple-choice knapsack: one choice per (layer, tensor),
+minimum summed loss, bits at most B. It is solved on its convex hull by a Lagrange multiplier (each unit
+takes the choice minimising loss + lambda * bits; lambda found by bisection) and the bits left under the
+budget are then spent greedily on the upgrade with the best loss saved per bit.
+
+Everything here reads calibration data only (the recipe); evaluation text never shapes the choice. The
+choice depends on the cached length through the per-channel and per-layer metadata, so it is made for
+`TOKENS` tokens (the calibration and evaluation length); `calibrate --avg-bits` stores it in the recipe,
+and a recipe without a stored choice gets the same one computed on load.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .methods import (FP16_BITS, POINTER_BITS, SCALE_ZERO_BITS, SUPPORTED_BITS, MethodError, MethodSpec,
+                      topk_per_side)
+from .recipe import Recipe, RecipeError, codebook_key
+
+TOKENS = 2048  # cached tokens the choice is made for
+INDEX_BITS = 16  # an outlier's channel index
+
+
+@dataclass(frozen=True)
+class Choice:
+    """How one layer stores its keys or its values."""
+
+    bits: int
+    fraction: float  # outliers kept exactly (per channel for keys, per token for values)
+
+    def label(self) -> str:
+        return f"{self.bits}" + (f"-{100 * self.fraction:g}%" if self.fraction else "")
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """The choice of every layer for keys and for values, at `avg_bits` for `tokens` cached tokens.
+
+    predicted: the summed objective of the choice; bits: the average it stores (nominal outlier counts).
+    """
+
+    avg_bits: float
+    tokens: int
+    keys: tuple[Choice, ...]
+    values: tuple[Choice, ...]
+    predicted: float
+    bits: float
+
+    def as_dict(self) -> dict:
+        return {"avg_bits": self.avg_bits, "tokens": self.tokens, "predicted": self.predicted, "bits": self.bits,
+                "keys": [[c.bits, c.fraction] for c in self.keys],
+                "values": [[c.bits, c.fraction] for c in self.values]}
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Allocation:
+        return cls(float(d["avg_bits"]), int(d["tokens"]), tuple(Choice(int(b), float(f)) for b, f in d["keys"]),
+                   tuple(Choice(int(b), float(f)) for b, f in d["values"]), float(d["predicted"]), float(d["bits"]))
+
+    def layer(self, i: int) -> tuple[Choice, Choice]:
+        return self.keys[i], self.values[i]
+
+
+def tensor_bits(kv: str, choice: Choice, tokens: int, channels: int, sinks: int,
+                outliers: float | None = None) -> dict[str, float]:
+    """Bits one layer's keys ("k") or values ("v") hold, by the components of `methods.storage_bits`.
+
+    Keys: codes, an fp16 scale and zero-point per channel, the codebook, outliers (fp16 value, 16-bit index)
+    with a CSC pointer per token; values: the same with a scale and zero-point per token and exactly the
+    per-token top-k outliers (no pointers). `outliers`: the count actually kept (default: nominal)."""
+    sinks = min(sinks, tokens)
+    q = tokens - sinks
+    out = dict(codes=float(q * channels * choice.bits), scales=float(SCALE_ZERO_BITS * (channels if kv == "k" else q)),
+               outlier_values=0.0, outlier_indices=0.0, pointers=0.0, sinks=float(sinks * channels * FP16_BITS),
+               codebook=float(FP16_BITS * 2**choice.bits), fp16_window=0.0)
+    if choice.fraction > 0:
+        if outliers is None:
+            outliers = (choice.fraction * q * channels if kv == "k"
+                        else 2 * topk_per_side(choice.fraction, channels) * q)
+        out["outlier_values"] = FP16_BITS * outliers
+        out["outlier_indices"] = INDEX_BITS * outliers
+        if kv == "k":
+            out["pointers"] = float(POINTER_BITS * (q + 1))
+    out["total"] = sum(out.values())
+    return out
+
+
+def layer_storage_bits(spec: MethodSpec, recipe: Recipe, layer: int, tokens: int, channels: int,
+                       k_outliers: float | None = None, v_outliers: float | None = None) -> dict[str, float]:
+    """`methods.storage_bits` of one layer of a budgeted method (its own choice for keys and for values)."""
+    k, v = layer_choices(spec, recipe, layer)
+    kb = tensor_bits("k", k, tokens, channels, spec.sinks, k_outliers if k.fraction else None)
+    vb = tensor_bits("v", v, tokens, channels, spec.sinks, v_outliers if v.fraction else None)
+    out = {key: kb[key] + vb[key] for key in kb}
+    out["elements"] = 2 * tokens * channels
+    return out
+
+
+def _options(recipe: Recipe) -> list[Choice]:
+    settings = recipe.meta.get("settings", {})
+    bits = [b for b in settings.get("bits", SUPPORTED_BITS) if b in SUPPORTED_BITS]
+    return [Choice(b, float(f)) for b in sorted(bits) for f in sorted(settings.get("fractions", (0.0,)))]
+
+
+def _objective(recipe: Recipe, layer: int, kv: str, c: Choice, proxy: str = "fisher", sinks: int = 1) -> float:
+    if proxy == "kl":
+        table = recipe.meta.get("sensitivity", {}).get(sensitivity_key(sinks))
+        if table is None:
+            raise RecipeError(f"the recipe holds no measured sensitivities for {sinks} sink(s), which ':kl' budgets "
+                              "read: run `kvsqueeze budget --model MODEL --recipe DIR` once to measure them")
+        try:
+            return float(table["kl"][unit_key(layer, kv, c)])
+        except KeyError:
+            raise RecipeError(f"the recipe's sensitivities lack layer {layer} {kv} {c.label()}: measure them again "
+                              "with `kvsqueeze budget`") from None
+    key = codebook_key(layer, kv, c.bits, c.fraction, "vector", "fs2")
+    try:
+        return float(recipe.meta["kmeans_objective"][key]["nuq"])
+    except KeyError:
+        raise RecipeError(f"the recipe has no Fisher objective for {key}: recalibrate it with this version of "
+                          "kvsqueeze (`kvsqueeze calibrate`) to use a bit budget") from None
+
+
+def unit_key(layer: int, kv: str, c: Choice) -> str:
+    return f"{layer}.{kv}.{c.bits}.{c.fraction:g}"
+
+
+def sensitivity_key(sinks: int) -> str:
+    return f"sink{sinks}"
+
+
+def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKENS,
+             proxy: str = "fisher") -> Allocation:
+    """The choice of every layer's keys and values minimising the summed predicted loss at `avg_bits`.
+
+    proxy: "fisher", the codebooks' Fisher-weighted objectives; "kl", the KL divergences that
+    `calibrate.sensitivity.measure_sensitivity` stored in the recipe (one tensor of one layer quantized at a
+    time, on calibration text).
+
+    Raises:
+        MethodError: a budget below what the cheapest choice everywhere stores.
+    """
+    fp = recipe.meta["model"]["fingerprint"]
+    layers, channels = int(fp["layers"]), int(fp["kv_heads"]) * int(fp["head_dim"])
+    options = _options(recipe)
+    if proxy == "kl":
+        measured = recipe.meta.get("sensitivity", {}).get(sensitivity_key(sinks), {}).get("fractions")
+        options = [c for c in options if measured is None or c.fraction in measured]
+    units = [(layer, kv) for layer in range(layers) for kv in ("k", "v")]
+    # per unit, the options that are not dominated (less loss for no more bits); cost in bits, loss
+    table = []
+    for layer, kv in units:
+        rows = sorted(((tensor_bits(kv, c, tokens, channels, sinks)["total"],
+                        _objective(recipe, layer, kv, c, proxy, sinks), c) for c in options),
+                      key=lambda r: (r[0], r[1]))
+        kept = []
+        for cost, loss, c in rows:
+            if not kept or loss < kept[-1][1]:
+                kept.append((cost, loss, c))
+        table.append(kept)
+    budget = avg_bits * 2 * tokens * channels * layers
+    cheapest = sum(rows[0][0] for rows in table)
+    if cheapest > budget:
+        raise MethodError(f"nuq@{avg_bits:g}: below what this recipe can store ({cheapest / budget * avg_bits:.3f} "
+                          "bits with every layer at its cheapest choice); give a larger average")
+
+    def pick(lam: float) -> list[int]:
+        return [min(range(len(rows)), key=lambda j: rows[j][1] + lam * rows[j][0]) for rows in table]
+
+    def cost(idx: list[int]) -> float:
+        return sum(rows[j][0] for rows, j in zip(table, idx))
+
+    if cost(pick(0.0)) <= budget:
+        idx = pick(0.0)  # every unit at its least loss fits
+    else:
+        lo, hi = 0.0, 1.0
+        while cost(pick(hi)) > budget:  # a multiplier large enough to fit
+            hi *= 4
+        for _ in range(200):  # the smallest multiplier that fits
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if cost(pick(mid)) > budget else (lo, mid)
+        idx = pick(hi)
+    spent = cost(idx)
+    while True:  # spend what is left on the upgrade that saves the most loss per bit
+        best = None
+        for u, (rows, j) in enumerate(zip(table, idx)):
+            for k in range(j + 1, len(rows)):
+                extra = rows[k][0] - rows[j][0]
+                if spent + extra <= budget:
+                    gain = (rows[j][1] - rows[k][1]) / extra
+                    if best is None or gain > best[0]:
+                        best = (gain, u, k, extra)
+        if best is None:
+            break
+        _, u, k, extra = best
+        idx[u], spent = k, spent + extra
+    chosen = [rows[j][2] for rows, j in zip(table, idx)]
+    predicted = sum(rows[j][1] for rows, j in zip(table, idx))
+    return Allocation(float(avg_bits), tokens, tuple(chosen[0::2]), tuple(chosen[1::2]), predicted,
+                      spent / (2 * tokens * channels * layers))
+
+
+def recipe_allocation(recipe: Recipe, avg_bits: float, sinks: int = 1, proxy: str = "fisher") -> Allocation:
+    """The recipe's stored choice for this budget, sink count and proxy (`calibrate --avg-bits`, `kvsqueeze
+    budget`), or the same computed now."""
+    stored = recipe.meta.get("budgets", {}).get(budget_key(avg_bits, sinks, proxy))
+    if stored is not None:
+        return Allocation.from_dict(stored)
+    key = (id(recipe), float(avg_bits), sinks, proxy)
+    held = _COMPUTED.get(key)
+    if held is None or held[0] is not recipe:
+        held = _COMPUTED[key] = (recipe, allocate(recipe, avg_bits, sinks, proxy=proxy))
+    return held[1]
+
+
+_COMPUTED: dict[tuple, tuple[Recipe, Allocation]] = {}  # (recipe id, budget, sinks, proxy) -> (recipe, choice)
+
+
+def budget_key(avg_bits: float, sinks: int, proxy: str = "fisher") -> str:
+    return f"{avg_bits:g}" + (f":sink{sinks}" if sinks != 1 else "") + (":kl" if proxy == "kl" else "")
+
+
+def layer_choices(spec: MethodSpec, recipe: Recipe, layer: int) -> tuple[Choice, Choice]:
+    """The key and value choice of one layer for a budgeted method."""
+    if spec.budget is None:
+        return Choice(spec.k_bits, spec.outlier_fraction), Choice(spec.v_bits, spec.outlier_fraction)
+    if recipe is None:
+        raise RecipeError(f"method {spec.name!r} chooses each layer's bits from the recipe's Fisher objectives: "
+                          "pass --recipe DIR")
+    return recipe_allocation(recipe, spec.budget, spec.sinks, spec.budget_proxy).layer(layer)
+
+
+def describe(alloc: Allocation) -> str:
+    """One line per layer: its key and value choice."""
+    width = max(2, int(math.log10(max(1, len(alloc.keys)))) + 1)
+    return "\n".join(f"layer {i:>{width}}: K {k.label():>6}  V {v.label():>6}"
+                     for i, (k, v) in enumerate(zip(alloc.keys, alloc.values)))

@@ -1,0 +1,160 @@
+"""Tests for kvsqueeze.budget: the per-layer bit choice of `nuq@AVG` methods.
+
+Its storage model is `methods.storage_bits` split by tensor; the choice fits its budget, beats every plain
+nuq method of no more bits on the recipe's own predicted loss, grows with the budget, and reaches every path
+that stores a cache (simulated, compressed, fused) with the same per-layer bits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsqueeze.budget import Choice, allocate, layer_choices, layer_storage_bits, recipe_allocation, tensor_bits
+from kvsqueeze.methods import MethodError, parse_method, storage_bits
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
+@pytest.mark.parametrize("fraction", [0.0, 0.01])
+@pytest.mark.parametrize("tokens, sinks", [(2048, 1), (100, 0), (1, 1)])
+def test_tensor_bits_add_up_to_storage_bits(bits, fraction, tokens, sinks):
+    spec = parse_method(f"nuq{bits}" + ("-1%" if fraction else "") + f":sink{sinks}")
+    c = 192
+    k = tensor_bits("k", Choice(bits, fraction), tokens, c, sinks, outliers=37.0 if fraction else None)
+    v = tensor_bits("v", Choice(bits, fraction), tokens, c, sinks, outliers=55.0 if fraction else None)
+    want = storage_bits(spec, tokens, c, k_outliers=37.0, v_outliers=55.0)
+    for key in ("codes", "scales", "outlier_values", "outlier_indices", "pointers", "sinks", "codebook", "total"):
+        assert k[key] + v[key] == pytest.approx(want[key]), key
+
+
+def _predicted(recipe, spec) -> float:
+    fp = recipe.meta["model"]["fingerprint"]
+    objective = recipe.meta["kmeans_objective"]
+    total = 0.0
+    for layer in range(fp["layers"]):
+        for kv, bits in (("k", spec.k_bits), ("v", spec.v_bits)):
+            pct = "p1" if spec.outlier_fraction else "p0"
+            total += objective[f"layers.{layer}.codebook.{kv}.b{bits}.{pct}.vector.fs2"]["nuq"]
+    return total
+
+
+def _avg_bits(recipe, spec, tokens=2048) -> float:
+    fp = recipe.meta["model"]["fingerprint"]
+    c = fp["kv_heads"] * fp["head_dim"]
+    return storage_bits(spec, tokens, c)["total"] / (2 * tokens * c)
+
+
+@pytest.mark.parametrize("plain", ["nuq2", "nuq2-1%", "nuq3", "nuq3-1%", "nuq4", "nuq4-1%", "nuq-k4v2-1%"])
+def test_the_budget_fits_and_beats_plain_nuq_of_no_more_bits_on_predicted_loss(tiny_recipe, plain):
+    spec = parse_method(plain)
+    avg = _avg_bits(tiny_recipe, spec)
+    alloc = allocate(tiny_recipe, avg)
+    assert alloc.bits <= avg + 1e-9
+    assert alloc.predicted <= _predicted(tiny_recipe, spec) * (1 + 1e-9)
+
+
+def test_more_bits_never_predict_more_loss_and_the_ends_are_refused_or_saturate(tiny_recipe):
+    allocs = [allocate(tiny_recipe, b) for b in (2.6, 3.0, 3.5, 4.0, 4.6, 6.0)]
+    assert all(a.predicted >= b.predicted for a, b in zip(allocs, allocs[1:]))
+    top = allocs[-1]
+    assert {c.bits for c in top.keys + top.values} == {4}  # everything at its widest choice
+    assert len({c.bits for c in allocs[1].keys + allocs[1].values}) > 1  # a real mix in between
+    with pytest.raises(MethodError, match="below what this recipe can store"):
+        allocate(tiny_recipe, 2.0)
+
+
+def test_the_recipe_keeps_a_stored_choice_and_computes_the_same_one_otherwise(tiny_recipe):
+    import copy
+
+    alloc = recipe_allocation(tiny_recipe, 3.0)
+    assert alloc == allocate(tiny_recipe, 3.0)
+    stored = copy.deepcopy(tiny_recipe)
+    edited = alloc.as_dict()
+    edited["keys"][0] = [2, 0.0]  # a stored choice is read as it is
+    stored.meta["budgets"] = {"3": edited}
+    assert recipe_allocation(stored, 3.0).keys[0] == Choice(2, 0.0)
+    assert layer_choices(parse_method("nuq@3"), stored, 0)[0] == Choice(2, 0.0)
+
+
+def test_budget_methods_store_and_count_their_own_layer_bits(tiny_llama, tiny_recipe):
+    """Simulated, compressed and fused paths build each layer from its choice: the same logits, the bits counted
+    as the stores hold them."""
+    from conftest import random_ids
+
+    import kvsqueeze
+    from kvsqueeze.integrations.fused import fused_decode
+    from kvsqueeze.integrations.simulate import SimulatedQuantization
+
+    spec = parse_method("nuq@3")
+    alloc = recipe_allocation(tiny_recipe, 3.0)
+    ids = random_ids(1, 30, seed=4)
+    with torch.no_grad():
+        with SimulatedQuantization(tiny_llama, spec, tiny_recipe) as sim:
+            ref = tiny_llama(ids, cache=sim.new_cache(), use_cache=True).logits
+            bits = sim.storage(30)
+        cache = kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq@3")
+        got = torch.cat([tiny_llama(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(30)], 1)
+        for i, layer in enumerate(cache.layers):
+            assert (layer.store.k_bits, layer.store.v_bits) == (alloc.keys[i].bits, alloc.values[i].bits)
+        cache2 = kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq@3")
+        with fused_decode(tiny_llama, cache2):
+            fused = tiny_llama.generate(ids[:, :20], cache=cache2, max_new_tokens=5, min_new_tokens=5, do_sample=False,
+                                        pad_token_id=0)
+        dense = tiny_llama.generate(ids[:, :20], cache=kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq@3"),
+                                    max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(fused, dense)
+    per_layer = [layer_storage_bits(spec, tiny_recipe, i, 30, 32, sim.counter.k[i], sim.counter.v[i])["total"]
+                 for i in range(len(alloc.keys))]
+    assert bits["total"] == pytest.approx(sum(per_layer))
+
+
+def test_budget_names_and_refusals(tiny_recipe):
+    assert parse_method("nuq@3.0").name == "nuq@3" and parse_method("nuq@2.6:sink0").sinks == 0
+    for bad, match in (("int@3", "nuq codebooks"), ("nuq@3-1%", "drop the bit width"), ("nuq@1", "between 2"),
+                       ("nuq@3:pm", "a sink count")):
+        with pytest.raises(MethodError, match=match):
+            parse_method(bad)
+    with pytest.raises(MethodError, match="layer_storage_bits"):
+        storage_bits(parse_method("nuq@3"), 10, 32)
+    with pytest.raises(Exception, match="pass --recipe"):
+        layer_choices(parse_method("nuq@3"), None, 0)
+
+
+def test_measured_sensitivities_drive_kl_budgets(tiny_llama, tiny_recipe):
+    """`measure_sensitivity` quantizes one tensor of one layer at a time: every entry is a KL divergence, fewer
+    bits never cost less on the same tensor; a ':kl' budget reads them, and refuses a recipe without them."""
+    import copy
+
+    from conftest import random_ids
+
+    from kvsqueeze.budget import sensitivity_key
+    from kvsqueeze.calibrate.sensitivity import measure_sensitivity
+    from kvsqueeze.recipe import RecipeError
+
+    recipe = copy.deepcopy(tiny_recipe)
+    with pytest.raises(RecipeError, match="kvsqueeze budget"):
+        allocate(recipe, 3.0, proxy="kl")
+    table = measure_sensitivity(tiny_llama, recipe, random_ids(2, 48, seed=9), progress=False)
+    kl = table["kl"]
+    assert len(kl) == 2 * 2 * 9 and all(v >= 0 for v in kl.values())
+    for layer in range(2):
+        for kv in "kv":
+            assert kl[f"{layer}.{kv}.2.0"] > kl[f"{layer}.{kv}.4.0"]
+    recipe.meta["sensitivity"] = {sensitivity_key(1): table}
+    alloc = allocate(recipe, 3.0, proxy="kl")
+    assert alloc.bits <= 3.0 + 1e-9
+    spec = parse_method("nuq@3:kl")
+    assert spec.name == "nuq@3:kl" and layer_choices(spec, recipe, 0) == alloc.layer(0)
+
+
+def test_sensitivity_runs_that_skip_the_unchanged_layers_equal_whole_forwards(tiny_llama, tiny_recipe):
+    from conftest import random_ids
+
+    from kvsqueeze.calibrate.sensitivity import measure_sensitivity
+
+    ids = random_ids(1, 40, seed=2)
+    fast = measure_sensitivity(tiny_llama, tiny_recipe, ids, fractions=(0.0,), progress=False)
+    whole = measure_sensitivity(tiny_llama, tiny_recipe, ids, fractions=(0.0,), progress=False, skip_layers=False)
+    assert fast["kl"].keys() == whole["kl"].keys() and len(fast["kl"]) == 2 * 2 * 3
+    for key, value in whole["kl"].items():
+        assert fast["kl"][key] == pytest.approx(value, rel=1e-4, abs=1e-9), key
