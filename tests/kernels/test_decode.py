@@ -581,3 +581,26 @@ def test_a_fused_decode_step_reaches_the_backend_in_few_calls(tiny_llama, tiny_r
         for f in (kernels_api._load, kernels_api._entry):
             f.cache_clear()
     assert depths and max(depths) <= 4, depths
+
+
+def test_the_first_triton_result_of_each_variant_on_a_gpu_is_held_to_the_reference(monkeypatch):
+    """On a GPU (simulated here by KVSQUEEZE_CHECK_TRITON=1) a kernel that computes something else raises on its
+    first call instead of decoding with wrong numbers; a variant that passed is not checked again."""
+    from kvsqueeze.kernels.triton import attend
+
+    kv = view_of(make_store(20, 1, 2, 16, 3, 0.05, 1))
+    q = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(5))
+    rope = Rope.default(16)
+    monkeypatch.setenv("KVSQUEEZE_CHECK_TRITON", "1")
+    monkeypatch.setattr(attend, "_CHECKED", set())
+    real = attend._decode
+    monkeypatch.setattr(attend, "_decode", lambda *a: real(*a) * 1.001)
+    with pytest.raises(RuntimeError, match="differ from the reference"):
+        attend.decode_attention(q, kv, rope, 0.25, None)
+    monkeypatch.setattr(attend, "_decode", real)
+    good = attend.decode_attention(q, kv, rope, 0.25, None)
+    assert len(attend._CHECKED) == 1
+    calls = []
+    monkeypatch.setattr(attend, "_check_first", lambda *a: calls.append(a))
+    torch.testing.assert_close(attend.decode_attention(q, kv, rope, 0.25, None), good)
+    assert not calls  # checked once per variant

@@ -37,6 +37,29 @@ BLOCK_T = 64  # tokens a key / value program takes at a time
 SPARSE_BLOCK = 128  # outlier entries per sparse program
 INTERPRETED_BLOCK_T, INTERPRETED_SPARSE_BLOCK = 128, 1024  # the interpreter pays per program: fewer, larger
 _TABLES: dict[tuple, tuple[int, tuple[torch.Tensor, ...]]] = {}  # (frequencies, scaling, device) -> tables
+_CHECKED: set[tuple] = set()  # compiled variants whose first result on this device matched the reference
+CHECK_ATOL, CHECK_RTOL = 5e-5, 1e-4
+
+
+def _variant(q: torch.Tensor, kv: StoreView, rope: Rope, key_mask, softcap, sink_logits) -> tuple:
+    """What selects a compiled variant of the programs (their constexpr arguments) on one device."""
+    k_out, v_out = kv.k_outliers, kv.v_outliers
+    return (str(q.device), kv.k_bits, kv.v_bits, q.shape[-1], q.shape[1] // kv.heads, rope.half,
+            kv.sink_slot.shape[1], k_out is not None and k_out.fixed, v_out is not None and v_out.fixed,
+            key_mask is not None, bool(softcap), sink_logits is not None)
+
+
+def _check_first(out: torch.Tensor, args: tuple, variant: tuple) -> None:
+    """The first result of each compiled variant on a GPU is held to the reference backend: a device or
+    compiler on which the programs compute something else raises instead of decoding with wrong numbers."""
+    from ..reference import decode_attention as reference
+
+    want = reference(*args)
+    if not torch.allclose(out, want, atol=CHECK_ATOL, rtol=CHECK_RTOL):
+        err = float((out - want).abs().max())
+        raise RuntimeError(f"the triton decode kernels differ from the reference by {err:.3g} on {out.device} "
+                           f"(variant {variant}): decode with backend='reference' or the CPU, and report it")
+    _CHECKED.add(variant)
 
 
 def interpreting() -> bool:
@@ -104,7 +127,18 @@ def decode_attention(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
                      key_mask: torch.Tensor | None, softcap: float | None = None,
                      sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """See `kvsqueeze.kernels.decode_attention`; q float32 [B, Hq, D] on a CUDA device (or on the CPU under
-    Triton's interpreter) -> float32 [B, Hq, D]."""
+    Triton's interpreter) -> float32 [B, Hq, D]. The first call of each compiled variant on a GPU is checked
+    against the reference backend."""
+    out = _decode(q, kv, rope, scaling, key_mask, softcap, sink_logits)
+    if q.device.type == "cuda" or os.environ.get("KVSQUEEZE_CHECK_TRITON") == "1":
+        variant = _variant(q, kv, rope, key_mask, softcap, sink_logits)
+        if variant not in _CHECKED:
+            _check_first(out, (q, kv, rope, scaling, key_mask, softcap, sink_logits), variant)
+    return out
+
+
+def _decode(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float, key_mask: torch.Tensor | None,
+            softcap: float | None, sink_logits: torch.Tensor | None) -> torch.Tensor:
     dev = q.device
     if dev.type != "cuda" and not interpreting():
         raise ValueError(f"the triton backend runs on CUDA tensors, got {dev}; use backend='auto'")
