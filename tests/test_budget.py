@@ -155,6 +155,7 @@ def test_sensitivity_runs_that_skip_the_unchanged_layers_equal_whole_forwards(ti
     ids = random_ids(1, 40, seed=2)
     fast = measure_sensitivity(tiny_llama, tiny_recipe, ids, fractions=(0.0,), progress=False)
     whole = measure_sensitivity(tiny_llama, tiny_recipe, ids, fractions=(0.0,), progress=False, skip_layers=False)
+    assert fast["skipped_unchanged_layers"] and not whole["skipped_unchanged_layers"]
     assert fast["kl"].keys() == whole["kl"].keys() and len(fast["kl"]) == 2 * 2 * 3
     for key, value in whole["kl"].items():
         assert fast["kl"][key] == pytest.approx(value, rel=1e-4, abs=1e-9), key

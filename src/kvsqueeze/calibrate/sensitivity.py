@@ -34,7 +34,8 @@ def measure_sensitivity(model, recipe: Recipe, windows, sinks: int = 1, fraction
     `recipe.meta["sensitivity"]`). Errors of separate tensors add to first order, as the budget assumes.
 
     Layers before the quantized one see exactly what the fp16 run saw, so their outputs are taken from it
-    (where the model keeps its decoder layers in `model.model.layers`). `fractions`: the outlier fractions
+    (where the model keeps its decoder layers in `model.model.layers`, and only once a run that skips them
+    has given the fp16 logits back exactly; otherwise every run is a whole forward). `fractions`: the outlier fractions
     to measure (default: all the recipe has); a ':kl' budget chooses among those only. `skip_layers=False`:
     whole forwards."""
     shape = kv_shape(model.config)
@@ -60,14 +61,16 @@ def measure_sensitivity(model, recipe: Recipe, windows, sinks: int = 1, fraction
     ref_p = ref.exp()
 
     def run(layer: int, sim) -> torch.Tensor:
-        if blocks is None:
+        if blocks is None or not skipping[0]:
             return model(input_ids=windows, cache=sim.new_cache(), use_cache=True).logits
         saved = list(blocks[:layer])
         for i in range(layer):
             blocks[i] = _Skip()
 
         def start(module, args, kwargs):  # the quantized layer starts from the fp16 run's input
-            return (inputs[layer], *args[1:]), kwargs
+            if args:
+                return (inputs[layer], *args[1:]), kwargs
+            return args, {**kwargs, "hidden_states": inputs[layer]}
 
         handle = blocks[layer].register_forward_pre_hook(start, with_kwargs=True)
         try:
@@ -81,7 +84,12 @@ def measure_sensitivity(model, recipe: Recipe, windows, sinks: int = 1, fraction
     spec = parse_method(f"nuq4:sink{sinks}")
     table: dict[str, float] = {}
     jobs = [(layer, kv, c) for layer in range(shape.layers) for kv in ("k", "v") for c in options]
+    skipping = [blocks is not None]
     with torch.no_grad(), SimulatedQuantization(model, spec, recipe) as sim:
+        if skipping[0]:  # skipping must give the fp16 run's logits back, or every run is a whole forward
+            sim.k_pre, sim.v = [None] * shape.layers, [None] * shape.layers
+            again = run(shape.layers - 1, sim).float().log_softmax(-1)
+            skipping[0] = again.shape == ref.shape and torch.allclose(again, ref, atol=1e-4, rtol=1e-4)
         done: dict[tuple, float] = {}
         for layer, kv, c in tqdm(jobs, desc="sensitivity", unit="run", disable=not progress):
             chosen = dataclasses.replace(spec, k_bits=c.bits, v_bits=c.bits, outlier_fraction=c.fraction)
@@ -99,4 +107,5 @@ def measure_sensitivity(model, recipe: Recipe, windows, sinks: int = 1, fraction
             if same is not None:
                 done[same] = kl
     return {"windows": int(windows.shape[0]), "seqlen": int(windows.shape[1]), "sinks": sinks,
+            "skipped_unchanged_layers": skipping[0],
             "fractions": sorted({c.fraction for c in options}), "kl": table}
