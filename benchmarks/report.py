@@ -249,8 +249,66 @@ def budget_models(data: dict) -> str:
     return "\n".join(out)
 
 
+def ruler(data: dict, task: str = "average") -> str:
+    """The RULER-style suite (`benchmarks/ruler.py`): each method's average score per model and length, with its
+    share of fp16's and the samples behind it."""
+    cfg = data["config"]
+    rows = [r for r in data["rows"] if r["task"] == task]
+    out = [f"{', '.join(cfg['tasks'])}; {cfg['engine']} engine, greedy answers ({cfg['machine']})\n"]
+    for run in cfg["runs"]:
+        mine = [r for r in rows if r["model"] == run["model"]]
+        if not mine:
+            continue
+        lengths = sorted({r["length"] for r in mine})
+        cell = {(r["method"], r["length"]): r for r in mine}
+        samples = sorted({r["samples"] for r in mine})
+        out += [f"`{run['model']}` ({run['layout']} layout, {'/'.join(map(str, samples))} sample(s) per length):\n",
+                "| method | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |",
+                "|---|" + "---:|" * len(lengths)]
+        for m in cfg["methods"]:
+            cells = []
+            for n in lengths:
+                r, ref = cell.get((m, n)), cell.get(("fp16", n))
+                if r is None:
+                    cells.append("–")
+                elif m == "fp16" or not ref or not ref["score"]:
+                    cells.append(f"{r['score']:.1f}")
+                else:
+                    cells.append(f"{r['score']:.1f} ({100 * r['score'] / ref['score']:.0f}%)")
+            out.append(f"| `{m}` | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
+def ruler_compact(data: dict) -> str:
+    """One table for the README: the average score of each method at every (model, length), share of fp16's."""
+    cfg = data["config"]
+    rows = {(r["model"], r["method"], r["length"]): r for r in data["rows"] if r["task"] == "average"}
+    cols = sorted({(m, n) for m, _, n in rows}, key=lambda c: ([r["model"] for r in cfg["runs"]].index(c[0]), c[1]))
+    short = {r["model"]: r["model"].split("-")[0] for r in cfg["runs"]}
+    samples = sorted({r["samples"] for r in rows.values()})
+    out = [f"Average score over {len(cfg['tasks'])} tasks (0-100; in brackets: share of fp16), "
+           f"{'/'.join(map(str, samples))} sample(s) per cell, {cfg['engine']} engine ({cfg['machine']})\n",
+           "| method | " + " | ".join(f"{short[m]} {n // 1024}K" for m, n in cols) + " |",
+           "|---|" + "---:|" * len(cols)]
+    for meth in cfg["methods"]:
+        cells = []
+        for m, n in cols:
+            r, ref = rows.get((m, meth, n)), rows.get((m, "fp16", n))
+            if r is None:
+                cells.append("–")
+            elif meth == "fp16" or not ref or not ref["score"]:
+                cells.append(f"{r['score']:.1f}")
+            else:
+                cells.append(f"{r['score']:.1f} ({100 * r['score'] / ref['score']:.0f}%)")
+        out.append(f"| `{meth}` | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 # block name -> (JSON file, renderer)
 BLOCKS = {
+    "ruler-compact": ("ruler.json", ruler_compact),
+    "ruler": ("ruler.json", ruler),
     "ladder": ("ladder.json", ladder),
     "models": ("models.json", models),
     "peers": ("peers.json", peers),

@@ -1,4 +1,4 @@
-"""The `kvsqueeze` command: calibrate, eval, inspect, memory, passkey, generate.
+"""The `kvsqueeze` command: calibrate, eval, budget, inspect, memory, passkey, ruler, generate.
 
 Every option takes its default from the config dataclasses in `config.py`,
 which are also the defaults of the Python functions that do the work, so the
@@ -25,10 +25,11 @@ from .config import (
     InspectConfig,
     MemoryConfig,
     PasskeyConfig,
+    RulerConfig,
 )
 
 _CAL, _EVAL, _PASSKEY = CalibrationConfig(), EvalConfig(), PasskeyConfig()
-_GEN, _MEM, _INSPECT = GenerateConfig(), MemoryConfig(), InspectConfig()
+_GEN, _MEM, _INSPECT, _RULER = GenerateConfig(), MemoryConfig(), InspectConfig(), RulerConfig()
 
 
 def _int_list(text: str, what: str) -> list[int]:
@@ -272,6 +273,54 @@ def cmd_passkey(args) -> None:
     })
 
 
+def cmd_ruler(args) -> None:
+    from .eval.ruler import TASKS, build_contexts
+    from .eval.ruler_eval import ENGINES, AnswerLog, format_ruler_table, ruler_eval, summarize
+    from .eval.texts import load_text
+    from .integrations.loading import load_model
+    from .methods import parse_methods
+
+    specs = parse_methods(args.methods)
+    lengths = _int_list(args.lengths, "--lengths")
+    tasks = list(TASKS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in tasks if t not in TASKS]
+    if unknown:
+        raise ValueError(f"--tasks: unknown task(s) {', '.join(unknown)}; choose from {', '.join(TASKS)} or 'all'")
+    if args.samples < 1:
+        raise ValueError("--samples must be at least 1")
+    if args.engine not in ENGINES:
+        raise ValueError(f"--engine must be one of {', '.join(ENGINES)}")
+    haystack = load_text(args.text).evaluation
+    recipe = _recipe_for(specs, args.recipe)
+    log = AnswerLog(args.answers)  # a bad file is refused before the model loads
+    model, tok = load_model(args.model, args.dtype, args.device)
+    _check_methods(model, specs, recipe)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    too_long = [n for n in lengths if limit and n > limit]
+    if too_long:
+        raise ValueError(f"--lengths {','.join(map(str, too_long))} exceed the model's {limit}-token context")
+    contexts = {n: build_contexts(tok, haystack, n, args.samples, seed=args.seed, tasks=tasks, layout=args.layout)
+                for n in lengths}
+    ordered = [c for s in range(args.samples) for n in lengths for c in contexts[n] if c.sample == s]
+    answers = ruler_eval(model, tok, specs, ordered, recipe, engine=args.engine, chunk=args.chunk,
+                         model_name=args.model, log=log)
+    scores = summarize(answers)
+    print(format_ruler_table(scores))
+    if args.by_task:
+        for t in tasks:
+            print()
+            print(format_ruler_table(scores, task=t))
+    _write_json(args.json, {
+        "model": args.model, "engine": args.engine, "layout": args.layout, "samples": args.samples, "seed": args.seed, "tasks": tasks,
+        "rows": [{"method": s.method, "task": s.task, "length": s.length, "samples": s.samples, "score": s.score,
+                  **({"ci95": list(s.ci95)} if s.ci95 else {})} for s in scores],
+    })
+    if args.plot:
+        from .eval.plots import plot_ruler
+
+        print(f"wrote {plot_ruler(scores, args.plot)}")
+
+
 def cmd_generate(args) -> None:
     import torch
 
@@ -380,6 +429,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="simulated quantization, or the compressed cache where the method has one")
     k.add_argument("--json")
     k.set_defaults(fn=cmd_passkey)
+
+    r = sub.add_parser("ruler", help="RULER-style long-context suite (needles, variable tracking, word counts) "
+                                     "through each method's cache")
+    r.add_argument("--model", default=DEFAULT_MODEL)
+    _add_loading(r)
+    r.add_argument("--recipe", help="recipe directory (needed by nuq and per-channel methods)")
+    r.add_argument("--methods", default=_RULER.methods)
+    r.add_argument("--lengths", default=_RULER.lengths, help="sequence lengths in tokens, e.g. 4096,8192,16384")
+    r.add_argument("--tasks", default=_RULER.tasks, help="'all' or a comma-separated subset of the suite's tasks")
+    r.add_argument("--samples", type=int, default=_RULER.samples, help="contexts of each kind per length")
+    r.add_argument("--seed", type=int, default=_RULER.seed)
+    r.add_argument("--layout", choices=("separate", "shared"), default=_RULER.layout,
+                   help="separate: a context per needle task (as RULER); shared: one context carries every needle "
+                        "task's needles (one prefill instead of seven; harder: each question meets the others' needles)")
+    r.add_argument("--text", default=DEFAULT_TEXT, help="haystack: 'bbc' (its evaluation part) or a text file")
+    r.add_argument("--engine", default=_RULER.engine,
+                   help="dense-prefill (one exact prefill shared by every method), chunked (each method prefills "
+                        "through its own cache) or sim (every method through the simulated path)")
+    r.add_argument("--chunk", type=int, default=_RULER.chunk, help="prefill chunk in tokens")
+    r.add_argument("--answers", help="JSONL file every answer is appended to; a rerun with it resumes")
+    r.add_argument("--by-task", action="store_true", help="also print one table per task")
+    r.add_argument("--json")
+    r.add_argument("--plot", help="PNG of the average score against length per method")
+    r.set_defaults(fn=cmd_ruler)
 
     m = sub.add_parser("memory", help="KV-cache memory planner")
     m.add_argument("--model", default=_MEM.model, help="built-in shape name or a config.json path")

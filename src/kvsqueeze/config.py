@@ -51,6 +51,20 @@ class PasskeyConfig:
 
 
 @dataclass(frozen=True)
+class RulerConfig:
+    """What `kvsqueeze ruler` runs by default (the RULER-style suite, `eval/ruler.py`)."""
+
+    methods: str = "fp16,nuq4-1%,nuq3-1%,nuq2-1%,kivi2,int4"  # KVQuant's rungs, KIVI and a per-token baseline
+    lengths: str = "4096,8192"  # the default model's context is 8K
+    tasks: str = "all"
+    samples: int = 2  # contexts of each kind per length (each carries several questions)
+    seed: int = 0
+    layout: str = "separate"  # a context per needle task, as RULER builds them ("shared": one for all, cheaper)
+    engine: str = "dense-prefill"  # one exact prefill per context, shared by every method (as a server prefills)
+    chunk: int = 2048  # prefill chunk: bounds the attention scores a chunk materialises
+
+
+@dataclass(frozen=True)
 class GenerateConfig:
     """What `kvsqueeze generate` and `cache_for` use by default."""
 

@@ -350,3 +350,23 @@ def test_left_padding_over_the_sinks_is_refused_not_kept_as_sinks(tiny_llama, ti
             tiny_llama(ids, attention_mask=right, cache=sim.new_cache(), use_cache=True)
         with SimulatedQuantization(tiny_llama, parse_method("int3"), tiny_recipe) as sim:  # no sinks: no refusal
             tiny_llama(ids, attention_mask=mask, cache=sim.new_cache(), use_cache=True)
+
+
+def test_kivi_reuses_the_quantized_prefix_exactly():
+    """A module's memo of quantized keys and values gives the very numbers quantizing everything gives, as the
+    sequence grows token by token, is cropped back, or is replaced by another one."""
+    from kvsqueeze.integrations import kivi
+
+    spec = parse_method("kivi2:g8:r16")
+    module = torch.nn.Module()
+    g = torch.Generator().manual_seed(0)
+    k, v = torch.randn(1, 2, 70, 16, generator=g), torch.randn(1, 2, 70, 16, generator=g)
+    other = torch.randn(1, 2, 40, 16, generator=g)
+    for t in [*range(20, 70, 7), 33, 33, 65]:  # growing, repeated, cropped back, grown again
+        got = kivi.quantized_kv(module, k[:, :, :t], v[:, :, :t], spec)
+        want = kivi.quantized_kv(None, k[:, :, :t], v[:, :, :t], spec)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got = kivi.quantized_kv(module, other, other, spec)  # another sequence: nothing reused
+    assert torch.equal(got[0], fake_quantize_token_groups(other, 8, 2))
+    kivi.forget([module])
+    assert module not in kivi._MEMO

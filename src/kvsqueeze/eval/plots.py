@@ -135,3 +135,34 @@ def plot_budget(alloc, path: str) -> str:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_ruler(scores, path: str | Path, task: str = "average") -> Path:
+    """Score against context length, one line per method and one panel per model (`ruler_eval.Score` rows)."""
+    plt = _plt()
+    rows = [s for s in scores if s.task == task]
+    models = list(dict.fromkeys(s.model for s in rows))
+    if not models:
+        raise ValueError(f"no {task} scores to plot")
+    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 3.8), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        mine = [s for s in rows if s.model == model]
+        for method in dict.fromkeys(s.method for s in mine):
+            pts = sorted((s.length, s.score, s.ci95) for s in mine if s.method == method)
+            xs = [p[0] for p in pts]
+            ax.plot(xs, [p[1] for p in pts], marker="o", label=method, lw=2.2 if method == "fp16" else 1.4)
+            if all(p[2] for p in pts):
+                ax.fill_between(xs, [p[2][0] for p in pts], [p[2][1] for p in pts], alpha=0.08)
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({s.length for s in mine}), [f"{n // 1024}K" for n in sorted({s.length for s in mine})])
+        ax.set_xlabel("context length (tokens)")
+        ax.set_ylabel(f"{task} score (0-100)")
+        ax.set_title(model)
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=8, loc="best")
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -10,6 +10,8 @@ a future token.
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..affine import choose_qparams, dequantize, quantize
@@ -42,6 +44,57 @@ def fake_quantize_channel_groups(v: torch.Tensor, group: int, bits: int) -> torc
     levels = uniform_levels(bits)
     out = dequantize(quantize(fg, scale, zero, levels), scale, zero, levels).view(b, t, -1)[..., :c]
     return out.view(b, t, h, d).transpose(1, 2).to(v.dtype)
+
+
+class _Quantized:
+    """The last keys and values an attention module saw, and their KIVI-quantized copies."""
+
+    def __init__(self, key, value, kq, vq):
+        self.key, self.value, self.kq, self.vq = key, value, kq, vq
+
+
+_MEMO: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # attention module -> _Quantized
+
+
+def _reusable(memo: _Quantized | None, key: torch.Tensor, value: torch.Tensor, group: int) -> int:
+    """How many leading tokens' quantized copies `memo` holds for these keys and values (whole key groups)."""
+    if memo is None or memo.key.shape[:2] != key.shape[:2] or memo.key.dtype != key.dtype:
+        return 0
+    n = min(memo.key.shape[2], key.shape[2]) // group * group
+    if n == 0 or memo.key.device != key.device:
+        return 0
+    if torch.equal(memo.key[:, :, :n], key[:, :, :n]) and torch.equal(memo.value[:, :, :n], value[:, :, :n]):
+        return n
+    return 0
+
+
+def quantized_kv(module, key: torch.Tensor, value: torch.Tensor, spec: MethodSpec):
+    """KIVI's quantized copies of key and value [B, H, T, D], reusing what this module quantized last time.
+
+    A key group's quantization reads only its own `group_size` tokens and a value's only its own token, so the
+    copies of a prefix that has not changed (compared exactly) stay valid: a decode step quantizes the new
+    tokens and the last, partial key group only. Without a module (None) everything is quantized.
+    """
+    g = spec.group_size
+    memo = _MEMO.get(module) if module is not None else None
+    n = _reusable(memo, key, value, g)
+    if n == key.shape[2]:
+        kq, vq = memo.kq[:, :, :n], memo.vq[:, :, :n]
+    else:
+        kq = fake_quantize_token_groups(key[:, :, n:], g, spec.k_bits)
+        vq = fake_quantize_channel_groups(value[:, :, n:], g, spec.v_bits)
+        if n:
+            kq = torch.cat([memo.kq[:, :, :n], kq], dim=2)
+            vq = torch.cat([memo.vq[:, :, :n], vq], dim=2)
+    if module is not None:
+        _MEMO[module] = _Quantized(key, value, kq, vq)
+    return kq, vq
+
+
+def forget(modules) -> None:
+    """Drop what these attention modules remember (the simulation of a KIVI method ended)."""
+    for m in modules:
+        _MEMO.pop(m, None)
 
 
 SCORE_BUDGET = 1 << 25  # attention scores (floats) materialized per query chunk
@@ -83,8 +136,7 @@ def kivi_attention(module, query, key, value, attention_mask, scaling, spec: Met
     b, h, tq, _ = query.shape
     tk = key.shape[2]
     w = spec.window
-    kq = fake_quantize_token_groups(key, spec.group_size, spec.k_bits)
-    vq = fake_quantize_channel_groups(value, spec.group_size, spec.v_bits)
+    kq, vq = quantized_kv(module, key, value, spec)
     causal = causal_bool_mask(attention_mask, tq, tk, query.device)  # [B|1, 1, Tq, Tk]
     if chunk is None:
         chunk = max(1, SCORE_BUDGET // max(1, b * h * (tk + w)))

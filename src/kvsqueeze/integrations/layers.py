@@ -140,7 +140,38 @@ def _positions(position_ids, batch: int, tokens: int, start: int, device) -> tor
     return position_ids.to(device).long().expand(batch, tokens)
 
 
-class CompressedLayer(LayerBase):
+class PreRopeKeys:
+    """What a layer that stores keys before RoPE needs: the model's cos / sin, and the captured keys, checked.
+
+    The host class has `rotary` (a `parts.LayerRotary`), `capture` (a `ForwardCapture` or None) and `layer_idx`.
+    """
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
+        """cos, sin [B, 1, T, R] from the model's own rotary module, as its attention gets them (None: no RoPE)."""
+        cs = self.rotary.cos_sin(positions, dtype)
+        return None if cs is None else (cs[0].unsqueeze(1), cs[1].unsqueeze(1))
+
+    def _pre_rope_keys(self, key_states: torch.Tensor, cos_sin) -> torch.Tensor:
+        """The captured pre-RoPE keys [B, T, C] of the new tokens, checked to rotate into key_states [B, H, T, D]."""
+        b, h, t, d = key_states.shape
+        keys = self.capture.take_keys(self.layer_idx, b, t) if self.capture is not None else None
+        if keys is None:
+            raise RuntimeError(
+                f"layer {self.layer_idx}: no pre-RoPE keys were captured for these {t} tokens; a compressed cache "
+                "is filled by the model's forward (model(..., cache=cache) or generate(cache=cache)), "
+                "or by `append_pre_rope` with the keys before RoPE")
+        rotated = self.rotary.apply(keys.view(b, t, h, d).transpose(1, 2), cos_sin)
+        tol = 1e-3 * float(key_states.abs().max().clamp_min(1e-6))
+        if not torch.allclose(rotated, key_states, rtol=1e-3, atol=tol):
+            raise RuntimeError(
+                f"layer {self.layer_idx}: the captured keys do not rotate into the keys the model caches (largest "
+                f"difference {float((rotated - key_states).abs().max()):.3g}); their statistics in the recipe "
+                "describe another tensor, so quantizing these would be wrong. `kvsqueeze.integrations.preflight"
+                ".preflight(model)` says what differs")
+        return keys
+
+
+class CompressedLayer(PreRopeKeys, LayerBase):
     """One layer of the compressed cache; see the module docstring.
 
     Args:
@@ -230,30 +261,6 @@ class CompressedLayer(LayerBase):
         """The layer's RoPE frequencies for the kernels (`LayerRotary.rope`)."""
         return self.rotary.rope
 
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
-        """cos, sin [B, 1, T, R] from the model's own rotary module, as its attention gets them (None: no RoPE)."""
-        cs = self.rotary.cos_sin(positions, dtype)
-        return None if cs is None else (cs[0].unsqueeze(1), cs[1].unsqueeze(1))
-
-    def _pre_rope_keys(self, key_states: torch.Tensor, cos_sin) -> torch.Tensor:
-        """The captured pre-RoPE keys [B, T, C] of the new tokens, checked to rotate into key_states [B, H, T, D]."""
-        b, h, t, d = key_states.shape
-        keys = self.capture.take_keys(self.layer_idx, b, t) if self.capture is not None else None
-        if keys is None:
-            raise RuntimeError(
-                f"layer {self.layer_idx}: no pre-RoPE keys were captured for these {t} tokens; a compressed cache "
-                "is filled by the model's forward (model(..., cache=cache) or generate(cache=cache)), "
-                "or by `append_pre_rope` with the keys before RoPE")
-        rotated = self.rotary.apply(keys.view(b, t, h, d).transpose(1, 2), cos_sin)
-        tol = 1e-3 * float(key_states.abs().max().clamp_min(1e-6))
-        if not torch.allclose(rotated, key_states, rtol=1e-3, atol=tol):
-            raise RuntimeError(
-                f"layer {self.layer_idx}: the captured keys do not rotate into the keys the model caches (largest "
-                f"difference {float((rotated - key_states).abs().max()):.3g}); their statistics in the recipe "
-                "describe another tensor, so quantizing these would be wrong. `kvsqueeze.integrations.preflight"
-                ".preflight(model)` says what differs")
-        return keys
-
     def _crop(self, tokens: int) -> None:
         self.store.crop(tokens)
 
@@ -311,7 +318,8 @@ class Fp16Layer(LayerBase):
 
     def read(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         dtype = dtype or self.dtype
-        return self.k.view().permute(1, 2, 0, 3).to(dtype), self.v.view().permute(1, 2, 0, 3).to(dtype)
+        # convert the contiguous [T, B, H, D] buffers, then view them as [B, H, T, D]
+        return self.k.view().to(dtype).permute(1, 2, 0, 3), self.v.view().to(dtype).permute(1, 2, 0, 3)
 
     def _crop(self, tokens: int) -> None:
         self.k.truncate(tokens)

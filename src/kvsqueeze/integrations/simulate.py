@@ -30,7 +30,7 @@ from ..recipe import Recipe
 from ..shape import kv_shape
 from .attention import register_handler, switch_attention
 from .fingerprint import check_recipe
-from .kivi import kivi_handler
+from .kivi import forget, kivi_handler
 from .parts import attention_modules, hook_projections
 from .preflight import preflight
 
@@ -160,6 +160,7 @@ class SimulatedQuantization:
             self.model.set_attn_implementation(self._saved_attn)
             for a in self.attn:
                 del a.kvsqueeze_kivi
+            forget(self.attn)
             self._saved_attn = None
 
     # ---- caches and accounting -----------------------------------------------------------

@@ -1,0 +1,163 @@
+"""The RULER-style long-context suite on the default model (to its 8K limit) and a 32K-context model.
+
+    python benchmarks/ruler.py [--samples 1] [--methods fp16,nuq4-1%,nuq3-1%,nuq2-1%,kivi2,int4]
+        [--run smollm2-135m:out/recipe:4096,8192:separate]
+        [--run qwen2.5-coder-0.5b:out/models/qwen2.5-coder-0.5b/recipe:4096,8192,16384,32768:shared]
+        [--answers out/ruler/answers.jsonl] [--json benchmarks/results/ruler.json] [--summarize-only]
+
+Every context is built from the held-out part of the BBC corpus and a seed (`kvsqueeze.eval.ruler`: six
+needle-in-a-haystack tasks and variable tracking, each in a context of its own for the default model, all in
+one shared context for the 32K model, whose prefills cost minutes; common- and frequent-words extraction
+share a `words` context); it is prefilled once with exact attention and each method answers from its own
+cache holding those keys and values (`--engine dense-prefill`; the compressed cache with the fused numba
+kernel for nuq, the simulated cache for KIVI and per-token int4). Greedy answers, scored as RULER does (the
+share of the expected strings found).
+
+The run is sample-major (sample 0 at every length of every model, then sample 1, ...) and appends each answer
+to `--answers` as it is made: stopped anywhere, it resumes there, and what it has is balanced over lengths.
+`--summarize-only` rebuilds the JSON and the plot from the answers file. Each (model, length, sample)'s wall
+time is kept beside the answers (`timing.jsonl`) and summed in the JSON.
+
+Cost on 2 cores (AMD EPYC), measured by this script: see `cost` in the JSON (seconds per model and length,
+summed over samples); one sample of everything takes about 110 minutes there, most of it greedy decoding
+(0.2-0.4 s a token through a compressed cache on 2 cores) and the 32K model's prefills (about 8 minutes per
+32K context).
+
+On a GPU (bf16, the Triton kernels; the first result of each kernel variant is checked against the
+reference backend):
+
+    python benchmarks/ruler.py --device cuda --dtype bfloat16 --samples 4 --answers out/ruler-gpu/answers.jsonl \
+        --json benchmarks/results/ruler_gpu.json --plot benchmarks/results/ruler_gpu.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from kvsqueeze.eval.plots import plot_ruler
+from kvsqueeze.eval.ruler import LAYOUTS, TASKS, build_contexts
+from kvsqueeze.eval.ruler_eval import AnswerLog, format_ruler_table, ruler_eval, summarize
+from kvsqueeze.eval.texts import load_text
+from kvsqueeze.methods import parse_methods
+
+sys.path.insert(0, str(Path(__file__).parent))
+from models import machine  # noqa: E402
+
+METHODS = "fp16,nuq4-1%,nuq3-1%,nuq2-1%,kivi2,int4"
+RUNS = ["smollm2-135m:out/recipe:4096,8192:separate",
+        "qwen2.5-coder-0.5b:out/models/qwen2.5-coder-0.5b/recipe:4096,8192,16384,32768:shared"]
+
+
+def parse_run(text: str) -> tuple[str, str, list[int], str]:
+    try:
+        model, recipe, lengths, layout = text.rsplit(":", 3)
+        if layout not in LAYOUTS:
+            raise ValueError
+        return model, recipe, [int(n) for n in lengths.split(",")], layout
+    except ValueError:
+        raise SystemExit(f"--run {text!r}: expected MODEL:RECIPE_DIR:LENGTH[,LENGTH...]:LAYOUT with LAYOUT one of "
+                         f"{', '.join(LAYOUTS)}") from None
+
+
+def ratios(scores) -> dict:
+    """Each method's average score as a share of fp16's, per model and length."""
+    avg = {(s.model, s.method, s.length): s.score for s in scores if s.task == "average"}
+    out: dict = {}
+    for (model, method, length), score in sorted(avg.items()):
+        ref = avg.get((model, "fp16", length))
+        if method != "fp16" and ref:
+            out.setdefault(model, {}).setdefault(method, {})[str(length)] = round(score / ref, 3)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--run", action="append", help="MODEL:RECIPE_DIR:LENGTHS (repeatable; default: both models)")
+    ap.add_argument("--methods", default=METHODS)
+    ap.add_argument("--tasks", default=",".join(TASKS))
+    ap.add_argument("--samples", type=int, default=1)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--engine", default="dense-prefill")
+    ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
+    ap.add_argument("--answers", default="out/ruler/answers.jsonl")
+    ap.add_argument("--json", default="benchmarks/results/ruler.json")
+    ap.add_argument("--plot", default="benchmarks/results/ruler.png")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda (on a GPU: the Triton kernels decode)")
+    ap.add_argument("--dtype", default="float32", help="float32 (CPU) or bfloat16 (GPU)")
+    ap.add_argument("--summarize-only", action="store_true")
+    args = ap.parse_args()
+
+    runs = [parse_run(r) for r in (args.run or RUNS)]
+    specs = parse_methods(args.methods)
+    tasks = args.tasks.split(",")
+    answers_path = Path(args.answers)
+    timing_path = answers_path.with_name("timing.jsonl")
+    log = AnswerLog(answers_path)
+    if not args.summarize_only:
+        from kvsqueeze.integrations.loading import load_model
+        from kvsqueeze.recipe import Recipe
+
+        haystack = load_text("bbc").evaluation
+        loaded = {}
+        for model_name, recipe_dir, lengths, layout in runs:
+            model, tok = load_model(model_name, args.dtype, args.device)
+            contexts = {n: build_contexts(tok, haystack, n, args.samples, seed=args.seed, tasks=tasks, layout=layout)
+                        for n in lengths}
+            loaded[model_name] = (model, tok, Recipe.load(recipe_dir), contexts)
+        for sample in range(args.samples):
+            for model_name, _, lengths, _ in runs:
+                model, tok, recipe, contexts = loaded[model_name]
+                for n in lengths:
+                    mine = [c for c in contexts[n] if c.sample == sample]
+                    t0 = time.perf_counter()
+                    before = len(log.answers)
+                    ruler_eval(model, tok, specs, mine, recipe, engine=args.engine, chunk=args.chunk,
+                               model_name=model_name, log=log)
+                    if len(log.answers) > before:
+                        with timing_path.open("a") as f:
+                            f.write(json.dumps({"model": model_name, "length": n, "sample": sample,
+                                                "answers": len(log.answers) - before,
+                                                "seconds": round(time.perf_counter() - t0, 1)}) + "\n")
+                    print(format_ruler_table(summarize([a for a in log.answers if a.model == model_name])),
+                          flush=True)
+
+    names = {s.name for s in specs}
+    kept = [a for a in log.answers if a.method in names and a.engine == args.engine and a.task in tasks]
+    scores = summarize(kept)
+    timing = [json.loads(line) for line in timing_path.read_text().splitlines()] if timing_path.exists() else []
+    cost: dict = {}
+    for t in timing:
+        c = cost.setdefault(t["model"], {}).setdefault(str(t["length"]), {"seconds": 0.0, "answers": 0})
+        c["seconds"] = round(c["seconds"] + t["seconds"], 1)
+        c["answers"] += t["answers"]
+    result = {
+        "config": {
+            "machine": machine() if args.device == "cpu" else f"{args.device}, {machine()}", "dtype": args.dtype,
+            "engine": args.engine, "chunk": args.chunk, "methods": [s.name for s in specs],
+            "tasks": tasks, "seed": args.seed, "samples_requested": args.samples,
+            "runs": [{"model": m, "recipe": r, "lengths": ls, "layout": lay} for m, r, ls, lay in runs],
+            "haystack": "BBC corpus, evaluation part (articles held out from calibration)",
+            "scoring": "share of the expected strings in the greedy answer (RULER's string_match_all), x100; "
+                       "average = mean over tasks, ci95 = bootstrap over samples",
+        },
+        "rows": [{"model": s.model, "method": s.method, "task": s.task, "length": s.length, "samples": s.samples,
+                  "score": s.score, **({"ci95": list(s.ci95)} if s.ci95 else {})} for s in scores],
+        "share_of_fp16": ratios(scores),
+        "cost": cost,
+        "answers": str(answers_path),
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    if scores:
+        plot_ruler(scores, args.plot)
+    for model_name, *_ in runs:
+        print(format_ruler_table([s for s in scores if s.model == model_name]))
+    print(f"wrote {args.json} and {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,339 @@
+"""Run the RULER-style suite (`ruler.py`) on a model, method by method, through the quantized cache.
+
+Engines (`ENGINES`), i.e. how a context reaches each method's cache:
+
+* ``dense-prefill`` (default; what a server does): the context is prefilled
+  once with exact attention (`integrations.prefill.dense_prefill`, in chunks);
+  each method quantizes those same keys and values into its own cache; the
+  question is then read and the answer decoded greedily from that cache — the
+  compressed cache with the fused decode kernel for the methods it stores, the
+  simulated cache for the others (KIVI, per-token int, turbo). One prefill
+  serves every method and every question of the context.
+* ``chunked``: each method prefills the context itself, `chunk` tokens at a
+  time through its own cache, so each chunk attends to the quantized chunks
+  before it (quantization error also shapes the context's own hidden states,
+  as in a server with chunked prefill over a compressed cache); the prefill is
+  paid once per method.
+* ``sim``: like ``chunked``, every method through the simulated path (fake
+  quantization); agrees with ``chunked`` on the compressed cache's methods.
+
+After each answer the cache is cropped back to the context, so the questions
+of one context are independent. Answers are greedy, end at a newline or EOS,
+and are scored by `ruler.score_answer`. `AnswerLog` appends every answer to a
+JSONL file as it is made, and a run given the same file skips what it holds:
+long runs resume where they stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..integrations.prefill import check_full_attention, compressed, dense_prefill, filled_cache
+from ..integrations.simulate import SimulatedQuantization
+from ..methods import MethodSpec
+from ..recipe import Recipe
+from .ruler import TASKS, Context, Question, score_answer
+from .tables import text_table
+
+ENGINES = ("dense-prefill", "chunked", "sim")
+
+
+@dataclass(frozen=True)
+class Answer:
+    """One method's answer to one question."""
+
+    model: str
+    method: str
+    engine: str
+    task: str
+    length: int
+    sample: int
+    seed: int
+    tokens: int  # context + question tokens
+    score: float
+    answer: str
+    expected: tuple[str, ...]
+
+    @property
+    def key(self) -> tuple:
+        return (self.model, self.method, self.engine, self.task, self.length, self.sample, self.seed)
+
+
+class AnswerLog:
+    """Answers appended to a JSONL file as they are made; those already there are not asked again."""
+
+    def __init__(self, path: str | Path | None = None):
+        self.path = Path(path) if path is not None else None
+        self.answers: list[Answer] = []
+        self._keys: set[tuple] = set()
+        if self.path is not None and self.path.exists():
+            for n, line in enumerate(self.path.read_text().splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    ans = Answer(**{**row, "expected": tuple(row["expected"])})
+                except (ValueError, TypeError, KeyError) as exc:
+                    raise ValueError(f"{self.path}:{n} is not an answer row of this suite ({exc}); give another "
+                                     "--answers file or remove that line") from exc
+                self._remember(ans)
+
+    def _remember(self, ans: Answer) -> None:
+        if ans.key not in self._keys:
+            self._keys.add(ans.key)
+            self.answers.append(ans)
+
+    def has(self, key: tuple) -> bool:
+        return key in self._keys
+
+    def add(self, ans: Answer) -> None:
+        self._remember(ans)
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            with self.path.open("a") as f:
+                f.write(json.dumps(asdict(ans)) + "\n")
+
+
+def _question_ids(tok, question: Question) -> list[int]:
+    return tok("\n" + question.text, add_special_tokens=False)["input_ids"]
+
+
+@torch.no_grad()
+def greedy(model, tok, cache, ids: torch.Tensor, max_new_tokens: int) -> str:
+    """Greedy continuation of the cached context by `ids` [1, T], to the end of the answer's first line of
+    content (`_ended`), EOS or `max_new_tokens`."""
+    eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+    out: list[int] = []
+    step = ids
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1).logits
+        nxt = int(logits[0, -1].argmax())
+        if nxt in eos:
+            break
+        out.append(nxt)
+        text = tok.decode(out, skip_special_tokens=True)
+        if _ended(text):
+            break
+        step = torch.tensor([[nxt]], device=ids.device)
+    return _first_line(tok.decode(out, skip_special_tokens=True))
+
+
+def _ended(text: str) -> bool:
+    """An answer ends at a newline that follows some letters or digits (a list may start on the next line)."""
+    cut = text.find("\n")
+    while cut >= 0:
+        if any(ch.isalnum() for ch in text[:cut]):
+            return True
+        cut = text.find("\n", cut + 1)
+    return False
+
+
+def _first_line(text: str) -> str:
+    """The answer up to the newline `_ended` stops at (newlines before any letter or digit become spaces)."""
+    out = []
+    for line in text.split("\n"):
+        out.append(line)
+        if any(ch.isalnum() for ch in line):
+            break
+    return " ".join(x.strip() for x in out if x.strip())
+
+
+class _Method:
+    """One method's way to a cache holding a context, and to answers from it."""
+
+    def __init__(self, model, tok, spec: MethodSpec, recipe: Recipe | None, engine: str, chunk: int):
+        self.model, self.tok, self.spec, self.recipe, self.engine, self.chunk = model, tok, spec, recipe, engine, chunk
+        self.real = compressed(spec) and engine != "sim"
+        self.sim = None if self.real else SimulatedQuantization(model, spec, recipe)
+
+    def __enter__(self) -> "_Method":
+        if self.sim is not None:
+            self.sim.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.sim is not None:
+            self.sim.__exit__(*exc)
+
+    @torch.no_grad()
+    def cache(self, ids: torch.Tensor, prefill):
+        if self.engine == "dense-prefill":
+            return filled_cache(self.model, self.recipe, self.spec, prefill, self.sim)
+        if self.real:
+            from ..integrations.cache import cache_for
+
+            cache = cache_for(self.model, self.recipe, self.spec)
+        else:
+            cache = self.sim.new_cache()
+        for s in range(0, ids.shape[1], self.chunk):
+            self.model(input_ids=ids[:, s:s + self.chunk], cache=cache, use_cache=True, logits_to_keep=1)
+        return cache
+
+    def answer(self, cache, ids: torch.Tensor, max_new_tokens: int) -> str:
+        start = cache.get_seq_length()
+        try:
+            if self.real and self.spec.family != "fp16":
+                from ..integrations.fused import fused_decode
+
+                with fused_decode(self.model, cache):
+                    return greedy(self.model, self.tok, cache, ids, max_new_tokens)
+            return greedy(self.model, self.tok, cache, ids, max_new_tokens)
+        finally:
+            cache.crop(start - cache.get_seq_length())  # back to the context for the next question
+
+    @staticmethod
+    def close(cache) -> None:
+        if hasattr(cache, "close"):
+            cache.close()
+
+
+def ruler_eval(model, tok, specs: Sequence[MethodSpec], contexts: Sequence[Context], recipe: Recipe | None = None,
+               engine: str = "dense-prefill", chunk: int = 2048, model_name: str | None = None,
+               log: AnswerLog | None = None, progress: bool = True) -> list[Answer]:
+    """Every method's answers to every question of `contexts` (the log's earlier answers included).
+
+    Contexts are taken in the order given (sample-major orders keep a stopped run balanced over lengths).
+    """
+    from tqdm.auto import tqdm
+
+    if engine not in ENGINES:
+        raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    log = log if log is not None else AnswerLog()
+    name = model_name or str(getattr(model.config, "name_or_path", "model"))
+    limit = getattr(model.config, "max_position_embeddings", None)
+    device = next(model.parameters()).device
+    hint = "Use engine='chunked' (--engine chunked): each method then prefills through its own cache"
+    if engine == "dense-prefill":
+        check_full_attention(model, hint)
+    for c in contexts:
+        if limit and c.length > limit:
+            raise ValueError(f"length {c.length} exceeds the model's {limit}-token context; use lengths up to "
+                             f"{limit}")
+
+    def key(spec, c, q):
+        return (name, spec.name, engine, q.task, c.length, c.sample, c.seed)
+
+    todo = [(c, [s for s in specs if any(not log.has(key(s, c, q)) for q in c.questions)]) for c in contexts]
+    total = sum(len(ss) * len(c.questions) for c, ss in todo)
+    bar = tqdm(total=total, desc="ruler", disable=not progress, unit="answer")
+    try:
+        for c, pending in todo:
+            if not pending:
+                continue
+            ids = tok(c.text, return_tensors="pt")["input_ids"].to(device)
+            bar.set_postfix_str(f"{c.kind} @ {c.length}, sample {c.sample}: prefill")
+            t0 = time.perf_counter()
+            prefill = dense_prefill(model, ids, chunk, hint) if engine == "dense-prefill" else None
+            bar.set_postfix_str(f"{c.kind} @ {c.length}, sample {c.sample} (prefill {time.perf_counter() - t0:.0f}s)")
+            for spec in pending:
+                with _Method(model, tok, spec, recipe, engine, chunk) as m:
+                    cache = m.cache(ids, prefill)
+                    try:
+                        for q in c.questions:
+                            if log.has(key(spec, c, q)):
+                                continue
+                            q_ids = torch.tensor([_question_ids(tok, q)], device=device)
+                            text = m.answer(cache, q_ids, q.max_new_tokens)
+                            log.add(Answer(name, spec.name, engine, q.task, c.length, c.sample, c.seed,
+                                           ids.shape[1] + q_ids.shape[1], score_answer(text, q.answers), text,
+                                           q.answers))
+                            bar.update(1)
+                    finally:
+                        m.close(cache)
+            del prefill
+    finally:
+        bar.close()
+    wanted = {key(s, c, q) for c in contexts for s in specs for q in c.questions}
+    return [a for a in log.answers if a.key in wanted]
+
+
+# ---------------------------------------------------------------------------
+# Summaries
+# ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Score:
+    """Mean score (0-100) of one method on one task (or "average": the mean of its tasks) at one length."""
+
+    model: str
+    method: str
+    engine: str
+    task: str
+    length: int
+    samples: int
+    score: float
+    ci95: tuple[float, float] | None = None  # "average" rows: a bootstrap over samples
+
+
+def _bootstrap(per_sample: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
+    import random
+
+    if len(per_sample) < 2:
+        return (per_sample[0], per_sample[0]) if per_sample else (math.nan, math.nan)
+    rng = random.Random(seed)
+    n = len(per_sample)
+    means = sorted(sum(rng.choice(per_sample) for _ in range(n)) / n for _ in range(reps))
+    return means[int(0.025 * reps)], means[int(0.975 * reps) - 1]
+
+
+def summarize(answers: Sequence[Answer]) -> list[Score]:
+    """Task rows (mean over samples) and an "average" row (mean over tasks) per (model, method, engine, length).
+
+    The average's interval resamples whole samples (each sample's mean over its tasks).
+    """
+    groups: dict[tuple, list[Answer]] = {}
+    for a in answers:
+        groups.setdefault((a.model, a.method, a.engine, a.length), []).append(a)
+    out = []
+    for (model, method, engine, length), rows in groups.items():
+        tasks = [t for t in TASKS if any(a.task == t for a in rows)]
+        task_means = {}
+        for t in tasks:
+            s = [a.score for a in rows if a.task == t]
+            task_means[t] = 100 * sum(s) / len(s)
+            out.append(Score(model, method, engine, t, length, len(s), round(task_means[t], 2)))
+        samples = sorted({a.sample for a in rows})
+        per_sample = []
+        for s in samples:
+            by_task = [a.score for a in rows if a.sample == s]
+            per_sample.append(100 * sum(by_task) / len(by_task))
+        lo, hi = _bootstrap(per_sample)
+        avg = sum(task_means.values()) / len(task_means)
+        out.append(Score(model, method, engine, "average", length, len(samples), round(avg, 2),
+                         (round(lo, 2), round(hi, 2))))
+    return out
+
+
+def format_ruler_table(scores: Sequence[Score], task: str = "average") -> str:
+    """Rows = methods, columns = lengths, cells = the task's score (with the share of fp16's where it is known)."""
+    rows = [s for s in scores if s.task == task]
+    if not rows:
+        return f"RULER-style suite: no {task} scores"
+    lengths = sorted({s.length for s in rows})
+    methods = list(dict.fromkeys(s.method for s in rows))
+    cell = {(s.method, s.length): s for s in rows}
+    body = []
+    for m in methods:
+        line = [m]
+        for n in lengths:
+            s = cell.get((m, n))
+            ref = cell.get(("fp16", n))
+            if s is None:
+                line.append("-")
+            elif ref is not None and m != "fp16" and ref.score > 0:
+                line.append(f"{s.score:.1f} ({100 * s.score / ref.score:.0f}%)")
+            else:
+                line.append(f"{s.score:.1f}")
+        body.append(line)
+    samples = sorted({s.samples for s in rows})
+    title = (f"RULER-style {task} score (0-100; in brackets: share of fp16), "
+             f"{'/'.join(map(str, samples))} sample(s) per length")
+    return text_table(["method", *map(str, lengths)], body, title=title)

@@ -1,0 +1,262 @@
+"""The RULER-style suite: seeded contexts that fit, scorers, and the engines' equivalences on tiny models."""
+
+import re
+
+import pytest
+import torch
+
+from kvsqueeze.eval.ruler import TASKS, RulerError, build_contexts, score_answer
+from tests.conftest import byte_tokenizer, sample_text, tiny_model
+
+HAY = sample_text(6000, seed=5) + " ".join(f"word{chr(97 + i % 26)}{chr(97 + i // 26 % 26)}x" for i in range(900))
+
+
+def _pool_text():
+    # a haystack with enough distinct words for the word list (letters only, 4-10 long)
+    import random
+
+    rng = random.Random(0)
+    words = {"".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 9))) for _ in range(3000)}
+    return sample_text(4000, seed=5) + " " + ". ".join(sorted(words)) + "."
+
+
+TEXT = _pool_text()
+
+
+def test_score_is_the_share_of_expected_strings_found():
+    assert score_answer(" 123, 456.", ["123", "456"]) == 1.0
+    assert score_answer("123", ["123", "456"]) == 0.5
+    assert score_answer("Amber", ["amber"]) == 1.0
+    assert score_answer("", ["x"]) == 0.0
+    with pytest.raises(ValueError):
+        score_answer("x", [])
+
+
+@pytest.mark.parametrize("length", [2048, 4096])
+def test_contexts_fit_their_length_and_carry_every_needle_once(length):
+    tok = byte_tokenizer()
+    contexts = build_contexts(tok, TEXT, length, samples=2, seed=3)
+    assert [c.kind for c in contexts] == ["needles", "words", "needles", "words"]
+    for c in contexts:
+        n = len(tok(c.text)["input_ids"])
+        assert n == c.n_tokens and n > length - 400
+        for q in c.questions:
+            longest = len(tok("\n" + q.text, add_special_tokens=False)["input_ids"]) + q.max_new_tokens
+            assert n + longest <= length, q.task  # room for the question and the whole answer
+    needles = contexts[0]
+    assert {q.task for q in needles.questions} == set(TASKS) - {"cwe", "fwe"}
+    for q in needles.questions:
+        for a in q.answers:
+            assert needles.text.count(a) >= 1, (q.task, a)
+    single = next(q for q in needles.questions if q.task == "niah_single_number")
+    assert needles.text.count(single.answers[0]) == 1
+    vt = next(q for q in needles.questions if q.task == "vt")
+    at = [needles.text.index(f"VAR {name} =") for name in vt.answers]
+    assert at == sorted(at)  # the chain is in order: each variable after the one it copies
+    for a, b in zip(vt.answers, vt.answers[1:]):
+        assert f"VAR {b} = VAR {a}." in needles.text
+    mk = next(q for q in needles.questions if q.task == "niah_multikey")
+    key = re.search(r"for (\S+) mentioned", mk.text).group(1)
+    rivals = re.findall(rf"magic numbers for ({key.split('-')[0]}-\S+) is", needles.text)
+    assert key in rivals and len(rivals) == 4
+
+
+def test_word_list_counts_and_the_two_questions():
+    tok = byte_tokenizer()
+    (words,) = build_contexts(tok, TEXT, 4096, 1, tasks=["cwe", "fwe"])
+    items = re.findall(r"\d+\. ([a-z]+)", words.text)
+    counts = {}
+    for w in items:
+        counts[w] = counts.get(w, 0) + 1
+    cwe, fwe = words.questions
+    ranked = sorted(counts, key=counts.get, reverse=True)
+    assert set(ranked[:10]) == set(cwe.answers)
+    assert list(fwe.answers) == ranked[:3] and counts[ranked[2]] > counts[ranked[3]]
+    assert counts[ranked[10]] < counts[ranked[9]]
+
+
+def test_contexts_are_seeded_and_tasks_validated():
+    tok = byte_tokenizer()
+    a = build_contexts(tok, TEXT, 2048, 1, seed=1)
+    assert a == build_contexts(tok, TEXT, 2048, 1, seed=1)
+    assert a[0].text != build_contexts(tok, TEXT, 2048, 1, seed=2)[0].text
+    with pytest.raises(RulerError, match="unknown task"):
+        build_contexts(tok, TEXT, 2048, 1, tasks=["niah_single_number", "qa"])
+    with pytest.raises(RulerError, match="too short"):
+        build_contexts(tok, TEXT, 400, 1)
+    with pytest.raises(RulerError, match="samples"):
+        build_contexts(tok, TEXT, 2048, 0)
+
+
+# ---- the engines on a tiny model ------------------------------------------------------------------
+
+TINY_TASKS = ["niah_single_number", "niah_multiquery"]
+
+
+@pytest.fixture(scope="module")
+def tiny_setup(tiny_llama, tiny_recipe):
+    tok = byte_tokenizer()
+    contexts = build_contexts(tok, TEXT, 900, 1, seed=4, tasks=TINY_TASKS)
+    return tiny_llama, tok, tiny_recipe, contexts
+
+
+def _run(setup, methods, engine, **kw):
+    from kvsqueeze.eval.ruler_eval import ruler_eval
+    from kvsqueeze.methods import parse_methods
+
+    model, tok, recipe, contexts = setup
+    return ruler_eval(model, tok, parse_methods(methods), contexts, recipe, engine=engine, chunk=256,
+                      progress=False, **kw)
+
+
+def test_dense_prefill_records_what_a_forward_caches(tiny_llama):
+    from transformers import DynamicCache
+
+    from kvsqueeze.integrations.prefill import dense_prefill
+
+    ids = torch.randint(1, 200, (1, 300), generator=torch.Generator().manual_seed(0))
+    rec = dense_prefill(tiny_llama, ids, chunk=128)
+    ref = DynamicCache()
+    with torch.no_grad():
+        tiny_llama(input_ids=ids, cache=ref, use_cache=True)
+    for i, layer in enumerate(ref.layers):
+        torch.testing.assert_close(rec.post_keys[i], layer.keys, rtol=1e-4, atol=1e-5)
+        b, h, t, d = layer.values.shape
+        torch.testing.assert_close(rec.values[i], layer.values.transpose(1, 2).reshape(b, t, h * d),
+                                   rtol=1e-4, atol=1e-5)
+    assert rec.positions.tolist() == [list(range(300))]
+
+
+@pytest.mark.parametrize("method", ["nuq3-1%", "int3:kchan:pre", "nuq2-1%:sink4"])
+def test_compressed_and_simulated_fills_hold_the_same_numbers(tiny_llama, tiny_recipe, method):
+    from kvsqueeze.integrations.prefill import dense_prefill, filled_cache
+    from kvsqueeze.integrations.simulate import SimulatedQuantization
+    from kvsqueeze.methods import parse_method
+
+    spec = parse_method(method)
+    ids = torch.randint(1, 200, (1, 200), generator=torch.Generator().manual_seed(1))
+    rec = dense_prefill(tiny_llama, ids, chunk=64)
+    with filled_cache(tiny_llama, tiny_recipe, spec, rec) as cache:
+        real = [layer.read(torch.float32) for layer in cache.layers]
+        assert cache.get_seq_length() == 200
+    with SimulatedQuantization(tiny_llama, spec, tiny_recipe) as sim:
+        simulated = filled_cache(tiny_llama, tiny_recipe, spec, rec, sim=sim)
+    for (k, v), layer in zip(real, simulated.layers):
+        torch.testing.assert_close(k, layer.keys, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(v, layer.values, rtol=1e-5, atol=1e-5)
+        assert not torch.equal(v, rec.values[0])  # quantized: not the recorded values
+    k0 = real[0][0]
+    assert (k0 - rec.post_keys[0]).abs().max() > 1e-3  # and the keys really went through the quantizer
+
+
+def test_engines_agree_where_they_should(tiny_setup):
+    # the compressed cache and the simulated path, each prefilling through the method: the same answers
+    chunked = _run(tiny_setup, "fp16,nuq3-1%,nuq2-1%", "chunked")
+    sim = _run(tiny_setup, "fp16,nuq3-1%,nuq2-1%", "sim")
+    assert [(a.method, a.task, a.answer) for a in chunked] == [(a.method, a.task, a.answer) for a in sim]
+    # fp16 after one dense prefill answers as fp16 prefilled through its own cache, up to fp16 rounding of the
+    # context's keys (the same tokens on this model)
+    dense = _run(tiny_setup, "fp16", "dense-prefill")
+    assert [a.answer for a in dense] == [a.answer for a in chunked if a.method == "fp16"]
+    assert all(a.tokens > 600 for a in dense)
+
+
+def test_each_question_sees_the_context_alone(tiny_setup):
+    from kvsqueeze.eval.ruler import Context
+
+    model, tok, recipe, (ctx,) = tiny_setup
+    both = _run(tiny_setup, "nuq3-1%,kivi2", "dense-prefill")
+    alone = []
+    for q in reversed(ctx.questions):  # asked in the other order, each on a fresh context
+        one = Context(ctx.kind, ctx.length, ctx.sample, ctx.seed, ctx.text, ctx.n_tokens, (q,))
+        alone += _run((model, tok, recipe, [one]), "nuq3-1%,kivi2", "dense-prefill")
+    key = lambda a: (a.method, a.task)  # noqa: E731
+    assert sorted((key(a), a.answer) for a in both) == sorted((key(a), a.answer) for a in alone)
+
+
+def test_a_run_resumes_from_its_answer_log(tiny_setup, tmp_path, monkeypatch):
+    from kvsqueeze.eval import ruler_eval as R
+
+    log = tmp_path / "answers.jsonl"
+    first = _run(tiny_setup, "fp16,nuq3-1%", "dense-prefill", log=R.AnswerLog(log))
+    assert len(log.read_text().splitlines()) == len(first) == 2 * len(TINY_TASKS)
+
+    def no_prefill(*a, **k):
+        raise AssertionError("a finished context was prefilled again")
+
+    monkeypatch.setattr(R, "dense_prefill", no_prefill)
+    again = _run(tiny_setup, "fp16,nuq3-1%", "dense-prefill", log=R.AnswerLog(log))
+    assert again == first and len(log.read_text().splitlines()) == len(first)
+    monkeypatch.undo()
+    more = _run(tiny_setup, "fp16,nuq3-1%,kivi2", "dense-prefill", log=R.AnswerLog(log))
+    assert len(more) == 3 * len(TINY_TASKS) and more[:len(first)] == first
+
+
+def test_summary_averages_tasks_and_compares_with_fp16(tiny_setup):
+    from kvsqueeze.eval.ruler_eval import Answer, format_ruler_table, summarize
+
+    rows = [Answer("m", meth, "dense-prefill", t, 4096, s, s, 100, sc, "", ("x",))
+            for meth, scores in (("fp16", (1, 1, 1, 0)), ("nuq3-1%", (1, 0, 1, 0)))
+            for (t, s), sc in zip([("vt", 0), ("cwe", 0), ("vt", 1), ("cwe", 1)], scores)]
+    scores = {(s.method, s.task): s for s in summarize(rows)}
+    assert scores[("fp16", "vt")].score == 100 and scores[("fp16", "cwe")].score == 50
+    assert scores[("fp16", "average")].score == 75 and scores[("nuq3-1%", "average")].score == 50
+    assert scores[("nuq3-1%", "average")].samples == 2
+    assert "67%" in format_ruler_table(list(scores.values()))
+
+
+def test_sliding_window_models_are_refused_before_any_prefill():
+    from kvsqueeze.integrations.preflight import UnsupportedModelError
+    from kvsqueeze.integrations.prefill import dense_prefill
+
+    model = tiny_model("mistral", seed=1, sliding_window=64)
+    with pytest.raises(UnsupportedModelError, match="sliding-window.*chunked"):
+        dense_prefill(model, torch.ones(1, 10, dtype=torch.long), engine_hint="use --engine chunked")
+
+
+def test_bad_engine_and_too_long_lengths_are_refused(tiny_setup):
+    with pytest.raises(ValueError, match="engine"):
+        _run(tiny_setup, "fp16", "gpu")
+    model, tok, recipe, _ = tiny_setup
+    long = build_contexts(tok, TEXT, 2048, 1, tasks=TINY_TASKS)
+    with pytest.raises(ValueError, match="1024-token context"):
+        _run((model, tok, recipe, long), "fp16", "dense-prefill")
+
+
+def test_ruler_cli_on_a_tiny_model(tiny_model_dir, tiny_recipe_dir, tmp_path, capsys):
+    import json
+
+    from kvsqueeze.cli import main
+
+    text = tmp_path / "hay.txt"
+    text.write_text(TEXT)
+    out, answers, png = tmp_path / "r.json", tmp_path / "answers.jsonl", tmp_path / "r.png"
+    argv = ["ruler", "--model", str(tiny_model_dir), "--recipe", str(tiny_recipe_dir), "--methods", "fp16,nuq3-1%",
+            "--lengths", "900", "--tasks", ",".join(TINY_TASKS), "--samples", "1", "--text", str(text),
+            "--chunk", "256", "--answers", str(answers), "--json", str(out), "--plot", str(png)]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "RULER-style average score" in printed and "nuq3-1%" in printed
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["method"], r["task"]) for r in rows} == {(m, t) for m in ("fp16", "nuq3-1%")
+                                                        for t in TINY_TASKS + ["average"]}
+    assert png.stat().st_size > 1000 and len(answers.read_text().splitlines()) == 2 * len(TINY_TASKS)
+    assert main(argv) == 0  # resumed: nothing left to ask
+    assert len(answers.read_text().splitlines()) == 2 * len(TINY_TASKS)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--tasks", "niah_single_number,qa"], "unknown task"),
+    (["--engine", "gpu"], "--engine"),
+    (["--lengths", "4096"], "exceed the model's 1024-token context"),
+    (["--samples", "0"], "--samples"),
+])
+def test_ruler_cli_refuses_bad_input(tiny_model_dir, tiny_recipe_dir, tmp_path, capsys, extra, message):
+    from kvsqueeze.cli import main
+
+    text = tmp_path / "hay.txt"
+    text.write_text(TEXT)
+    argv = ["ruler", "--model", str(tiny_model_dir), "--recipe", str(tiny_recipe_dir), "--methods", "fp16",
+            "--lengths", "900", "--text", str(text), *extra]
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
