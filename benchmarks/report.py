@@ -280,6 +280,29 @@ def ruler(data: dict, task: str = "average") -> str:
     return "\n".join(out).rstrip()
 
 
+def ruler_paired(data: dict) -> str:
+    """Each method against fp16 on the same questions: the mean difference in points and its 95% interval."""
+    cfg = data["config"]
+    out = ["Score difference against fp16 on the same questions, in points (95% bootstrap interval over "
+           "questions)\n"]
+    for run in cfg["runs"]:
+        mine = [r for r in data.get("paired", []) if r["model"] == run["model"]]
+        if not mine:
+            continue
+        lengths = sorted({r["length"] for r in mine})
+        cell = {(r["method"], r["length"]): r for r in mine}
+        out += [f"`{run['model']}`:\n", "| method | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |",
+                "|---|" + "---:|" * len(lengths)]
+        for m in cfg["methods"]:
+            if m == "fp16":
+                continue
+            cells = [f"{c['diff']:+.1f} ({c['ci95'][0]:+.1f} … {c['ci95'][1]:+.1f}), n={c['questions']}"
+                     if (c := cell.get((m, n))) else "–" for n in lengths]
+            out.append(f"| `{m}` | " + " | ".join(cells) + " |")
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
 def ruler_compact(data: dict) -> str:
     """One table for the README: the average score of each method at every (model, length), share of fp16's."""
     cfg = data["config"]
@@ -308,6 +331,7 @@ def ruler_compact(data: dict) -> str:
 # block name -> (JSON file, renderer)
 BLOCKS = {
     "ruler-compact": ("ruler.json", ruler_compact),
+    "ruler-paired": ("ruler.json", ruler_paired),
     "ruler": ("ruler.json", ruler),
     "ladder": ("ladder.json", ladder),
     "models": ("models.json", models),

@@ -40,7 +40,7 @@ from pathlib import Path
 
 from kvsqueeze.eval.plots import plot_ruler
 from kvsqueeze.eval.ruler import LAYOUTS, TASKS, build_contexts
-from kvsqueeze.eval.ruler_eval import AnswerLog, format_ruler_table, ruler_eval, summarize
+from kvsqueeze.eval.ruler_eval import AnswerLog, format_ruler_table, paired, ruler_eval, summarize
 from kvsqueeze.eval.texts import load_text
 from kvsqueeze.methods import parse_methods
 
@@ -147,6 +147,10 @@ def main() -> None:
         "rows": [{"model": s.model, "method": s.method, "task": s.task, "length": s.length, "samples": s.samples,
                   "score": s.score, **({"ci95": list(s.ci95)} if s.ci95 else {})} for s in scores],
         "share_of_fp16": ratios(scores),
+        # the same questions answered by each method and by fp16: mean difference in points, 95% bootstrap
+        # interval over questions, share of fp16's mean score
+        "paired": [{"model": p.model, "method": p.method, "length": p.length, "questions": p.questions,
+                    "diff": p.diff, "ci95": list(p.ci95), "share": p.share} for p in paired(kept)],
         "cost": cost,
         "answers": str(answers_path),
     }

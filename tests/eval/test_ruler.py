@@ -260,3 +260,14 @@ def test_ruler_cli_refuses_bad_input(tiny_model_dir, tiny_recipe_dir, tmp_path, 
             "--lengths", "900", "--text", str(text), *extra]
     assert main(argv) == 2
     assert message in capsys.readouterr().err
+
+
+def test_paired_differences_match_questions_one_to_one():
+    from kvsqueeze.eval.ruler_eval import Answer, paired
+
+    rows = [Answer("m", meth, "e", t, 4096, s, s, 100, sc, "", ("x",))
+            for meth, scores in (("fp16", (1, 1, 0.5, 0)), ("nuq3-1%", (1, 0, 0.5, 0)))
+            for (t, s), sc in zip([("vt", 0), ("cwe", 0), ("vt", 1), ("cwe", 1)], scores)]
+    (p,) = paired(rows)
+    assert p.method == "nuq3-1%" and p.questions == 4 and p.diff == -25.0
+    assert p.ci95[0] <= -25.0 <= p.ci95[1] and p.ci95[1] <= 0.0 and p.share == pytest.approx(1.5 / 2.5, abs=1e-3)

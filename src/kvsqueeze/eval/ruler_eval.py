@@ -312,6 +312,45 @@ def summarize(answers: Sequence[Answer]) -> list[Score]:
     return out
 
 
+@dataclass(frozen=True)
+class Paired:
+    """A method against the reference on the very same questions: the mean score difference in points, its 95%
+    bootstrap interval over questions, and the method's share of the reference's mean score."""
+
+    model: str
+    method: str
+    engine: str
+    length: int
+    questions: int
+    diff: float
+    ci95: tuple[float, float]
+    share: float | None
+
+
+def paired(answers: Sequence[Answer], reference: str = "fp16", reps: int = 2000, seed: int = 0) -> list[Paired]:
+    """Each method's answers against the reference's to the same questions, per (model, engine, length)."""
+    import random
+
+    ref = {(a.model, a.engine, a.length, a.task, a.sample, a.seed): a.score for a in answers if a.method == reference}
+    groups: dict[tuple, list[tuple[float, float]]] = {}
+    for a in answers:
+        r = ref.get((a.model, a.engine, a.length, a.task, a.sample, a.seed))
+        if a.method != reference and r is not None:
+            groups.setdefault((a.model, a.method, a.engine, a.length), []).append((a.score, r))
+    out = []
+    rng = random.Random(seed)
+    for (model, method, engine, length), pairs in groups.items():
+        n = len(pairs)
+        diffs = [100 * (x - y) for x, y in pairs]
+        means = sorted(sum(rng.choice(diffs) for _ in range(n)) / n for _ in range(reps))
+        ref_mean = sum(y for _, y in pairs) / n
+        share = (sum(x for x, _ in pairs) / n) / ref_mean if ref_mean > 0 else None
+        out.append(Paired(model, method, engine, length, n, round(sum(diffs) / n, 2),
+                          (round(means[int(0.025 * reps)], 2), round(means[int(0.975 * reps) - 1], 2)),
+                          None if share is None else round(share, 3)))
+    return out
+
+
 def format_ruler_table(scores: Sequence[Score], task: str = "average") -> str:
     """Rows = methods, columns = lengths, cells = the task's score (with the share of fp16's where it is known)."""
     rows = [s for s in scores if s.task == task]
