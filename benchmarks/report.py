@@ -272,9 +272,9 @@ def ruler(data: dict, task: str = "average") -> str:
                 if r is None:
                     cells.append("–")
                 elif m == "fp16" or not ref or not ref["score"]:
-                    cells.append(f"{r['score']:.1f}")
+                    cells.append(f"{r['score']:.1f}" + _partial(r, cfg))
                 else:
-                    cells.append(f"{r['score']:.1f} ({100 * r['score'] / ref['score']:.0f}%)")
+                    cells.append(f"{r['score']:.1f} ({100 * r['score'] / ref['score']:.0f}%)" + _partial(r, cfg))
             out.append(f"| `{m}` | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out).rstrip()
@@ -321,11 +321,18 @@ def ruler_compact(data: dict) -> str:
             if r is None:
                 cells.append("–")
             elif meth == "fp16" or not ref or not ref["score"]:
-                cells.append(f"{r['score']:.1f}")
+                cells.append(f"{r['score']:.1f}" + _partial(r, cfg))
             else:
-                cells.append(f"{r['score']:.1f} ({100 * r['score'] / ref['score']:.0f}%)")
+                cells.append(f"{r['score']:.1f} ({100 * r['score'] / ref['score']:.0f}%)" + _partial(r, cfg))
         out.append(f"| `{meth}` | " + " | ".join(cells) + " |")
+    if any("tasks" in r for r in rows.values()):
+        out.append(f"\n† the average of the tasks measured so far (of {len(cfg['tasks'])}): the run stopped inside "
+                   "that length; it resumes from its answers file.")
     return "\n".join(out)
+
+
+def _partial(row: dict, cfg: dict) -> str:
+    return f" †{row['tasks']}" if "tasks" in row else ""
 
 
 # block name -> (JSON file, renderer)

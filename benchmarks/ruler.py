@@ -128,6 +128,9 @@ def main() -> None:
     names = {s.name for s in specs}
     kept = [a for a in log.answers if a.method in names and a.engine == args.engine and a.task in tasks]
     scores = summarize(kept)
+    covered: dict = {}
+    for key in {(a.model, a.method, a.length) for a in kept}:
+        covered[key] = len({a.task for a in kept if (a.model, a.method, a.length) == key})
     timing = [json.loads(line) for line in timing_path.read_text().splitlines()] if timing_path.exists() else []
     cost: dict = {}
     for t in timing:
@@ -144,8 +147,11 @@ def main() -> None:
             "scoring": "share of the expected strings in the greedy answer (RULER's string_match_all), x100; "
                        "average = mean over tasks, ci95 = bootstrap over samples",
         },
+        # an average over fewer tasks than asked (a run stopped inside a length) says how many it covers
         "rows": [{"model": s.model, "method": s.method, "task": s.task, "length": s.length, "samples": s.samples,
-                  "score": s.score, **({"ci95": list(s.ci95)} if s.ci95 else {})} for s in scores],
+                  "score": s.score, **({"ci95": list(s.ci95)} if s.ci95 else {}),
+                  **({"tasks": n} if s.task == "average" and (n := covered[(s.model, s.method, s.length)]) < len(tasks)
+                     else {})} for s in scores],
         "share_of_fp16": ratios(scores),
         # the same questions answered by each method and by fp16: mean difference in points, 95% bootstrap
         # interval over questions, share of fp16's mean score

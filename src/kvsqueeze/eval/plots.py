@@ -157,6 +157,7 @@ def plot_ruler(scores, path: str | Path, task: str = "average") -> Path:
         ax.set_xticks(sorted({s.length for s in mine}), [f"{n // 1024}K" for n in sorted({s.length for s in mine})])
         ax.set_xlabel("context length (tokens)")
         ax.set_ylabel(f"{task} score (0-100)")
+        ax.set_ylim(bottom=0)
         ax.set_title(model)
         ax.grid(alpha=0.3)
     axes[0][-1].legend(fontsize=8, loc="best")
