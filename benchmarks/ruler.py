@@ -16,11 +16,11 @@ share of the expected strings found).
 The run is sample-major (sample 0 at every length of every model, then sample 1, ...) and appends each answer
 to `--answers` as it is made: stopped anywhere, it resumes there, and what it has is balanced over lengths.
 `--summarize-only` rebuilds the JSON and the plot from the answers file. Each (model, length, sample)'s wall
-time is kept beside the answers (`timing.jsonl`) and summed in the JSON.
+time is kept beside the answers (`<answers>_timing.jsonl`) and summed in the JSON.
 
 Cost on 2 cores (AMD EPYC), measured by this script: see `cost` in the JSON (seconds per model and length,
-summed over samples); one sample of everything takes about 110 minutes there, most of it greedy decoding
-(0.2-0.4 s a token through a compressed cache on 2 cores) and the 32K model's prefills (about 8 minutes per
+summed over samples); one sample of everything takes about 2.5-3 hours there, most of it greedy decoding
+(0.2-0.4 s a token through a compressed cache on 2 cores) and the 32K model's prefills (about 15 minutes per
 32K context).
 
 On a GPU (bf16, the Triton kernels; the first result of each kernel variant is checked against the
@@ -83,7 +83,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine", default="dense-prefill")
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
-    ap.add_argument("--answers", default="out/ruler/answers.jsonl")
+    ap.add_argument("--answers", default="benchmarks/results/ruler_answers.jsonl")
     ap.add_argument("--json", default="benchmarks/results/ruler.json")
     ap.add_argument("--plot", default="benchmarks/results/ruler.png")
     ap.add_argument("--device", default="cpu", help="cpu or cuda (on a GPU: the Triton kernels decode)")
@@ -95,7 +95,7 @@ def main() -> None:
     specs = parse_methods(args.methods)
     tasks = args.tasks.split(",")
     answers_path = Path(args.answers)
-    timing_path = answers_path.with_name("timing.jsonl")
+    timing_path = answers_path.with_name(answers_path.stem + "_timing.jsonl")
     log = AnswerLog(answers_path)
     if not args.summarize_only:
         from kvsqueeze.integrations.loading import load_model
