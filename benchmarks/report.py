@@ -269,12 +269,7 @@ def ruler(data: dict, task: str = "average") -> str:
             cells = []
             for n in lengths:
                 r, ref = cell.get((m, n)), cell.get(("fp16", n))
-                if r is None:
-                    cells.append("–")
-                elif m == "fp16" or not ref or not ref["score"]:
-                    cells.append(f"{r['score']:.1f}" + _partial(r, cfg))
-                else:
-                    cells.append(f"{r['score']:.1f} ({100 * r['score'] / ref['score']:.0f}%)" + _partial(r, cfg))
+                cells.append(_score_cell(r, ref, m))
             out.append(f"| `{m}` | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out).rstrip()
@@ -318,12 +313,7 @@ def ruler_compact(data: dict) -> str:
         cells = []
         for m, n in cols:
             r, ref = rows.get((m, meth, n)), rows.get((m, "fp16", n))
-            if r is None:
-                cells.append("–")
-            elif meth == "fp16" or not ref or not ref["score"]:
-                cells.append(f"{r['score']:.1f}" + _partial(r, cfg))
-            else:
-                cells.append(f"{r['score']:.1f} ({100 * r['score'] / ref['score']:.0f}%)" + _partial(r, cfg))
+            cells.append(_score_cell(r, ref, meth))
         out.append(f"| `{meth}` | " + " | ".join(cells) + " |")
     if any("tasks" in r for r in rows.values()):
         out.append(f"\n† the average of the tasks measured so far (of {len(cfg['tasks'])}): the run stopped inside "
@@ -331,8 +321,14 @@ def ruler_compact(data: dict) -> str:
     return "\n".join(out)
 
 
-def _partial(row: dict, cfg: dict) -> str:
-    return f" †{row['tasks']}" if "tasks" in row else ""
+def _score_cell(row: dict | None, ref: dict | None, method: str) -> str:
+    """A score, its share of fp16's, and † with the task count where the average covers fewer tasks than asked."""
+    if row is None:
+        return "–"
+    partial = f" †{row['tasks']}" if "tasks" in row else ""
+    if method == "fp16" or not ref or not ref["score"]:
+        return f"{row['score']:.1f}{partial}"
+    return f"{row['score']:.1f} ({100 * row['score'] / ref['score']:.0f}%){partial}"
 
 
 # block name -> (JSON file, renderer)

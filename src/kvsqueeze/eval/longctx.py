@@ -33,14 +33,9 @@ def greedy_answer(model, tok, text: str, cache, max_new_tokens: int = ANSWER_TOK
 
 
 def _cache_engine_supports(spec: MethodSpec) -> bool:
-    from ..integrations.cache import check_supported
-    from ..methods import MethodError
+    from ..integrations.prefill import compressed
 
-    try:
-        check_supported(spec)
-    except MethodError:
-        return False
-    return True
+    return compressed(spec)
 
 
 def passkey_eval(model, tok, specs: list[MethodSpec], lengths: list[int], trials: int = PasskeyConfig.trials,
