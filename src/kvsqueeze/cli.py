@@ -57,20 +57,9 @@ def _recipe_for(specs, path: str | None):
 
 def _check_methods(model, specs, recipe) -> None:
     """Build every method's quantizers once up front so a bad combination fails before minutes of work."""
-    from .integrations.fingerprint import check_recipe
-    from .integrations.preflight import preflight
-    from .quantizer import build_quantizers
-    from .shape import kv_shape
+    from .integrations.preflight import check_methods
 
-    if recipe is not None:
-        check_recipe(recipe, model)
-    if any(s.reads_model_tensors for s in specs):
-        preflight(model, keys=any(s.pre_rope_keys for s in specs))
-    shape = kv_shape(model.config)
-    for s in specs:
-        for layer in range(shape.layers):
-            build_quantizers(s, recipe, layer, shape.channels, shape.head_dim)
-
+    check_methods(model, specs, recipe)
 
 def _write_json(path: str | None, payload: dict) -> None:
     if path:

@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .fitting import largest_fitting
 from .tables import text_table
 
 __all__ = [
@@ -194,33 +195,11 @@ def _fit_units(tokenizer: Any, passkey: str, depth: float, length: int) -> tuple
     # exceed the number of characters a `length`-token prompt could plausibly hold;
     # this guards against tokenizers that silently truncate.
     cap = max(guess, length) * 4 + 16
-
-    if f(guess) <= length:
-        lo, step = guess, 1
-        hi = guess + step
-        while f(hi) <= length:
-            lo = hi
-            step *= 2
-            hi = guess + step
-            if hi > cap:
-                raise RuntimeError(
-                    "token count does not grow with the filler; does the tokenizer truncate?"
-                )
-    else:
-        hi, step = guess, 1
-        lo = max(0, guess - step)
-        while lo > 0 and f(lo) > length:
-            hi = lo
-            step *= 2
-            lo = max(0, guess - step)
-    # Invariant: f(lo) <= length < f(hi).
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if f(mid) <= length:
-            lo = mid
-        else:
-            hi = mid
-    return lo, f(lo)
+    try:
+        n = largest_fitting(f, length, guess=guess, cap=cap)
+    except ValueError as e:
+        raise RuntimeError(str(e)) from None
+    return n, f(n)
 
 
 def build_passkey_prompt(

@@ -16,7 +16,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from ..integrations.simulate import SimulatedQuantization

@@ -41,6 +41,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from .fitting import largest_fitting
 from .passkey import _token_ids
 
 __all__ = [
@@ -240,17 +241,10 @@ def _fit(build, count, length: int, reserve: int, what: str) -> tuple[int, str, 
         raise RulerError(f"length {length + reserve} is too short for a {what} context: its fixed parts and "
                          f"its longest question and answer alone take {f(0) + reserve} tokens; use lengths of at "
                          f"least {f(0) + reserve + 64}")
-    lo, hi = 0, 64
-    while f(hi) <= length:
-        lo, hi = hi, hi * 2
-        if hi > 64 * length:
-            raise RulerError("the token count does not grow with the haystack; does the tokenizer truncate?")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if f(mid) <= length:
-            lo = mid
-        else:
-            hi = mid
+    try:
+        lo = largest_fitting(f, length)
+    except ValueError as e:
+        raise RulerError(str(e)) from None
     text, n_tokens = memo[lo] if lo in memo else (build(lo), f(lo))
     return lo, text, n_tokens
 

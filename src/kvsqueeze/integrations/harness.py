@@ -82,18 +82,9 @@ class KVSqueezeLM(HFLM):
 
     def kv_method_check(self, model) -> None:
         """Build the method's quantizers (and check the recipe against the model) before any request runs."""
-        from ..quantizer import build_quantizers
-        from ..shape import kv_shape
-        from .fingerprint import check_recipe
-        from .preflight import preflight
+        from .preflight import check_methods
 
-        if self.recipe is not None:
-            check_recipe(self.recipe, model)
-        if self.spec.reads_model_tensors:
-            preflight(model, keys=self.spec.pre_rope_keys)
-        shape = kv_shape(model.config)
-        for i in range(shape.layers):
-            build_quantizers(self.spec, self.recipe, i, shape.channels, shape.head_dim)
+        check_methods(model, [self.spec], self.recipe)
 
     def _model_call(self, inps: torch.Tensor, attn_mask=None, labels=None) -> torch.Tensor:
         """Logits of a right-padded batch [B, T], every token's keys and values quantized as they enter."""

@@ -137,6 +137,23 @@ def preflight(model, keys: bool = True) -> None:
     _PASSED[model] = done | {"values"} | ({"keys"} if keys else set())
 
 
+
+def check_methods(model, specs, recipe) -> None:
+    """Everything a run of `specs` on `model` needs, checked before minutes of work: the recipe belongs to the
+    model, the keys and values are read where the model rotates and caches them, and every layer's quantizers
+    build for every method (a bad combination of method, recipe and layer fails here)."""
+    from ..quantizer import build_quantizers
+    from .fingerprint import check_recipe
+
+    if recipe is not None:
+        check_recipe(recipe, model)
+    if any(s.reads_model_tensors for s in specs):
+        preflight(model, keys=any(s.pre_rope_keys for s in specs))
+    shape = kv_shape(model.config)
+    for s in specs:
+        for layer in range(shape.layers):
+            build_quantizers(s, recipe, layer, shape.channels, shape.head_dim)
+
 def _close(a: torch.Tensor, b: torch.Tensor, eps: float) -> bool:
     """Equal up to a few roundings of the model's dtype (eps: its machine epsilon), relative to b's largest value."""
     if a.shape != b.shape:
