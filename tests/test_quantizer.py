@@ -134,3 +134,33 @@ def test_grouped_beats_whole_token_on_channel_outliers():
 def test_bits_property():
     for b in (2, 3, 4, 8):
         assert VectorQuantizer(uniform_levels(b), "token").bits == b
+
+
+def test_key_slots_keep_a_fixed_count_outliers_first():
+    """':kslotsN': every token keeps exactly N exact key elements, its outliers first (the farthest when it has
+    more), then the in-range elements its codes round worst; its storage counts N per token, no pointers."""
+    from kvsqueeze.datatypes import uniform_levels
+    from kvsqueeze.methods import parse_method, storage_bits
+
+    g = torch.Generator().manual_seed(0)
+    c = 48
+    lo, hi = -torch.ones(c), torch.ones(c)
+    q = VectorQuantizer(levels=uniform_levels(3), axis="channel", fraction=0.01, lo=lo, hi=hi, slots=3)
+    x = torch.rand(64, c, generator=g) * 1.8 - 0.9  # in range
+    x[0, :5] = torch.tensor([1.5, -3.0, 1.1, 2.0, -1.2])  # five outliers: the three farthest kept
+    x[1, 7] = 4.0  # one outlier and two in-range elements
+    enc = q.encode(x)
+    assert bool((enc.outliers.sum(1) == 3).all())
+    assert enc.outliers[0].nonzero().flatten().tolist() == [0, 1, 3]  # 0.5, 2.0 and 1.0 past the range
+    assert bool(enc.outliers[1, 7])
+    err = (q.decode(enc) - x).abs()
+    err[1, 7] = 0
+    kept = enc.outliers[1].clone()
+    kept[7] = False
+    assert float(err[1][kept].min()) >= float(err[1][~enc.outliers[1]].max())  # the worst-rounded ones
+    spec = parse_method("nuq3-1%:kslots3")
+    assert spec.name == "nuq3-1%:kslots3" and parse_method(spec.name) == spec
+    bits = storage_bits(spec, 100, c)
+    plain = storage_bits(parse_method("nuq3-1%"), 100, c)
+    assert bits["outlier_values"] == 16 * (3 * 99 + plain["outlier_values"] / 32)
+    assert bits["pointers"] == 0 and plain["pointers"] > 0

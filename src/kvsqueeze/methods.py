@@ -87,6 +87,7 @@ class MethodSpec:
     split: bool = False  # turbo only: the higher-RMS half of each head's channels one bit wider
     budget: float | None = None  # nuq only: average stored bits; each layer's K / V choice from the recipe
     budget_proxy: str = "fisher"  # the loss a budget minimises: "fisher" objectives or measured "kl"
+    key_slots: int = 0  # per-channel keys: exact elements per token, a fixed count (0: every outlier, a count that varies)
     name: str = field(default="", init=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -209,6 +210,10 @@ def parse_method(name: str) -> MethodSpec:
     for flag in filter(None, m["flags"].split(":")):
         _apply_flag(name, family, flag, fields)
     spec = MethodSpec(family=family, **fields)
+    if spec.key_slots and (spec.key_axis != "channel" or not spec.outlier_fraction or spec.outlier_scope != "vector"
+                           or family in FIXED_AXES):
+        raise MethodError(f"method {name!r}: ':kslots{spec.key_slots}' fixes the count of exact key elements per "
+                          "token, for per-channel keys with per-channel outliers, e.g. 'nuq3-1%:kslots6'")
     if spec.outlier_scope == "matrix" and spec.outlier_fraction == 0:
         raise MethodError(f"method {name!r}: ':pm' sets per-matrix outlier thresholds; give a percentage, e.g. {family}{kb}-1%:pm")
     if family == "kivi":
@@ -275,14 +280,16 @@ def _apply_flag(name: str, family: str, flag: str, fields: dict) -> None:
             raise MethodError(f"method {name!r}: ':split' gives turbo's outlier half one bit more; {family} has none")
         fields["split"] = True
         return
-    m = re.fullmatch(r"(sink|g|r)(\d+)", flag)
+    m = re.fullmatch(r"(sink|g|r|kslots)(\d+)", flag)
     if not m:
         raise MethodError(
             f"method {name!r}: unknown flag ':{flag}'; known flags: ktok kchan vtok vchan pre post "
-            "pm pv sinkN unw fisher fs2 gN rN split"
+            "pm pv sinkN unw fisher fs2 gN rN split kslotsN"
         )
     kind, n = m[1], int(m[2])
-    if kind == "sink":
+    if kind == "kslots":
+        fields["key_slots"] = n
+    elif kind == "sink":
         fields["sinks"] = n
     elif kind == "g":
         if family not in ("kivi", "group") or n < 1:
@@ -327,6 +334,8 @@ def canonical_name(spec: MethodSpec) -> str:
         flags.append(f"r{spec.window}")
     if spec.split:
         flags.append("split")
+    if spec.key_slots:
+        flags.append(f"kslots{spec.key_slots}")
     return out + "".join(":" + f for f in flags)
 
 
@@ -420,12 +429,15 @@ def storage_bits(
             nominal = spec.outlier_fraction * q * channels
             ko = nominal if k_outliers is None else k_outliers
             vo = nominal if v_outliers is None else v_outliers
+            if spec.key_slots:
+                ko = float(spec.key_slots * q)  # exactly that many per token
             out["outlier_values"] = FP16_BITS * (ko + vo)
             out["outlier_indices"] = 16.0 * (ko + vo)
             # CSC for K, CSR for V: one pointer per token each, except where every token keeps the same
-            # number of outliers (per-token top-k), whose row pointers are implicit
+            # number of outliers (per-token top-k, a key slot count), whose row pointers are implicit
             fixed = [fixed_outlier_count(axis, spec.outlier_scope, spec.outlier_fraction)
                      for axis in (spec.key_axis, spec.value_axis)]
+            fixed[0] = fixed[0] or bool(spec.key_slots)
             out["pointers"] = float(POINTER_BITS * (q + 1) * fixed.count(False))
     out["total"] = sum(v for k, v in out.items())
     out["elements"] = elements

@@ -51,6 +51,7 @@ class VectorQuantizer:
     mat_lo: float | None = None  # token axis, per-matrix outliers: thresholds
     mat_hi: float | None = None
     group: int = 0  # token axis: channels per (scale, zero) group; 0 = the whole token
+    slots: int = 0  # channel axis: exact elements per token, a fixed count (0: every element past the range)
 
     @property
     def bits(self) -> int:
@@ -84,7 +85,19 @@ class VectorQuantizer:
             lo, hi = self.ranges(x)
             mask = outlier_mask(x, lo, hi) if self.fraction > 0 else None
         scale, zero = choose_qparams(lo, hi)
-        return Encoded(quantize(x, scale, zero, self.levels), scale, zero, mask)
+        codes = quantize(x, scale, zero, self.levels)
+        if self.slots and mask is not None:
+            mask = self._slots(x, codes, scale, zero, mask)
+        return Encoded(codes, scale, zero, mask)
+
+    def _slots(self, x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor,
+               past: torch.Tensor) -> torch.Tensor:
+        """Exactly `slots` exact elements per token: its outliers first (the farthest past the range when it has
+        more; the rest clip), then the in-range elements its codes round worst."""
+        err = (dequantize(codes, scale, zero, self.levels) - x).abs()  # an outlier's: its distance past the range
+        err = torch.where(past, err + err.amax(dim=1, keepdim=True) + 1, err)
+        chosen = err.topk(min(self.slots, x.shape[1]), dim=1).indices
+        return torch.zeros_like(past).scatter_(1, chosen, True)
 
     def _top_k(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Exactly k outliers above and k below per token (ties broken by position), and the range between."""
@@ -193,7 +206,7 @@ def build_quantizers(
                     f"recipe layer {layer} has {lo.numel()} {tensor} channels, the model has {channels}: "
                     "this recipe belongs to another model"
                 )
-            return VectorQuantizer(lo=lo.float(), hi=hi.float(), **common)
+            return VectorQuantizer(lo=lo.float(), hi=hi.float(), slots=spec.key_slots, **common)
         if spec.outlier_fraction > 0 and spec.outlier_scope == "matrix":
             t_lo, t_hi = recipe.matrix_thresholds(layer, tensor, spec.outlier_fraction)
             return VectorQuantizer(mat_lo=float(t_lo), mat_hi=float(t_hi), **common)

@@ -94,8 +94,8 @@ class KVStore:
         if encoder == "auto":  # the same bits either way: triton where it runs, else the torch ops
             fused = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
             encoder = "triton" if fused else "torch"
-        if encoder == "triton" and (k_quant.group or v_quant.scope != "vector"):
-            encoder = "torch"  # per-matrix value thresholds: the torch path alone
+        if encoder == "triton" and (k_quant.group or v_quant.scope != "vector" or k_quant.slots):
+            encoder = "torch"  # per-matrix value thresholds, key slots: the torch path alone
         if encoder == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"the triton encoder runs on CUDA tensors (this store is on {self.device}); use "
                              "encoder='auto' or 'torch'")

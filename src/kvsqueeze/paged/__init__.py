@@ -1,0 +1,1 @@
+"""Paged compressed KV memory for serving engines (no transformers needed)."""

@@ -1,0 +1,258 @@
+"""The compressed KV cache in fixed-size pages: the same bytes for every token, so a paged allocator can hold it.
+
+A serving engine (vLLM) hands each layer one flat buffer of `num_blocks` pages of `block_size` tokens, and each
+sequence a block table naming its pages. `PageLayout` packs KVQuant's cache (Hooper et al., arXiv 2401.18079) into
+such pages with a fixed number of bytes per token:
+
+* key codes: pre-RoPE keys against the recipe's per-channel range and codebook, `k_bits` per element, packed
+  along channels (`packing.py`), int32 words;
+* key outliers: a fixed budget of `key_slots` exact fp16 values per token with their 16-bit channel. The store of
+  the HF path keeps every element outside the calibrated per-channel range, a count that varies from token to
+  token; a page cannot. Each token keeps instead the `key_slots` elements its codes reconstruct worst: every
+  outlier while it has at most `key_slots` of them (a clipped outlier's error is its distance past the range,
+  and the slots left hold the in-range elements that lose most to rounding), the farthest ones when it has more.
+  For a token with at most `key_slots` outliers the reconstruction error is therefore never larger than the
+  HF store's; `overflow` in `write` counts the outliers a token had to clip;
+* value codes with their fp16 scale and zero-point per token, and the exact per-token top-k value outliers (a
+  fixed count already: the method's own);
+* the sinks: the first `sinks` positions of a sequence, fp16 pre-RoPE keys and values, in a sink area every
+  page carries (a sequence's first page uses it; `sinks` is at most `block_size`).
+
+Page regions, each aligned to 16 bytes, in this order: k_codes int32 [bs, Wk], v_codes int32 [bs, Wv], v_scale_zero
+fp16 [bs, 2], k_channels int16 [bs, key_slots], k_values fp16 [bs, key_slots], v_channels int16 [bs, vk], v_values
+fp16 [bs, vk], sink_k fp16 [S, C], sink_v fp16 [S, C]. Slot n of the buffer is token n % bs of page n // bs.
+
+`view` gathers the pages of a batch of sequences into the `StoreView` the decode kernels read (`kernels.view`):
+every kernel, the numba one on CPU and the Triton ones on GPU, then attends over paged memory as over the HF
+cache's store. Nothing here needs transformers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..kernels.view import Outliers, StoreView
+from ..packing import pack_codes, words_per_vector
+from ..quantizer import VectorQuantizer
+
+OUTLIER_CODE = 0  # the code under every exact element, as in the HF store (the kernels rely on it)
+ALIGN = 16
+
+
+def _up(n: int, a: int = ALIGN) -> int:
+    return -(-n // a) * a
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str
+    offset: int  # bytes from the page start
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]  # of one page's region, in `dtype` elements
+
+
+class PageLayout:
+    """How one layer's tokens sit in pages; see the module docstring.
+
+    Args:
+        k_quant: per-channel key quantizer (offline range), `axis="channel"`.
+        v_quant: per-token value quantizer with a fixed outlier count (or none), `axis="token"`.
+        channels: C = kv_heads * head_dim.
+        head_dim: D.
+        block_size: tokens per page.
+        sinks: leading positions of each sequence kept exactly in fp16 (at most `block_size`).
+    """
+
+    def __init__(self, k_quant: VectorQuantizer, v_quant: VectorQuantizer, channels: int, head_dim: int,
+                 block_size: int, sinks: int = 0):
+        problems = []
+        key_slots = k_quant.slots if k_quant.fraction > 0 else 0
+        if k_quant.axis != "channel" or v_quant.axis != "token" or v_quant.group:
+            problems.append("pages hold per-channel pre-RoPE keys and per-token values (KVQuant's axes)")
+        if v_quant.fraction > 0 and v_quant.fixed_outliers(channels) is None:
+            problems.append("value outliers must be a fixed count per token (per-token top-k, scope 'vector')")
+        if channels % head_dim or head_dim % 2:
+            problems.append(f"{channels} channels are not a whole number of even heads of width {head_dim}")
+        if not 0 <= sinks <= block_size:
+            problems.append(f"sinks ({sinks}) must fit in a sequence's first page of {block_size} tokens")
+        if k_quant.fraction > 0 and not 0 < key_slots <= channels:
+            problems.append(f"a page holds a fixed number of exact key elements per token: give the key quantizer "
+                            f"1 to {channels} slots (a method with ':kslotsN', e.g. 'nuq3-1%:kslots6')")
+        if channels > 1 << 16:
+            problems.append(f"{channels} channels: outlier channel indices are 16 bits")
+        if problems:
+            raise ValueError("PageLayout: " + "; ".join(problems))
+        self.k_quant, self.v_quant = k_quant, v_quant
+        self.channels, self.head_dim, self.heads = channels, head_dim, channels // head_dim
+        self.block_size, self.key_slots, self.sinks = block_size, key_slots, sinks
+        self.k_bits, self.v_bits = k_quant.bits, v_quant.bits
+        self.value_slots = (v_quant.fixed_outliers(channels) or 0) if v_quant.fraction > 0 else 0
+        from ..affine import choose_qparams
+
+        scale, zero = choose_qparams(k_quant.lo.view(1, -1), k_quant.hi.view(1, -1))
+        self.k_scale, self.k_zero = scale.view(-1).half(), zero.view(-1).half()
+        bs, c = block_size, channels
+        wk, wv = words_per_vector(c, self.k_bits), words_per_vector(c, self.v_bits)
+        specs = [("k_codes", torch.int32, (bs, wk)), ("v_codes", torch.int32, (bs, wv)),
+                 ("v_scale_zero", torch.float16, (bs, 2)),
+                 ("k_channels", torch.int16, (bs, key_slots)), ("k_values", torch.float16, (bs, key_slots)),
+                 ("v_channels", torch.int16, (bs, self.value_slots)),
+                 ("v_values", torch.float16, (bs, self.value_slots)),
+                 ("sink_k", torch.float16, (sinks, c)), ("sink_v", torch.float16, (sinks, c))]
+        regions, offset = {}, 0
+        for name, dtype, shape in specs:
+            nbytes = shape[0] * shape[1] * torch.empty(0, dtype=dtype).element_size()
+            regions[name] = Region(name, offset, nbytes, dtype, shape)
+            offset += _up(nbytes)
+        self.regions = regions
+        self.page_bytes = offset
+
+    # ---- sizes ---------------------------------------------------------------------------
+    @property
+    def token_bytes(self) -> float:
+        """Bytes per cached token, the page's sink area and alignment shared over its tokens."""
+        return self.page_bytes / self.block_size
+
+    def describe(self) -> dict:
+        return {"page_bytes": self.page_bytes, "block_size": self.block_size, "key_slots": self.key_slots,
+                "value_slots": self.value_slots, "sinks": self.sinks, "k_bits": self.k_bits, "v_bits": self.v_bits,
+                "bits_per_element": round(8 * self.page_bytes / (self.block_size * 2 * self.channels), 3)}
+
+    def region(self, pages: torch.Tensor, name: str) -> torch.Tensor:
+        """One region of every page, as [num_blocks, *shape] of its dtype (a view of `pages`, no copy)."""
+        r = self.regions[name]
+        n = pages.shape[0]
+        raw = pages.view(n, self.page_bytes)[:, r.offset:r.offset + r.nbytes]
+        return raw.view(r.dtype).view(n, *r.shape)
+
+    def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """A zeroed buffer of `num_blocks` pages, uint8 [num_blocks, page_bytes] (what an engine allocates)."""
+        return torch.zeros(num_blocks, self.page_bytes, dtype=torch.uint8, device=device)
+
+    def _check_pages(self, pages: torch.Tensor) -> None:
+        if pages.dtype not in (torch.uint8, torch.int8) or pages.dim() != 2 or pages.shape[1] != self.page_bytes \
+                or not pages.is_contiguous():
+            raise ValueError(f"pages must be a contiguous uint8 [num_blocks, {self.page_bytes}] buffer, got "
+                             f"{pages.dtype} {tuple(pages.shape)}")
+
+    # ---- writing -------------------------------------------------------------------------
+    def write(self, pages: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+              positions: torch.Tensor) -> int:
+        """Quantize N tokens into their slots.
+
+        Args:
+            pages: the layer's buffer (`allocate`).
+            slots: int [N], block * block_size + offset of each token; negative: skip the token (padding).
+            keys: pre-RoPE keys [N, C]; values [N, C]; any float dtype.
+            positions: int [N], each token's position in its sequence (positions below `sinks` are sinks).
+        Returns:
+            the number of key outliers clipped because a token had more than `key_slots` of them.
+        """
+        self._check_pages(pages)
+        keep = slots >= 0
+        if not bool(keep.all()):
+            slots, keys, values, positions = slots[keep], keys[keep], values[keep], positions[keep]
+        n, c = keys.shape
+        if n == 0:
+            return 0
+        if c != self.channels or values.shape != keys.shape:
+            raise ValueError(f"write: keys and values must be [N, {self.channels}], got {tuple(keys.shape)} and "
+                             f"{tuple(values.shape)}")
+        slots = slots.long()
+        block, offset = slots // self.block_size, slots % self.block_size
+        if int(block.max()) >= pages.shape[0] or int(slots.min()) < 0:
+            raise ValueError(f"write: slot {int(slots.max())} is past the {pages.shape[0]} pages of the buffer")
+        xk, xv = keys.float(), values.float()
+        sink = (positions.long() < self.sinks).view(-1, 1)  # [N, 1]
+        kq, vq = self.k_quant, self.v_quant
+        enc_k = kq.encode(xk)  # with `slots`, the mask holds exactly `key_slots` elements per token
+        overflow = 0
+        k_codes = enc_k.codes
+        if self.key_slots:
+            chosen = enc_k.outliers.nonzero(as_tuple=True)[1].view(n, self.key_slots)  # ascending per token
+            k_codes = k_codes.masked_fill(enc_k.outliers, OUTLIER_CODE)
+            past = (xk < kq.lo) | (xk > kq.hi)
+            overflow = int((past & ~enc_k.outliers).sum())
+            self._put(pages, "k_channels", block, offset, chosen.to(torch.int16))
+            self._put(pages, "k_values", block, offset, xk.gather(1, chosen).half())
+        enc_v = vq.encode(xv)
+        v_codes = enc_v.codes
+        if self.value_slots:
+            mask = enc_v.outliers
+            chosen = mask.nonzero(as_tuple=True)[1].view(n, self.value_slots)  # row-major: ascending per token
+            v_codes = v_codes.masked_fill(mask, OUTLIER_CODE)
+            self._put(pages, "v_channels", block, offset, chosen.to(torch.int16))
+            self._put(pages, "v_values", block, offset, xv.gather(1, chosen).half())
+        k_codes = k_codes.masked_fill(sink, OUTLIER_CODE)
+        v_codes = v_codes.masked_fill(sink, OUTLIER_CODE)
+        self._put(pages, "k_codes", block, offset, pack_codes(k_codes, self.k_bits))
+        self._put(pages, "v_codes", block, offset, pack_codes(v_codes, self.v_bits))
+        sz = torch.cat([enc_v.scale.expand(n, 1), enc_v.zero.expand(n, 1)], dim=1).masked_fill(sink, 0)
+        self._put(pages, "v_scale_zero", block, offset, sz.half())
+        rows = sink.view(-1).nonzero().flatten()
+        if rows.numel():
+            rank = positions[rows].long()
+            self.region(pages, "sink_k")[block[rows], rank] = xk[rows].half()
+            self.region(pages, "sink_v")[block[rows], rank] = xv[rows].half()
+        return overflow
+
+    def _put(self, pages: torch.Tensor, name: str, block: torch.Tensor, offset: torch.Tensor, rows: torch.Tensor):
+        self.region(pages, name)[block, offset] = rows.to(self.regions[name].dtype)
+
+    # ---- reading -------------------------------------------------------------------------
+    def view(self, pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> tuple[StoreView, torch.Tensor]:
+        """The cache of B sequences as one `StoreView` (T = the longest sequence) and its key mask bool [B, T].
+
+        Args:
+            block_table: int [B, >= pages needed], the pages of each sequence in order.
+            seq_lens: int [B], tokens cached per sequence (the new ones included).
+        Token t of sequence b sits at position t. A shorter sequence's slots past its length are zeroed in the
+        gathered copy (whatever a page held there before) and masked.
+        """
+        self._check_pages(pages)
+        lens = seq_lens.to(torch.long).cpu()
+        b = lens.numel()
+        t = int(lens.max()) if b else 0
+        nb = -(-t // self.block_size)
+        if b == 0 or t == 0:
+            raise ValueError("view: every sequence is empty; write the new tokens before attending")
+        table = block_table[:, :nb].to(device=pages.device, dtype=torch.long)
+        bs = self.block_size
+        dev = pages.device
+        live = torch.arange(nb * bs).view(1, -1) < lens.view(-1, 1)  # [B, nb*bs]
+        mask = live[:, :t].to(dev)
+
+        def grid(name: str) -> torch.Tensor:  # [T, B, ...] token-major, dead slots zeroed
+            r = self.regions[name]
+            x = self.region(pages, name)[table]  # [B, nb, bs, w]
+            x = x.reshape(b, nb * bs, r.shape[1])[:, :t]
+            x = x.masked_fill(~mask.unsqueeze(-1), 0)
+            return x.transpose(0, 1).contiguous()
+
+        k_codes, v_codes, sz = grid("k_codes"), grid("v_codes"), grid("v_scale_zero")
+        slots = t * b
+        k_out = v_out = None
+        if self.key_slots:
+            kk = self.key_slots
+            pointers = torch.arange(slots + 1, dtype=torch.int32, device=dev) * kk
+            k_out = Outliers(pointers, grid("k_channels").reshape(-1), grid("k_values").reshape(-1), slots * kk,
+                             kk, OUTLIER_CODE)
+        if self.value_slots:
+            vk = self.value_slots
+            v_out = Outliers(None, grid("v_channels").reshape(-1), grid("v_values").reshape(-1), slots * vk, vk,
+                             OUTLIER_CODE)
+        first = table[:, 0]
+        s = self.sinks
+        sink_k = self.region(pages, "sink_k")[first]  # [B, S, C]
+        sink_v = self.region(pages, "sink_v")[first]
+        rank = torch.arange(s).view(1, -1)
+        sink_slot = torch.where(rank < lens.view(-1, 1), rank, -1).to(torch.int32).to(dev)
+        positions = torch.arange(t, dtype=torch.int32, device=dev).view(-1, 1).expand(t, b).contiguous()
+        kq, vq = self.k_quant, self.v_quant
+        view = StoreView(self.heads, self.head_dim, self.k_bits, self.v_bits, t, k_codes, v_codes,
+                         self.k_scale.to(dev), self.k_zero.to(dev), kq.levels.to(dev), vq.levels.to(dev), sz, k_out,
+                         v_out, sink_k, sink_v, sink_slot, positions, {})
+        return view, mask

@@ -1,0 +1,133 @@
+"""The paged layout against the HF path's store: same codes, the fixed key-outlier budget, any block table."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsqueeze.cache.store import KVStore
+from kvsqueeze.kernels import decode_attention
+from kvsqueeze.kernels.reference import dequantize_view
+from kvsqueeze.paged.layout import PageLayout
+from kvsqueeze.quantizer import VectorQuantizer
+from kvsqueeze.rope import Rope
+
+
+def _quantizers(c: int, bits: int, fraction: float, seed: int = 0, slots: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    levels = torch.sort(torch.rand(2**bits, generator=g) * 2 - 1).values
+    levels[0], levels[-1] = -1.0, 1.0
+    lo, hi = -1.5 - torch.rand(c, generator=g), 1.0 + torch.rand(c, generator=g)
+    return (VectorQuantizer(levels=levels, axis="channel", fraction=fraction, lo=lo, hi=hi, slots=slots),
+            VectorQuantizer(levels=levels, axis="token", fraction=fraction))
+
+
+def _fill(layout, lens, seed=0, garbage=True):
+    """Sequences of `lens` tokens written into shuffled pages of a buffer full of random bytes."""
+    g = torch.Generator().manual_seed(seed)
+    c, bs = layout.channels, layout.block_size
+    need = [-(-n // bs) for n in lens]
+    pages = layout.allocate(sum(need) + 3)
+    if garbage:
+        pages.copy_(torch.randint(0, 256, pages.shape, generator=g, dtype=torch.uint8))
+    order = torch.randperm(pages.shape[0], generator=g)
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    seqs, used = [], 0
+    for i, n in enumerate(lens):
+        table[i, :need[i]] = order[used:used + need[i]]
+        used += need[i]
+        k = torch.randn(n, c, generator=g) * 0.8  # a few outliers past the ranges, some tokens over budget
+        v = torch.randn(n, c, generator=g)
+        seqs.append((k, v))
+        pos = torch.arange(n)
+        slots = table[i, pos // bs].long() * bs + pos % bs
+        for chunk in torch.arange(n).split(5):  # in pieces, as prefill chunks and decode steps write
+            layout.write(pages, slots[chunk], k[chunk], v[chunk], pos[chunk])
+    return pages, table, seqs
+
+
+@pytest.mark.parametrize("c, d, bits, fraction, sinks, key_slots", [
+    (64, 32, 3, 0.02, 1, 4), (128, 64, 2, 0.01, 0, 3), (96, 32, 4, 0.05, 2, 8), (64, 64, 3, 0.0, 1, 0),
+])
+def test_pages_hold_what_the_store_holds(c, d, bits, fraction, sinks, key_slots):
+    """Dequantized pages equal the HF path's store of the same quantizers bit for bit, whatever the block table;
+    against a store keeping every outlier, a token within budget differs only where it keeps more exactly."""
+    kq, vq = _quantizers(c, bits, fraction, slots=key_slots)
+    plain_kq, _ = _quantizers(c, bits, fraction)
+    layout = PageLayout(kq, vq, c, d, block_size=8, sinks=sinks)
+    assert layout.key_slots == key_slots
+    lens = [21, 8, 1, 13]
+    pages, table, seqs = _fill(layout, lens)
+    view, mask = layout.view(pages, table, torch.tensor(lens))
+    pk, pv = dequantize_view(view)  # [T, B, C]
+    counts = []
+    for b, (k, v) in enumerate(seqs):
+        n = lens[b]
+        store = KVStore(kq, vq, c, sinks=sinks, head_dim=d)
+        store.append(k[None], v[None])
+        sk, sv = store.dequantize()
+        torch.testing.assert_close(pk[:n, b], sk[:, 0], rtol=0, atol=0)
+        torch.testing.assert_close(pv[:n, b], sv[:, 0], rtol=0, atol=0)
+        plain = KVStore(plain_kq, vq, c, sinks=sinks, head_dim=d)
+        plain.append(k[None], v[None])
+        qk = plain.dequantize()[0][:, 0]
+        past = (k < kq.lo) | (k > kq.hi)
+        fits = past.sum(1) <= key_slots if fraction > 0 else torch.ones(n, dtype=torch.bool)
+        exact = pk[:n, b] == k.half().float()
+        assert bool(((pk[:n, b] == qk) | exact)[fits].all())
+        if key_slots:  # a token over budget keeps `key_slots` of its outliers exactly and clips the rest
+            over = ~fits & (torch.arange(n) >= sinks)  # a sink is exact whole
+            assert bool(((exact & past).sum(1)[over] == key_slots).all())
+        counts.append((int(fits.sum()), int((~fits).sum())))
+        assert bool(mask[b, :n].all()) and not bool(mask[b, n:].any())
+        # whatever the pages held past a sequence is zeroed in the copy: finite keys, zero values
+        assert bool(torch.isfinite(pk[n:, b]).all()) and not bool(pv[n:, b].any())
+    within, over = map(sum, zip(*counts))
+    assert within > 0 and (over > 0 or fraction == 0 or key_slots >= 8)  # both cases were checked
+
+
+def test_decode_over_pages_numba_equals_reference_on_ragged_batches():
+    c, d = 128, 64
+    kq, vq = _quantizers(c, 3, 0.02, seed=3, slots=4)
+    layout = PageLayout(kq, vq, c, d, block_size=16, sinks=1)
+    lens = [70, 3, 33]
+    pages, table, _ = _fill(layout, lens, seed=3)
+    view, mask = layout.view(pages, table, torch.tensor(lens))
+    q = torch.randn(len(lens), 6, d)
+    rope = Rope.default(d)
+    ref = decode_attention(q, view, rope, d**-0.5, key_mask=mask, backend="reference")
+    fast = decode_attention(q, view, rope, d**-0.5, key_mask=mask, backend="numba")
+    assert torch.isfinite(ref).all()
+    torch.testing.assert_close(fast, ref, rtol=2e-4, atol=2e-5)
+    # each row alone, through its own one-row table, gives the same attention
+    for b, n in enumerate(lens):
+        one, m1 = layout.view(pages, table[b:b + 1], torch.tensor([n]))
+        alone = decode_attention(q[b:b + 1], one, rope, d**-0.5, key_mask=m1, backend="reference")
+        torch.testing.assert_close(alone, ref[b:b + 1], rtol=1e-5, atol=1e-6)
+
+
+def test_overflow_is_counted_and_pages_are_fixed_size():
+    c, d = 64, 32
+    kq, vq = _quantizers(c, 2, 0.01, seed=5, slots=1)
+    layout = PageLayout(kq, vq, c, d, block_size=4, sinks=0)
+    pages = layout.allocate(2)
+    k = torch.full((1, c), 5.0)  # every channel past its range: one kept, the rest clipped
+    assert layout.write(pages, torch.tensor([0]), k, torch.randn(1, c), torch.tensor([0])) == c - 1
+    assert layout.page_bytes % 16 == 0
+    assert layout.page_bytes >= 4 * (2 * 2 * c // 8 + 4 + 4 * layout.value_slots + 4)
+
+
+def test_bad_layouts_and_buffers_are_refused():
+    kq, vq = _quantizers(64, 3, 0.01, slots=2)
+    with pytest.raises(ValueError, match="first page"):
+        PageLayout(kq, vq, 64, 32, block_size=4, sinks=5)
+    with pytest.raises(ValueError, match="per-channel pre-RoPE keys"):
+        PageLayout(vq, kq, 64, 32, block_size=4)
+    with pytest.raises(ValueError, match="kslots"):
+        PageLayout(_quantizers(64, 3, 0.01)[0], vq, 64, 32, block_size=4)
+    layout = PageLayout(kq, vq, 64, 32, block_size=4)
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        layout.write(torch.zeros(3, 7, dtype=torch.uint8), torch.tensor([0]), torch.randn(1, 64), torch.randn(1, 64),
+                     torch.tensor([0]))
+    with pytest.raises(ValueError, match="past the"):
+        layout.write(layout.allocate(1), torch.tensor([9]), torch.randn(1, 64), torch.randn(1, 64), torch.tensor([9]))
