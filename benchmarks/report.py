@@ -50,6 +50,7 @@ def describe(name: str) -> str:
     keys = f"K per-{spec.key_axis} {spec.key_rope}-RoPE"
     extra = f", {spec.pct_label} outliers" if spec.outlier_fraction else ""
     extra += f", {spec.sinks} sink" if spec.sinks else ""
+    extra += f", {spec.key_slots} exact key elements per token (paged)" if spec.key_slots else ""
     return f"{bits}{dtype}, {keys}{extra}"
 
 

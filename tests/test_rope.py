@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvsqueeze.rope import Rope, apply_rope, rotate_half, unapply_rope
@@ -25,3 +26,14 @@ def test_unapply_inverts_apply_and_rotation_keeps_norms():
     torch.testing.assert_close(unapply_rope(y, cos, sin), x)
     torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1))
     assert torch.equal(rotate_half(rotate_half(x)), -x)
+
+
+@pytest.mark.parametrize("scaling, half", [(1.0, 16), (1.3, 16), (0.8, 8)])
+def test_unapply_inverts_apply_scaled_and_partial(scaling, half):
+    from kvsqueeze.rope import Rope
+
+    g = torch.Generator().manual_seed(1)
+    rope = Rope(torch.rand(half, generator=g), scaling)
+    x = torch.randn(3, 50, 32, generator=g)
+    pos = torch.arange(100, 150)
+    torch.testing.assert_close(rope.unapply(rope.apply(x, pos), pos), x, rtol=1e-5, atol=1e-5)

@@ -115,6 +115,15 @@ class Rope:
         cos, sin = self.cos_sin(positions)
         return apply_rope(x, cos.to(x.dtype), sin.to(x.dtype), self.rotary_dim)
 
+    def unapply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The inverse of `apply`: x [..., T, D] turned back from `positions` (and `scaling` undone)."""
+        cos, sin = self.cos_sin(positions)  # both carry `scaling`: turning back by them scales once more
+        out = unapply_rope(x, cos.to(x.dtype), sin.to(x.dtype), self.rotary_dim)
+        if self.scaling != 1.0:
+            r = self.rotary_dim
+            out = torch.cat((out[..., :r] / self.scaling**2, out[..., r:]), dim=-1)
+        return out
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin float32 [*positions.shape, D/2] (scaled), angles evaluated in float64."""
         ang = positions.to(torch.float64).unsqueeze(-1) * self.inv_freq.to(positions.device, torch.float64)

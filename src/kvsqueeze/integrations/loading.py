@@ -111,6 +111,7 @@ def _convert_bundled(name: str, target: Path) -> None:
     config = model.config.to_dict()
     config.pop("quantization_config", None)  # the copy holds plain float32 weights
     config["_name_or_path"] = name
+    config["architectures"] = [type(model).__name__]  # a GGUF load leaves it empty; serving engines read it
     (tmp / "config.json").write_text(json.dumps(config, indent=2))
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if config.get("tie_word_embeddings"):

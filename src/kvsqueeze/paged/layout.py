@@ -29,6 +29,7 @@ cache's store. Nothing here needs transformers.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +53,30 @@ class Region:
     nbytes: int
     dtype: torch.dtype
     shape: tuple[int, ...]  # of one page's region, in `dtype` elements
+
+
+def regions(channels: int, k_bits: int, v_bits: int, key_slots: int, value_slots: int, sinks: int,
+            block_size: int) -> dict[str, Region]:
+    """Where each part of a page lies (see the module docstring); every region starts on 16 bytes."""
+    bs, c = block_size, channels
+    specs = [("k_codes", torch.int32, (bs, words_per_vector(c, k_bits))),
+             ("v_codes", torch.int32, (bs, words_per_vector(c, v_bits))),
+             ("v_scale_zero", torch.float16, (bs, 2)),
+             ("k_channels", torch.int16, (bs, key_slots)), ("k_values", torch.float16, (bs, key_slots)),
+             ("v_channels", torch.int16, (bs, value_slots)), ("v_values", torch.float16, (bs, value_slots)),
+             ("sink_k", torch.float16, (sinks, c)), ("sink_v", torch.float16, (sinks, c))]
+    out, offset = {}, 0
+    for name, dtype, shape in specs:
+        nbytes = shape[0] * shape[1] * torch.empty(0, dtype=dtype).element_size()
+        out[name] = Region(name, offset, nbytes, dtype, shape)
+        offset += _up(nbytes)
+    return out
+
+
+def page_bytes(parts: dict[str, Region], block_size: int) -> int:
+    """A page's size: its regions, rounded up to a whole number of bytes per token and of 16-byte units."""
+    end = max(r.offset + _up(r.nbytes) for r in parts.values())
+    return _up(end, math.lcm(ALIGN, block_size))
 
 
 class PageLayout:
@@ -94,21 +119,8 @@ class PageLayout:
 
         scale, zero = choose_qparams(k_quant.lo.view(1, -1), k_quant.hi.view(1, -1))
         self.k_scale, self.k_zero = scale.view(-1).half(), zero.view(-1).half()
-        bs, c = block_size, channels
-        wk, wv = words_per_vector(c, self.k_bits), words_per_vector(c, self.v_bits)
-        specs = [("k_codes", torch.int32, (bs, wk)), ("v_codes", torch.int32, (bs, wv)),
-                 ("v_scale_zero", torch.float16, (bs, 2)),
-                 ("k_channels", torch.int16, (bs, key_slots)), ("k_values", torch.float16, (bs, key_slots)),
-                 ("v_channels", torch.int16, (bs, self.value_slots)),
-                 ("v_values", torch.float16, (bs, self.value_slots)),
-                 ("sink_k", torch.float16, (sinks, c)), ("sink_v", torch.float16, (sinks, c))]
-        regions, offset = {}, 0
-        for name, dtype, shape in specs:
-            nbytes = shape[0] * shape[1] * torch.empty(0, dtype=dtype).element_size()
-            regions[name] = Region(name, offset, nbytes, dtype, shape)
-            offset += _up(nbytes)
-        self.regions = regions
-        self.page_bytes = offset
+        self.regions = regions(channels, self.k_bits, self.v_bits, key_slots, self.value_slots, sinks, block_size)
+        self.page_bytes = page_bytes(self.regions, block_size)
 
     # ---- sizes ---------------------------------------------------------------------------
     @property

@@ -1,0 +1,202 @@
+"""kvsqueeze inside vLLM's engine on the default model: tokens against the HF path, capacity, throughput, serve.
+
+    python benchmarks/vllm.py [--recipe out/recipe] [--method nuq3-1%] [--vllm-python .venv-vllm/bin/python]
+        [--concurrent 8] [--prompt-tokens 2048] [--new-tokens 32] [--json benchmarks/results/vllm.json]
+
+Runs from kvsqueeze's environment; every vLLM engine runs in vLLM's (`make vllm-setup`), one process each
+(`kvsqueeze.serving.vllm_run`). Prompts are token ids cut from the BBC evaluation articles, so both sides see the
+same tokens. Four measurements:
+
+1. **tokens**: greedy tokens of `--compare` prompts through vLLM's engine with the kvsqueeze backend (float32,
+   the method's paged cache) against kvsqueeze's HF path (`cache_for` + `fused_decode`, same method, float32):
+   `tokens_compared`, `tokens_equal_to_hf` (position by position, a prompt's tokens after its first difference
+   counted as they fall).
+2. **capacity**: token slots vLLM's allocator reports for the same KV space (`--kv-gib`), the model in bfloat16:
+   ours over vLLM's own 16-bit cache (`capacity_ratio`).
+3. **throughput**: `--concurrent` requests of `--prompt-tokens` tokens submitted at once, `--new-tokens` greedy
+   tokens each, bfloat16, against vLLM's default CPU backend in the same run: output tokens per second over the
+   whole batch (prefill included: what the requests wait for).
+4. **serve**: `vllm serve` with the plugin answers an OpenAI-style completion request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from models import machine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _engine(py: Path, args: list[str], tmp: Path, name: str) -> dict:
+    out = tmp / f"{name}.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    t0 = time.perf_counter()
+    run = subprocess.run([str(py), "-m", "kvsqueeze.serving.vllm_run", *args, "--out", str(out)], env=env,
+                         capture_output=True, text=True)
+    (tmp / f"{name}.log").write_text(run.stdout + run.stderr)
+    if run.returncode:
+        raise SystemExit(f"vLLM run {name!r} failed (log {tmp / name}.log):\n{run.stderr[-4000:]}")
+    result = json.loads(out.read_text())
+    result["process_seconds"] = round(time.perf_counter() - t0, 1)
+    print(f"{name}: {json.dumps({k: v for k, v in result.items() if k != 'runs'})}", flush=True)
+    return result
+
+
+def _hf_tokens(model_name: str, recipe: str, method: str, prompts: list[list[int]], new: int) -> list[list[int]]:
+    import kvsqueeze
+    from kvsqueeze.integrations.loading import load_model
+
+    model, _ = load_model(model_name, "float32")
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with kvsqueeze.cache_for(model, recipe, method) as cache, kvsqueeze.fused_decode(model, cache):
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                               do_sample=False, cache=cache, pad_token_id=0)
+        out.append(g[0, len(p):].tolist())
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _serve(py: Path, model_dir: str, recipe: str, method: str, tmp: Path) -> dict:
+    """`vllm serve` with the plugin; one completion request; the server stopped."""
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
+    env.update(KVSQUEEZE_RECIPE=recipe, KVSQUEEZE_METHOD=method, VLLM_CPU_OMP_THREADS_BIND="nobind")
+    log = (tmp / "serve.log").open("w")
+    cmd = [str(py.with_name("vllm")), "serve", model_dir, "--dtype", "float32", "--enforce-eager", "--max-model-len",
+           "1024", "--kv-cache-memory-bytes", str(1 << 28), "--attention-backend", "CUSTOM", "--host", "127.0.0.1",
+           "--port", str(port), "--served-model-name", "smollm2"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"vllm serve exited with {proc.returncode} (log {tmp / 'serve.log'})")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                if time.perf_counter() - t0 > 600:
+                    raise SystemExit("vllm serve did not start within 10 minutes") from None
+                time.sleep(2)
+        started = time.perf_counter() - t0
+        body = json.dumps({"model": "smollm2", "prompt": "The BBC reported that the government", "max_tokens": 16,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        t1 = time.perf_counter()
+        answer = json.loads(urllib.request.urlopen(req, timeout=600).read())
+        return {"start_seconds": round(started, 1), "request_seconds": round(time.perf_counter() - t1, 2),
+                "prompt": "The BBC reported that the government", "completion": answer["choices"][0]["text"],
+                "usage": answer.get("usage")}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+        log.close()
+        if "CUSTOM backend on CPU" in (tmp / "serve.log").read_text():
+            raise SystemExit("vllm serve ran its own backend: the kvsqueeze plugin did not load")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--recipe", default="out/recipe")
+    ap.add_argument("--method", default="nuq3-1%")
+    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    ap.add_argument("--compare", type=int, default=4, help="prompts whose tokens are compared with the HF path")
+    ap.add_argument("--compare-tokens", type=int, default=16, help="greedy tokens per compared prompt")
+    ap.add_argument("--compare-length", type=int, default=512, help="tokens per compared prompt")
+    ap.add_argument("--concurrent", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=2048)
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--kv-gib", type=int, default=1)
+    ap.add_argument("--skip-serve", action="store_true")
+    ap.add_argument("--json", default="benchmarks/results/vllm.json")
+    args = ap.parse_args()
+
+    from kvsqueeze.eval.texts import load_text
+    from kvsqueeze.integrations.loading import load_model, resolve_model_path
+    from kvsqueeze.serving.settings import ServingConfig
+
+    py = Path(args.vllm_python)
+    if not py.exists():
+        raise SystemExit(f"no vLLM environment at {py}: run `make vllm-setup`")
+    recipe = str(Path(args.recipe).resolve())
+    method = ServingConfig(recipe, args.method).spec.name  # what the backend serves (':kslotsN' added)
+    model_dir = resolve_model_path(args.model)
+    _, tok = load_model(args.model, "float32")
+    ids = tok(load_text("bbc").evaluation, return_tensors="pt").input_ids[0]
+    cut = lambda n, i: ids[i * n:(i + 1) * n].tolist()  # noqa: E731
+    compare = [cut(args.compare_length, i) for i in range(args.compare)]
+    batch = [cut(args.prompt_tokens, 10 + i) for i in range(args.concurrent)]
+    common = ["--model", model_dir, "--max-model-len", str(args.prompt_tokens + args.new_tokens + 64),
+              "--kv-bytes", str(args.kv_gib << 30)]
+    ours = ["--backend", "kvsqueeze", "--recipe", recipe, "--method", method]
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        (tmp / "compare.json").write_text(json.dumps(compare))
+        (tmp / "batch.json").write_text(json.dumps(batch))
+        mine = _engine(py, [*common, *ours, "--dtype", "float32", "--prompts", str(tmp / "compare.json"),
+                            "--max-tokens", str(args.compare_tokens)], tmp, "tokens")
+        want = _hf_tokens(args.model, recipe, method, compare, args.compare_tokens)
+        got = mine["runs"][0]["tokens"]
+        compared = sum(len(w) for w in want)
+        equal = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
+        through = {}
+        for name, backend in (("kvsqueeze", ours), ("vllm", ["--backend", "vllm"])):
+            through[name] = _engine(py, [*common, *backend, "--dtype", "bfloat16", "--prompts", str(tmp / "batch.json"),
+                                         "--max-tokens", str(args.new_tokens)], tmp, f"throughput-{name}")
+        serve = None if args.skip_serve else _serve(py, model_dir, recipe, method, tmp)
+    rate = {k: r["runs"][0]["generated"] / r["runs"][0]["seconds"] for k, r in through.items()}
+    result = {
+        "machine": machine(), "model": args.model, "recipe": args.recipe, "method": method,
+        "text": "BBC corpus, evaluation part (token ids cut from it)",
+        "tokens_compared": compared, "tokens_equal_to_hf": equal, "tokens_equal_share": round(equal / compared, 4),
+        "tokens": {"prompts": args.compare, "prompt_tokens": args.compare_length, "new_tokens": args.compare_tokens,
+                   "dtype": "float32", "vllm": got, "hf": want},
+        "capacity": {"kv_bytes": args.kv_gib << 30, "dtype": "bfloat16", "block_size": through["vllm"]["block_size"],
+                     "kvsqueeze_tokens": through["kvsqueeze"]["kv_tokens"], "vllm_tokens": through["vllm"]["kv_tokens"]},
+        "capacity_ratio": round(through["kvsqueeze"]["kv_tokens"] / through["vllm"]["kv_tokens"], 3),
+        "throughput": {"concurrent": args.concurrent, "prompt_tokens": args.prompt_tokens,
+                       "new_tokens": args.new_tokens, "dtype": "bfloat16",
+                       "kvsqueeze_tokens_per_s": round(rate["kvsqueeze"], 2), "vllm_tokens_per_s": round(rate["vllm"], 2),
+                       "ratio": round(rate["kvsqueeze"] / rate["vllm"], 3),
+                       "seconds": {k: r["runs"][0]["seconds"] for k, r in through.items()}},
+        "serve": serve,
+        "engine": "vllm-cpu 0.32.0, enforce_eager, chunked prefill and prefix caching on (vLLM's defaults)",
+        "gpu": "not measured: no GPU was available to this run",
+        "seconds": round(time.perf_counter() - started, 1),
+    }
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k not in ("tokens",)}, indent=1))
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

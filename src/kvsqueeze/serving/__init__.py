@@ -1,0 +1,1 @@
+"""Serving engines: the compressed cache in their paged memory (no transformers needed)."""

@@ -1,0 +1,107 @@
+"""What a serving engine needs to hold a layer's cache in pages: the method, the recipe, each layer's layout.
+
+Nothing here imports transformers or the engine: a vLLM process (with whatever transformers vLLM brings) reads
+the recipe, builds the quantizers and lays out pages with kvsqueeze's own numerics alone. The settings come from
+the environment, so that every process of an engine (front end, engine core, workers) sees the same ones:
+
+    KVSQUEEZE_RECIPE   the recipe directory (`kvsqueeze calibrate --out DIR`), required
+    KVSQUEEZE_METHOD   the method (default nuq3-1%:kslots6; a method without ':kslotsN' gets the default slots)
+    KVSQUEEZE_DECODE   the decode kernel: auto (numba on CPU, Triton on GPU), numba, triton or reference
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..methods import MethodError, MethodSpec, parse_method, topk_per_side
+from ..paged.layout import PageLayout, page_bytes, regions
+
+DEFAULT_METHOD = "nuq3-1%"
+# exact key elements per token in a page: on SmolLM2-135M's evaluation text (192 channels, 1% per-channel
+# outliers, about 2.1 per token on average) six slots hold every outlier of 95% of the tokens; the PPL cost of the
+# budget is measured in benchmarks/results/kslots.json
+DEFAULT_KEY_SLOTS = 6
+
+
+class ServingError(ValueError):
+    """A setting or model that the paged cache cannot serve; the message names the fix."""
+
+
+@dataclass(frozen=True)
+class ServingConfig:
+    recipe: str
+    method: str = DEFAULT_METHOD
+    decode: str = "auto"
+
+    @classmethod
+    def from_env(cls) -> ServingConfig:
+        recipe = os.environ.get("KVSQUEEZE_RECIPE")
+        if not recipe:
+            raise ServingError("the kvsqueeze attention backend needs a recipe: set KVSQUEEZE_RECIPE=DIR (made by "
+                               "`kvsqueeze calibrate --model ... --out DIR` for this model)")
+        return cls(recipe, os.environ.get("KVSQUEEZE_METHOD", DEFAULT_METHOD), os.environ.get("KVSQUEEZE_DECODE", "auto"))
+
+    @functools.cached_property
+    def spec(self) -> MethodSpec:
+        try:
+            spec = parse_method(self.method)
+        except MethodError as exc:
+            raise ServingError(f"KVSQUEEZE_METHOD={self.method!r}: {exc}") from None
+        problems = []
+        if not spec.quantized:
+            problems.append("fp16 is the engine's own cache; serve it without the kvsqueeze backend")
+        elif spec.budget is not None:
+            problems.append("a bit budget gives layers different bits, and pages of one engine have one size; use a "
+                            "plain method such as nuq3-1%")
+        elif spec.family not in ("nuq", "int", "nf") or (spec.key_axis, spec.key_rope, spec.value_axis) != (
+                "channel", "pre", "token"):
+            problems.append("pages hold per-channel pre-RoPE keys and per-token values: use nuq (or int/nf with "
+                            "those axes), e.g. nuq3-1%")
+        elif spec.outlier_fraction and spec.outlier_scope != "vector":
+            problems.append("per-matrix outliers vary in count per token; use per-vector ones (drop ':pm')")
+        if problems:
+            raise ServingError(f"KVSQUEEZE_METHOD={self.method!r}: " + "; ".join(problems))
+        if spec.outlier_fraction and not spec.key_slots:
+            spec = dataclasses.replace(spec, key_slots=DEFAULT_KEY_SLOTS)
+        return spec
+
+    @functools.cached_property
+    def _recipe(self):
+        from ..recipe import Recipe
+
+        return Recipe.load(self.recipe)
+
+    def check_model(self, layers: int, kv_heads: int, head_dim: int) -> None:
+        """Refuse a recipe calibrated on a model of another shape (the engine's model has no HF module to
+        fingerprint, so its shape is what can be compared)."""
+        meta = json.loads((Path(self.recipe) / "recipe.json").read_text())
+        fp = meta.get("model", {}).get("fingerprint", {})
+        have = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
+        wrong = {k: (fp.get(k), v) for k, v in have.items() if fp.get(k) not in (None, v)}
+        if wrong:
+            diff = ", ".join(f"{k} {a} in the recipe, {b} in the model" for k, (a, b) in wrong.items())
+            raise ServingError(f"recipe {self.recipe} belongs to another model ({diff}): calibrate one for this model "
+                               "with `kvsqueeze calibrate --model ... --out DIR`")
+
+    def page_bytes(self, channels: int, block_size: int) -> int:
+        """Bytes of one page of `block_size` tokens, the same for every layer (no recipe read)."""
+        s = self.spec
+        value_slots = 2 * topk_per_side(s.outlier_fraction, channels) if s.outlier_fraction else 0
+        key_slots = s.key_slots if s.outlier_fraction else 0
+        return page_bytes(regions(channels, s.k_bits, s.v_bits, key_slots, value_slots, s.sinks, block_size),
+                          block_size)
+
+    def layout(self, layer: int, channels: int, head_dim: int, block_size: int) -> PageLayout:
+        from ..quantizer import build_quantizers
+
+        kq, vq = build_quantizers(self.spec, self._recipe, layer, channels, head_dim)
+        out = PageLayout(kq, vq, channels, head_dim, block_size, sinks=self.spec.sinks)
+        if out.page_bytes != self.page_bytes(channels, block_size):  # the engine sized its pages from page_bytes
+            raise ServingError(f"layer {layer}: its page would take {out.page_bytes} bytes, the engine allocated "
+                               f"{self.page_bytes(channels, block_size)}")
+        return out

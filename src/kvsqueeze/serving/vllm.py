@@ -1,0 +1,255 @@
+"""kvsqueeze as a vLLM attention backend: KVQuant's compressed cache in vLLM's paged KV memory.
+
+Installed with kvsqueeze, the `vllm.general_plugins` entry point `kvsqueeze` runs `register` in every vLLM process
+(front end, engine core, workers). It registers `KVSqueezeBackend` in vLLM's `CUSTOM` backend slot; selecting
+that slot serves the model with a compressed cache:
+
+    KVSQUEEZE_RECIPE=out/recipe vllm serve MODEL_DIR --attention-backend CUSTOM
+    LLM(model=MODEL_DIR, attention_backend="CUSTOM")        # with KVSQUEEZE_RECIPE in the environment
+
+(`kvsqueeze.serving.settings` lists the settings.) vLLM's CPU platform picks its own backend whatever is asked
+for; `register` makes it honour a CUSTOM choice, and nothing else changes.
+
+What the backend does, per layer and step:
+
+* `customize_spec` gives each layer's KV spec `PageLayout.page_bytes / block_size` uint8 bytes per token, so
+  vLLM's allocator sizes, counts and hands out pages of the compressed layout (`kvsqueeze.paged.layout`).
+* vLLM hands the attention post-RoPE keys; each new token's key is turned back by its position (the layer's RoPE,
+  from the model config) and quantized with its values into its slot of the pages.
+* every query then attends over its sequence's pages: decode tokens of the whole batch in one call of the fused
+  kernel (numba on CPU, Triton on GPU) over the pages gathered by their block tables; prefill chunks (prompts,
+  later chunks of a chunked prefill, and prompts whose prefix vLLM found cached) over the dequantized pages with
+  a causal mask. That is what kvsqueeze's own HF path computes: its prefill also attends the quantized cache.
+
+Refused at start-up with the reason: sliding windows, ALiBi, learned attention sinks, encoder attention, KV
+sharing across layers, interleaved (GPT-J) RoPE, RoPE scalings whose frequencies change with the length.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, replace
+from typing import ClassVar
+
+import torch
+
+from vllm.config import get_current_vllm_config
+from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata, AttentionMetadataBuilder,
+                                       AttentionType, CommonAttentionMetadata, MultipleOf)
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+
+from ..kernels import decode_attention
+from ..kernels.reference import dequantize_view
+from ..rope import Rope
+from .settings import ServingConfig, ServingError
+
+BACKEND_PATH = "kvsqueeze.serving.vllm.KVSqueezeBackend"
+
+
+def register() -> None:
+    """The `vllm.general_plugins` entry point: put the backend in the CUSTOM slot (and let CPU honour it)."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+    register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    try:
+        from vllm.platforms.cpu import CpuPlatform
+    except ImportError:  # a build without the CPU platform
+        return
+    current = CpuPlatform.get_attn_backend_cls
+    if getattr(current, "_kvsqueeze", False):
+        return
+    original = current.__func__
+
+    def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
+        if selected_backend == AttentionBackendEnum.CUSTOM and not attn_selector_config.use_mla:
+            return AttentionBackendEnum.CUSTOM.get_path()
+        return original(cls, selected_backend, attn_selector_config, num_heads)
+
+    get_attn_backend_cls._kvsqueeze = True
+    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
+class KVSqueezeBackend(AttentionBackend):
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = True  # forward quantizes the new tokens: it knows their positions
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls() -> type[KVSqueezeImpl]:
+        return KVSqueezeImpl
+
+    @staticmethod
+    def get_builder_cls() -> type[KVSqueezeMetadataBuilder]:
+        return KVSqueezeMetadataBuilder
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.LBHNC,)
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]
+
+    @classmethod
+    def supports_attn_type(cls, attn_type: str) -> bool:
+        return attn_type == AttentionType.DECODER
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """One page of `block_size` tokens holds the compressed layout: uint8, `page_bytes / block_size` a token."""
+        if spec.state_content_bytes is not None:
+            return spec
+        channels = spec.num_kv_heads * spec.head_size
+        per_token = ServingConfig.from_env().page_bytes(channels, spec.block_size) // spec.block_size
+        return replace(spec, dtype=torch.uint8, num_head_slots=1, state_content_bytes=per_token)
+
+
+@dataclass
+class KVSqueezeMetadata(AttentionMetadata):
+    num_actual_tokens: int
+    query_start_loc_cpu: torch.Tensor  # int32 [R + 1]
+    seq_lens_cpu: torch.Tensor  # int32 [R], the new tokens included
+    block_table: torch.Tensor  # int32 [R, max blocks]
+    slot_mapping: torch.Tensor  # int64 [N]
+    positions: torch.Tensor  # int64 [N]
+
+
+class KVSqueezeMetadataBuilder(AttentionMetadataBuilder[KVSqueezeMetadata]):
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self._init_reorder_batch_threshold(1)  # decodes first
+
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
+              fast_build: bool = False) -> KVSqueezeMetadata:
+        m = common_attn_metadata
+        n = m.num_actual_tokens
+        qsl = m.query_start_loc_cpu[: m.num_reqs + 1].to(torch.int64)
+        lens = m.seq_lens[: m.num_reqs].to("cpu", torch.int64)
+        if m.positions is not None:
+            positions = m.positions[:n].to(torch.int64).clone()
+        else:  # token j of request r sits at (seq_len - query_len) + j
+            qlens = qsl.diff()
+            starts = torch.repeat_interleave(lens - qlens, qlens)
+            offsets = torch.arange(int(qsl[-1])) - torch.repeat_interleave(qsl[:-1], qlens)
+            positions = (starts + offsets)[:n].to(m.slot_mapping.device)
+        return KVSqueezeMetadata(n, qsl, lens, m.block_table_tensor[: m.num_reqs], m.slot_mapping[:n], positions)
+
+
+_LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _rope(hf_config, head_dim: int) -> Rope:
+    """The layer's RoPE frequencies from the model config (plain, or a static rescaling transformers knows)."""
+    if getattr(hf_config, "rope_interleaved", False) or getattr(hf_config, "rotary_interleaved", False):
+        raise ServingError(f"{hf_config.model_type}: interleaved (GPT-J) RoPE pairs; kvsqueeze turns rotate-half pairs")
+    params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    if params and all(isinstance(v, dict) for v in params.values()):
+        raise ServingError(f"{hf_config.model_type}: RoPE differs by layer type ({', '.join(params)}); the vLLM backend "
+                           "serves one RoPE for every layer")
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
+    rotary = int(head_dim * float(getattr(hf_config, "partial_rotary_factor", 1.0)))
+    if kind == "default":
+        exponent = torch.arange(0, rotary, 2, dtype=torch.float64) / rotary
+        return Rope((theta ** -exponent).float())
+    if kind in ("dynamic", "longrope"):
+        raise ServingError(f"{hf_config.model_type}: RoPE '{kind}' changes its frequencies with the sequence length; "
+                           "a cache that turns keys at read time cannot reproduce it")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # vLLM's own transformers
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu")
+    return Rope(inv_freq.float().cpu(), float(scaling))
+
+
+class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
+    def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
+                 alibi_slopes=None, sliding_window: int | None = None, kv_cache_dtype: str = "auto",
+                 logits_soft_cap: float | None = None, attn_type: str = AttentionType.DECODER,
+                 kv_sharing_target_layer_name: str | None = None, **kwargs):
+        self.num_heads, self.head_size, self.scale = num_heads, head_size, float(scale)
+        self.num_kv_heads = num_kv_heads or num_heads
+        self.kv_cache_dtype = kv_cache_dtype
+        self.softcap = logits_soft_cap or None
+        vllm_config = get_current_vllm_config()
+        hf = vllm_config.model_config.hf_text_config
+        what = {"a sliding window": sliding_window, "ALiBi": alibi_slopes, "learned attention sinks":
+                kwargs.get("sinks"), "KV sharing across layers": kv_sharing_target_layer_name,
+                "encoder attention": attn_type != AttentionType.DECODER, "an fp8 KV cache": kv_cache_dtype != "auto"}
+        refused = [k for k, v in what.items() if v is not None and v is not False]
+        if refused:
+            raise ServingError(f"{hf.model_type}: the kvsqueeze backend does not serve {', '.join(refused)}; serve this "
+                               "model with vLLM's own backend")
+        self.config = ServingConfig.from_env()
+        _ = self.config.spec  # a bad method fails here, before any weight is loaded
+        self.config.check_model(int(hf.num_hidden_layers), self.num_kv_heads, head_size)
+        self.rope = _rope(hf, head_size)
+        self.block_size = vllm_config.cache_config.block_size
+        self.layout = None
+        self.overflow = 0  # key outliers clipped by the per-token budget, summed
+
+    def _layout(self, layer):
+        if self.layout is None:
+            m = _LAYER_INDEX.search(getattr(layer, "layer_name", ""))
+            if m is None:
+                raise ServingError(f"cannot tell the decoder layer of attention {getattr(layer, 'layer_name', '?')!r}: "
+                                   "its recipe statistics are per layer")
+            self.layout = self.config.layout(int(m[1]), self.num_kv_heads * self.head_size, self.head_size,
+                                             self.block_size)
+        return self.layout
+
+    def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
+                attn_metadata: KVSqueezeMetadata, output: torch.Tensor | None = None, output_scale=None,
+                output_block_scale=None) -> torch.Tensor:
+        if output is None:
+            output = torch.empty(query.shape[0], self.num_heads * self.head_size, dtype=query.dtype,
+                                 device=query.device)
+        if attn_metadata is None or kv_cache.numel() == 0:  # the engine's profiling run
+            return output.zero_()
+        md = attn_metadata
+        n = md.num_actual_tokens
+        layout = self._layout(layer)
+        pages = kv_cache.view(kv_cache.shape[0], -1)
+        h, hq, d = self.num_kv_heads, self.num_heads, self.head_size
+        q = query[:n].view(n, hq, d).float()
+        k = key[:n].view(n, h, d).float()
+        v = value[:n].view(n, h * d).float()
+        pos = md.positions.to(k.device)
+        k_pre = self.rope.unapply(k.transpose(0, 1), pos).transpose(0, 1).reshape(n, h * d)
+        self.overflow += layout.write(pages, md.slot_mapping, k_pre, v, pos)
+        out = output[:n].view(n, hq, d)
+        qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
+        qlens = qsl.diff()
+        decode = (qlens == 1).nonzero().flatten()
+        if decode.numel():
+            rows = qsl[decode]
+            view, mask = layout.view(pages, md.block_table[decode], lens[decode])
+            o = decode_attention(q[rows].contiguous(), view, self.rope, self.scale, key_mask=mask,
+                                 backend=self.config.decode, softcap=self.softcap)
+            out[rows] = o.to(out.dtype)
+        for r in (qlens > 1).nonzero().flatten().tolist():
+            a, b = int(qsl[r]), int(qsl[r + 1])
+            out[a:b] = self._prefill(layout, pages, md.block_table[r:r + 1], int(lens[r]), q[a:b]).to(out.dtype)
+        return output
+
+    def _prefill(self, layout, pages, table, seq_len: int, q: torch.Tensor) -> torch.Tensor:
+        """Causal attention of a chunk's queries [Q, Hq, D] (the last Q tokens) over the sequence's pages."""
+        view, _ = layout.view(pages, table, torch.tensor([seq_len]))
+        k, v = dequantize_view(view)  # [T, 1, C] pre-RoPE keys
+        t, h, d = seq_len, self.num_kv_heads, self.head_size
+        k = self.rope.apply(k.view(t, h, d).transpose(0, 1), torch.arange(t, device=k.device))  # [H, T, D]
+        v = v.view(t, h, d).transpose(0, 1)
+        g = self.num_heads // h
+        k, v = k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)  # [Hq, T, D]
+        nq = q.shape[0]
+        qpos = torch.arange(t - nq, t, device=q.device)
+        allowed = torch.arange(t, device=q.device).view(1, -1) <= qpos.view(-1, 1)  # [Q, T]
+        scores = torch.einsum("qhd,htd->hqt", q, k) * self.scale
+        if self.softcap:
+            scores = self.softcap * torch.tanh(scores / self.softcap)
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
+        return torch.einsum("hqt,htd->qhd", probs, v)

@@ -1,0 +1,96 @@
+"""Run prompts through vLLM's engine, with kvsqueeze's backend or vLLM's own, and write what came out as JSON.
+
+Runs in vLLM's environment (`make vllm-setup`), one engine per process:
+
+    .venv-vllm/bin/python -m kvsqueeze.serving.vllm_run --model DIR --backend kvsqueeze --recipe out/recipe \
+        --prompts prompts.json --max-tokens 16 --out result.json
+
+`--prompts`: a JSON list of token-id lists (so both sides tokenize nothing) or of strings. The JSON holds each
+prompt's greedy tokens, the token slots vLLM's allocator reports for the KV space (`kv_tokens`, `num_blocks`,
+`block_size`), the KV bytes, and wall times; with `--concurrent` every prompt is submitted at once (continuous
+batching) and the throughput is measured over the whole batch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", required=True, help="a model directory (config.json, safetensors, tokenizer)")
+    ap.add_argument("--backend", choices=("kvsqueeze", "vllm"), default="kvsqueeze")
+    ap.add_argument("--recipe", help="kvsqueeze's recipe for the model (backend kvsqueeze)")
+    ap.add_argument("--method", default=None, help="kvsqueeze method (default: the serving default)")
+    ap.add_argument("--decode", default=None, help="kvsqueeze decode kernel: auto, numba, triton, reference")
+    ap.add_argument("--prompts", required=True, help="JSON file: a list of token-id lists or strings")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--block-size", type=int, default=None)
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="small values force chunked prefill")
+    ap.add_argument("--kv-bytes", type=int, default=1 << 30, help="KV cache space in bytes")
+    ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--repeat", type=int, default=1, help="run the prompts this many times (prefix hits)")
+    ap.add_argument("--skip-tokenizer-init", action="store_true", help="token-id prompts only: load no tokenizer")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args(argv)
+
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine and worker in this process
+    if args.backend == "kvsqueeze":
+        if not args.recipe:
+            sys.exit("--backend kvsqueeze needs --recipe DIR")
+        os.environ["KVSQUEEZE_RECIPE"] = args.recipe
+        if args.method:
+            os.environ["KVSQUEEZE_METHOD"] = args.method
+        if args.decode:
+            os.environ["KVSQUEEZE_DECODE"] = args.decode
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    prompts = json.loads(open(args.prompts).read())
+    inputs = [TokensPrompt(prompt_token_ids=p) if isinstance(p, list) else p for p in prompts]
+    kwargs = dict(model=args.model, dtype=args.dtype, enforce_eager=True, max_model_len=args.max_model_len,
+                  kv_cache_memory_bytes=args.kv_bytes, enable_prefix_caching=not args.no_prefix_caching, seed=0)
+    if args.block_size:
+        kwargs["block_size"] = args.block_size
+    if args.skip_tokenizer_init:
+        kwargs["skip_tokenizer_init"] = True
+    if args.max_num_batched_tokens:
+        kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.backend == "kvsqueeze":
+        kwargs["attention_backend"] = "CUSTOM"
+    t0 = time.perf_counter()
+    llm = LLM(**kwargs)
+    started = time.perf_counter() - t0
+    cache = llm.llm_engine.vllm_config.cache_config
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    runs = []
+    for _ in range(args.repeat):
+        t1 = time.perf_counter()
+        outs = llm.generate(inputs, params, use_tqdm=False)
+        wall = time.perf_counter() - t1
+        runs.append({"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": round(wall, 3),
+                     "generated": sum(len(o.outputs[0].token_ids) for o in outs)})
+    result = {
+        "backend": args.backend, "model": args.model, "recipe": args.recipe, "dtype": args.dtype,
+        "method": os.environ.get("KVSQUEEZE_METHOD") if args.backend == "kvsqueeze" else None,
+        "block_size": cache.block_size, "num_blocks": cache.num_gpu_blocks,
+        "kv_tokens": cache.num_gpu_blocks * cache.block_size, "kv_bytes": args.kv_bytes,
+        "start_seconds": round(started, 1), "runs": runs,
+    }
+    if args.backend == "kvsqueeze":
+        from .settings import ServingConfig
+
+        result["method"] = ServingConfig.from_env().spec.name
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,104 @@
+"""vLLM's engine with kvsqueeze's attention backend against kvsqueeze's own HF path.
+
+vLLM lives in an environment of its own (`make vllm-setup`: it pins another transformers); these tests run its
+engine there, in a subprocess, and compare what it generates with the HF path here. They are skipped when that
+environment is missing; `make vllm-test` builds it and runs them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+VLLM_PYTHON = Path(os.environ.get("KVSQUEEZE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+METHOD = "nuq3-1%:kslots2"
+
+pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(),
+                                reason=f"no vLLM environment at {VLLM_PYTHON} (make vllm-setup)")
+
+
+def _prompts() -> list[list[int]]:
+    g = torch.Generator().manual_seed(7)
+    shared = torch.randint(0, 256, (40,), generator=g).tolist()  # two prompts share 40 tokens: prefix hits
+    return [shared + torch.randint(0, 256, (30,), generator=g).tolist(),
+            torch.randint(0, 256, (9,), generator=g).tolist(),
+            shared + torch.randint(0, 256, (5,), generator=g).tolist(),
+            torch.randint(0, 256, (23,), generator=g).tolist()]
+
+
+def _vllm(tmp_path, model_dir, recipe_dir, prompts, *extra) -> dict:
+    pf = tmp_path / "prompts.json"
+    pf.write_text(json.dumps(prompts))
+    out = tmp_path / "out.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
+    env.update(OMP_NUM_THREADS="2", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    cmd = [str(VLLM_PYTHON), "-m", "kvsqueeze.serving.vllm_run", "--model", str(model_dir), "--recipe",
+           str(recipe_dir), "--method", METHOD, "--prompts", str(pf), "--max-tokens", "12", "--block-size", "16",
+           "--max-model-len", "256", "--kv-bytes", str(64 << 20), "--skip-tokenizer-init", "--out", str(out), *extra]
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
+    return json.loads(out.read_text())
+
+
+def _hf_tokens(model, recipe_dir, prompts, new: int) -> list[list[int]]:
+    import kvsqueeze
+
+    out = []
+    for p in prompts:
+        ids = torch.tensor([p])
+        with kvsqueeze.cache_for(model, recipe_dir, METHOD) as cache, kvsqueeze.fused_decode(model, cache):
+            g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                               do_sample=False, cache=cache, pad_token_id=0)  # token 0 is in the prompts too
+        out.append(g[0, len(p):].tolist())
+    return out
+
+
+def test_vllm_engine_generates_what_the_hf_path_generates(tiny_llama, tiny_model_dir, tiny_recipe_dir, tmp_path):
+    """Greedy tokens of vLLM's engine with the kvsqueeze backend (paged compressed cache, chunked prefill of 16
+    tokens a step, continuous batching of four prompts, a prompt whose prefix is cached, a second round from the
+    prefix cache) equal the HF path's compressed cache with the fused kernel."""
+    prompts = _prompts()
+    got = _vllm(tmp_path, tiny_model_dir, tiny_recipe_dir, prompts, "--max-num-batched-tokens", "16", "--repeat", "2")
+    assert got["method"] == METHOD and got["block_size"] == 16
+    want = _hf_tokens(tiny_llama, tiny_recipe_dir, prompts, 12)
+    first, again = (r["tokens"] for r in got["runs"])
+    compared = sum(len(w) for w in want)
+    equal = sum(a == b for w, g in zip(want, first) for a, b in zip(w, g))
+    assert compared == 48 and equal >= 0.95 * compared, (want, first)
+    assert again == first  # the second round prefills from cached pages and reads the same cache
+    # the pages really are compressed: far more token slots than vLLM's own float32 cache would hold
+    channels, layers = 2 * 16, 2
+    fp_tokens = (64 << 20) // (2 * channels * 4 * layers)
+    assert got["kv_tokens"] > 4 * fp_tokens
+
+
+def test_vllm_refuses_a_recipe_of_another_model(tiny_model_dir, tmp_path, tiny_recipe):
+    """A recipe whose model has another shape is refused when the engine builds its layers, naming the fix."""
+    import copy
+
+    other = copy.deepcopy(tiny_recipe)
+    other.meta["model"]["fingerprint"]["layers"] = 5
+    bad = other.save(tmp_path / "other")
+    pf = tmp_path / "p.json"
+    pf.write_text(json.dumps([[1, 2, 3]]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
+    run = subprocess.run([str(VLLM_PYTHON), "-m", "kvsqueeze.serving.vllm_run", "--model", str(tiny_model_dir),
+                          "--recipe", str(bad), "--prompts", str(pf), "--max-model-len", "256", "--kv-bytes",
+                          str(64 << 20), "--skip-tokenizer-init", "--out", str(tmp_path / "o.json")],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode != 0
+    assert "belongs to another model" in run.stdout + run.stderr and "kvsqueeze calibrate" in run.stdout + run.stderr
+
+
+def test_the_plugin_is_registered_for_vllm():
+    """The installed entry point is what vLLM's plugin loader reads (group vllm.general_plugins)."""
+    out = subprocess.run([str(VLLM_PYTHON), "-c", "from importlib.metadata import entry_points; "
+                          "print([e.value for e in entry_points(group='vllm.general_plugins')])"],
+                         capture_output=True, text=True, timeout=120)
+    assert "kvsqueeze.serving.vllm:register" in out.stdout, out.stderr
