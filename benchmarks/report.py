@@ -332,8 +332,36 @@ def _score_cell(row: dict | None, ref: dict | None, method: str) -> str:
     return f"{row['score']:.1f} ({100 * row['score'] / ref['score']:.0f}%){partial}"
 
 
+def vllm(data: dict) -> str:
+    """kvsqueeze's backend inside vLLM's engine: tokens against the HF path, capacity, throughput, serve."""
+    cap, th = data["capacity"], data["throughput"]
+    rows = [
+        f"{data['model']}, `{data['method']}`, {data['engine']} ({data['machine']})",
+        "",
+        "| measurement | kvsqueeze in vLLM | vLLM's own cache | |",
+        "|---|---:|---:|---|",
+        f"| greedy tokens equal to kvsqueeze's HF path, given its prefix | {data['tokens_equal_to_hf']} of "
+        f"{data['tokens_compared']} | – | {data['tokens']['prompts']} prompts of {data['tokens']['prompt_tokens']} "
+        f"tokens, {data['tokens']['new_tokens']} new each, float32 |",
+        f"| the same, both generating on their own | {data['tokens_equal_free_running']} of "
+        f"{data['tokens_compared']} | – | position by position: after a first difference the texts differ |",
+        f"| token slots in {cap['kv_bytes'] / 2**30:g} GiB of KV space | {cap['kvsqueeze_tokens']:,} "
+        f"| {cap['vllm_tokens']:,} | {data['capacity_ratio']:.2f}x, model in {cap['dtype']}, blocks of "
+        f"{cap['block_size']} |",
+        f"| output tokens/s, {th['concurrent']} concurrent requests of {th['prompt_tokens']} tokens | "
+        f"{th['kvsqueeze_tokens_per_s']:.2f} | {th['vllm_tokens_per_s']:.2f} | {th['ratio']:.2f}x, "
+        f"{th['new_tokens']} new tokens each, prefill included, {th['dtype']} |",
+    ]
+    if data.get("serve"):
+        sv = data["serve"]
+        rows.append(f"| completion from `vllm serve`'s OpenAI server | {sv['request_seconds']:.1f} s | – | "
+                    f"\"{sv['prompt']}\" → \"{sv['completion'].strip()[:60]}\" |")
+    return "\n".join(rows)
+
+
 # block name -> (JSON file, renderer)
 BLOCKS = {
+    "vllm": ("vllm.json", vllm),
     "ruler-compact": ("ruler.json", ruler_compact),
     "ruler-paired": ("ruler.json", ruler_paired),
     "ruler": ("ruler.json", ruler),

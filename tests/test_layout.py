@@ -110,3 +110,31 @@ def test_the_kernels_do_not_import_the_cache():
     for name in graph:
         if name.startswith("kernels"):
             assert not [m for m in graph[name] if m.startswith("cache")], f"kvsqueeze.{name} reads the cache"
+
+
+def test_the_serving_side_stands_on_the_lower_layers_alone():
+    """What a serving engine's process imports (the paged layout, the settings, the vLLM backend) reads recipes,
+    stores and kernels, never `integrations/`, `calibrate/`, `eval/` or the CLI, and imports transformers only
+    where vLLM's own one computes a rescaled RoPE."""
+    graph = _graph()
+    for name in graph:
+        if name.split(".")[0] not in ("paged", "serving"):
+            continue
+        upper = [m for m in graph[name] if not (_lower(m) or m.split(".")[0] in ("paged", "serving"))]
+        assert not upper, f"kvsqueeze.{name} imports {upper}"
+        if name != "serving.vllm":
+            assert "transformers" not in _external(name), f"kvsqueeze.{name} imports transformers"
+
+
+def test_a_layer_s_pages_are_built_without_transformers(tiny_recipe_dir):
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['transformers'] = None\n"
+            "from kvsqueeze.serving.settings import ServingConfig\n"
+            f"c = ServingConfig({str(tiny_recipe_dir)!r}, 'nuq3-1%')\n"
+            "lay = c.layout(1, 32, 16, 16)\n"
+            "print(lay.page_bytes, c.spec.name)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[1] == "nuq3-1%:kslots6"

@@ -215,7 +215,8 @@ class PageLayout:
         self.region(pages, name)[block, offset] = rows.to(self.regions[name].dtype)
 
     # ---- reading -------------------------------------------------------------------------
-    def view(self, pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor) -> tuple[StoreView, torch.Tensor]:
+    def view(self, pages: torch.Tensor, block_table: torch.Tensor,
+             seq_lens: torch.Tensor) -> tuple[StoreView, torch.Tensor]:
         """The cache of B sequences as one `StoreView` (T = the longest sequence) and its key mask bool [B, T].
 
         Args:

@@ -15,6 +15,7 @@ import dataclasses
 import functools
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,6 +27,16 @@ DEFAULT_METHOD = "nuq3-1%"
 # outliers, about 2.1 per token on average) six slots hold every outlier of 95% of the tokens; the PPL cost of the
 # budget is measured in benchmarks/results/kslots.json
 DEFAULT_KEY_SLOTS = 6
+
+
+def use_own_numba_cache() -> None:
+    """Keep this environment's compiled kernels apart (`NUMBA_CACHE_DIR` under its prefix), unless set already.
+
+    vLLM pins another numba than kvsqueeze's own environment, and two numba versions sharing the cache next to the
+    source would each throw the other's machine code away: every engine start would compile the kernels again.
+    Numba reads the variable when it is first imported, so this runs before that."""
+    if "numba" not in sys.modules:
+        os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(sys.prefix) / "kvsqueeze-numba-cache"))
 
 
 class ServingError(ValueError):
@@ -44,7 +55,8 @@ class ServingConfig:
         if not recipe:
             raise ServingError("the kvsqueeze attention backend needs a recipe: set KVSQUEEZE_RECIPE=DIR (made by "
                                "`kvsqueeze calibrate --model ... --out DIR` for this model)")
-        return cls(recipe, os.environ.get("KVSQUEEZE_METHOD", DEFAULT_METHOD), os.environ.get("KVSQUEEZE_DECODE", "auto"))
+        env = os.environ
+        return cls(recipe, env.get("KVSQUEEZE_METHOD", DEFAULT_METHOD), env.get("KVSQUEEZE_DECODE", "auto"))
 
     @functools.cached_property
     def spec(self) -> MethodSpec:

@@ -40,8 +40,8 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ..kernels import decode_attention
 from ..kernels.reference import dequantize_view
-from ..rope import Rope
-from .settings import ServingConfig, ServingError
+from ..rope import Rope, unapply_rope
+from .settings import ServingConfig, ServingError, use_own_numba_cache
 
 BACKEND_PATH = "kvsqueeze.serving.vllm.KVSqueezeBackend"
 
@@ -50,6 +50,7 @@ def register() -> None:
     """The `vllm.general_plugins` entry point: put the backend in the CUSTOM slot (and let CPU honour it)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
+    use_own_numba_cache()
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     try:
         from vllm.platforms.cpu import CpuPlatform
@@ -149,14 +150,13 @@ def _rope(hf_config, head_dim: int) -> Rope:
         raise ServingError(f"{hf_config.model_type}: interleaved (GPT-J) RoPE pairs; kvsqueeze turns rotate-half pairs")
     params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
     if params and all(isinstance(v, dict) for v in params.values()):
-        raise ServingError(f"{hf_config.model_type}: RoPE differs by layer type ({', '.join(params)}); the vLLM backend "
-                           "serves one RoPE for every layer")
+        raise ServingError(f"{hf_config.model_type}: RoPE differs by layer type ({', '.join(params)}); the vLLM "
+                           "backend serves one RoPE for every layer")
     kind = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
     rotary = int(head_dim * float(getattr(hf_config, "partial_rotary_factor", 1.0)))
-    if kind == "default":
-        exponent = torch.arange(0, rotary, 2, dtype=torch.float64) / rotary
-        return Rope((theta ** -exponent).float())
+    if kind == "default":  # in float32, as vLLM (and transformers) compute them: the keys were turned by these
+        return Rope(1.0 / (theta ** (torch.arange(0, rotary, 2, dtype=torch.float32) / rotary)))
     if kind in ("dynamic", "longrope"):
         raise ServingError(f"{hf_config.model_type}: RoPE '{kind}' changes its frequencies with the sequence length; "
                            "a cache that turns keys at read time cannot reproduce it")
@@ -182,8 +182,8 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
                 "encoder attention": attn_type != AttentionType.DECODER, "an fp8 KV cache": kv_cache_dtype != "auto"}
         refused = [k for k, v in what.items() if v is not None and v is not False]
         if refused:
-            raise ServingError(f"{hf.model_type}: the kvsqueeze backend does not serve {', '.join(refused)}; serve this "
-                               "model with vLLM's own backend")
+            raise ServingError(f"{hf.model_type}: the kvsqueeze backend does not serve {', '.join(refused)}; serve "
+                               "this model with vLLM's own backend")
         self.config = ServingConfig.from_env()
         _ = self.config.spec  # a bad method fails here, before any weight is loaded
         self.config.check_model(int(hf.num_hidden_layers), self.num_kv_heads, head_size)
@@ -219,7 +219,7 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         k = key[:n].view(n, h, d).float()
         v = value[:n].view(n, h * d).float()
         pos = md.positions.to(k.device)
-        k_pre = self.rope.unapply(k.transpose(0, 1), pos).transpose(0, 1).reshape(n, h * d)
+        k_pre = self._unturn(k, pos).reshape(n, h * d)
         self.overflow += layout.write(pages, md.slot_mapping, k_pre, v, pos)
         out = output[:n].view(n, hq, d)
         qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
@@ -235,6 +235,21 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             a, b = int(qsl[r]), int(qsl[r + 1])
             out[a:b] = self._prefill(layout, pages, md.block_table[r:r + 1], int(lens[r]), q[a:b]).to(out.dtype)
         return output
+
+    def _unturn(self, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """Post-RoPE keys [N, H, D] turned back to the keys before RoPE.
+
+        vLLM turned them by angles position * inv_freq computed in float32 (its cos/sin cache); turning back by
+        exactly those angles, rather than by more precise ones, leaves no residual rotation (at position 500 the
+        float32 angle is off by ~3e-5 rad, enough to move codes that sit on a level boundary)."""
+        ang = pos.to(torch.float32).view(-1, 1) * self.rope.inv_freq.to(k.device).view(1, -1)  # [N, R/2]
+        s = self.rope.scaling
+        cos, sin = (ang.cos() * s).unsqueeze(1), (ang.sin() * s).unsqueeze(1)  # [N, 1, R/2]
+        out = unapply_rope(k, cos, sin, self.rope.rotary_dim)
+        if s != 1.0:
+            r = self.rope.rotary_dim
+            out = torch.cat((out[..., :r] / s**2, out[..., r:]), dim=-1)
+        return out
 
     def _prefill(self, layout, pages, table, seq_len: int, q: torch.Tensor) -> torch.Tensor:
         """Causal attention of a chunk's queries [Q, Hq, D] (the last Q tokens) over the sequence's pages."""

@@ -37,10 +37,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-prefix-caching", action="store_true")
     ap.add_argument("--repeat", type=int, default=1, help="run the prompts this many times (prefix hits)")
     ap.add_argument("--skip-tokenizer-init", action="store_true", help="token-id prompts only: load no tokenizer")
+    ap.add_argument("--predict", action="store_true",
+                    help="teacher-forced: for every prompt token after the first, the token the engine ranks first "
+                         "given the tokens before it (prompt logprobs), written as `predicted`")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine and worker in this process
+    from .settings import use_own_numba_cache
+
+    use_own_numba_cache()
     if args.backend == "kvsqueeze":
         if not args.recipe:
             sys.exit("--backend kvsqueeze needs --recipe DIR")
@@ -70,13 +76,20 @@ def main(argv: list[str] | None = None) -> None:
     cache = llm.llm_engine.vllm_config.cache_config
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     runs = []
-    for _ in range(args.repeat):
+    if args.predict:
+        outs = llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+        predicted = []
+        for o in outs:  # position j: the engine's first choice after tokens[:j] (None for the first token)
+            predicted.append([None if lp is None else next(t for t, v in lp.items() if v.rank == 1)
+                              for lp in o.prompt_logprobs])
+    for _ in range(args.repeat if not args.predict else 0):
         t1 = time.perf_counter()
         outs = llm.generate(inputs, params, use_tqdm=False)
         wall = time.perf_counter() - t1
         runs.append({"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": round(wall, 3),
                      "generated": sum(len(o.outputs[0].token_ids) for o in outs)})
     result = {
+        **({"predicted": predicted} if args.predict else {}),
         "backend": args.backend, "model": args.model, "recipe": args.recipe, "dtype": args.dtype,
         "method": os.environ.get("KVSQUEEZE_METHOD") if args.backend == "kvsqueeze" else None,
         "block_size": cache.block_size, "num_blocks": cache.num_gpu_blocks,
