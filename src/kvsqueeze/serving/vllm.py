@@ -154,7 +154,7 @@ def _rope(hf_config, head_dim: int) -> Rope:
                            "backend serves one RoPE for every layer")
     kind = params.get("rope_type", params.get("type", "default"))
     theta = float(params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0)))
-    rotary = int(head_dim * float(getattr(hf_config, "partial_rotary_factor", 1.0)))
+    rotary = int(head_dim * float(getattr(hf_config, "partial_rotary_factor", None) or 1.0))  # None: every channel
     if kind == "default":  # in float32, as vLLM (and transformers) compute them: the keys were turned by these
         return Rope(1.0 / (theta ** (torch.arange(0, rotary, 2, dtype=torch.float32) / rotary)))
     if kind in ("dynamic", "longrope"):
