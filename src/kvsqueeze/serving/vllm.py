@@ -153,8 +153,9 @@ def _rope(hf_config, head_dim: int) -> Rope:
     """The layer's RoPE frequencies from the model config (plain, or a static rescaling transformers knows)."""
     if hf_config.model_type not in ROTATE_HALF_FAMILIES:
         families = ", ".join(ROTATE_HALF_FAMILIES)
-        raise ServingError(f"{hf_config.model_type}: the kvsqueeze vLLM backend serves {families} (keys turned rotate-half, checked against kvsqueeze's HF path); serve this family with "
-                           "kvsqueeze's HF path or vLLM's own backend")
+        raise ServingError(f"{hf_config.model_type}: the kvsqueeze vLLM backend serves {families} (keys turned "
+                           "rotate-half, checked against kvsqueeze's HF path); serve this family with kvsqueeze's HF "
+                           "path or vLLM's own backend")
     if getattr(hf_config, "rope_interleaved", False) or getattr(hf_config, "rotary_interleaved", False):
         raise ServingError(f"{hf_config.model_type}: interleaved (GPT-J) RoPE pairs; kvsqueeze turns rotate-half pairs")
     params = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
