@@ -102,3 +102,40 @@ def test_the_plugin_is_registered_for_vllm():
                           "print([e.value for e in entry_points(group='vllm.general_plugins')])"],
                          capture_output=True, text=True, timeout=120)
     assert "kvsqueeze.serving.vllm:register" in out.stdout, out.stderr
+
+
+KEYS_SNIPPET = """
+import torch
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.config import VllmConfig, set_current_vllm_config
+from kvsqueeze.serving import vllm as kv
+
+kv.register()
+with set_current_vllm_config(VllmConfig()):
+    rope = RotaryEmbedding(64, 64, 256, 10000.0, True, torch.float32)
+kv.PreRopeKeys.enabled = True
+pos = torch.tensor([0, 3, 17, 200, 201])
+q, k = torch.randn(5, 2 * 64), torch.randn(5, 64)
+k0 = k.clone()
+_, turned = rope(pos, q, k)
+assert not torch.allclose(turned, k0)
+impl = object.__new__(kv.KVSqueezeImpl)
+impl.rope = kv.Rope(1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+impl.keys_taken = impl.keys_turned_back = 0
+eps = torch.finfo(torch.float32).eps
+got = impl._pre_rope(turned.view(5, 1, 64).float(), pos, eps)
+assert torch.equal(got.view(5, 64), k0) and impl.keys_taken == 1, "the rotary step's own keys are taken"
+kv.PreRopeKeys.keep(torch.randn(5, 64))  # keys that are not this layer's
+got = impl._pre_rope(turned.view(5, 1, 64).float(), pos, eps)
+assert impl.keys_turned_back == 1 and torch.allclose(got.view(5, 64), k0, atol=1e-4), "others' keys are not"
+got = impl._pre_rope(turned.view(5, 1, 64).float(), pos, eps)
+assert impl.keys_turned_back == 2, "nothing kept: turned back"
+print("ok")
+"""
+
+
+def test_the_backend_takes_the_keys_vllm_gave_its_rotary_step():
+    """Keys are quantized as vLLM's rotary step was given them when they are the layer's own, else turned back."""
+    run = subprocess.run([str(VLLM_PYTHON), "-c", KEYS_SNIPPET], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]

@@ -14,8 +14,10 @@ What the backend does, per layer and step:
 
 * `customize_spec` gives each layer's KV spec `PageLayout.page_bytes / block_size` uint8 bytes per token, so
   vLLM's allocator sizes, counts and hands out pages of the compressed layout (`kvsqueeze.paged.layout`).
-* vLLM hands the attention post-RoPE keys; each new token's key is turned back by its position (the layer's RoPE,
-  from the model config) and quantized with its values into its slot of the pages.
+* vLLM hands the attention post-RoPE keys. `register` also wraps vLLM's rotary step so that it keeps the keys it
+  is about to turn; the attention takes those (after checking that they are this layer's: turned back, the keys
+  it was handed must give them), and otherwise turns the keys back by their positions (the layer's RoPE, from the
+  model config). Either way the pre-RoPE keys are quantized with the values into their slots of the pages.
 * every query then attends over its sequence's pages: decode tokens of the whole batch in one call of the fused
   kernel (numba on CPU, Triton on GPU) over the pages gathered by their block tables; prefill chunks (prompts,
   later chunks of a chunked prefill, and prompts whose prefix vLLM found cached) over the dequantized pages with
@@ -52,6 +54,7 @@ def register() -> None:
 
     use_own_numba_cache()
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
+    _keep_pre_rope_keys()
     try:
         from vllm.platforms.cpu import CpuPlatform
     except ImportError:  # a build without the CPU platform
@@ -68,6 +71,46 @@ def register() -> None:
 
     get_attn_backend_cls._kvsqueeze = True
     CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+
+
+class PreRopeKeys:
+    """The keys vLLM's rotary step was last given, before it turned them (in place, on CPU).
+
+    A decoder layer runs its rotary step and then its attention, so the attention of the same layer finds its own
+    keys here. Kept only once a kvsqueeze attention exists and never while torch compiles a graph; `take` hands
+    them over once."""
+
+    enabled = False
+    keys: torch.Tensor | None = None
+
+    @classmethod
+    def keep(cls, key: torch.Tensor | None) -> None:
+        if cls.enabled and key is not None and not torch.compiler.is_compiling():
+            cls.keys = key.detach().clone()
+
+    @classmethod
+    def take(cls) -> torch.Tensor | None:
+        keys, cls.keys = cls.keys, None
+        return keys
+
+
+def _keep_pre_rope_keys() -> None:
+    """Wrap vLLM's rotary step (each of its implementations) to keep the keys it is given (`PreRopeKeys`)."""
+    try:
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+    except ImportError:  # another layout of vLLM: the keys are turned back instead
+        return
+    for name in ("forward_native", "forward_cpu", "forward_cuda"):
+        original = getattr(RotaryEmbedding, name, None)
+        if original is None or getattr(original, "_kvsqueeze", False):
+            continue
+
+        def forward(self, positions, query, key=None, *args, _original=original, **kwargs):
+            PreRopeKeys.keep(key)
+            return _original(self, positions, query, key, *args, **kwargs)
+
+        forward._kvsqueeze = True
+        setattr(RotaryEmbedding, name, forward)
 
 
 class KVSqueezeBackend(AttentionBackend):
@@ -201,6 +244,8 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         self.block_size = vllm_config.cache_config.block_size
         self.layout = None
         self.overflow = 0  # key outliers clipped by the per-token budget, summed
+        self.keys_taken = self.keys_turned_back = 0  # steps whose pre-RoPE keys came from the rotary step / not
+        PreRopeKeys.enabled = True
 
     def _layout(self, layer):
         if self.layout is None:
@@ -229,7 +274,7 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         k = key[:n].view(n, h, d).float()
         v = value[:n].view(n, h * d).float()
         pos = md.positions.to(k.device)
-        k_pre = self._unturn(k, pos).reshape(n, h * d)
+        k_pre = self._pre_rope(k, pos, torch.finfo(key.dtype).eps).reshape(n, h * d)
         self.overflow += layout.write(pages, md.slot_mapping, k_pre, v, pos)
         out = output[:n].view(n, hq, d)
         qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
@@ -245,6 +290,21 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             a, b = int(qsl[r]), int(qsl[r + 1])
             out[a:b] = self._prefill(layout, pages, md.block_table[r:r + 1], int(lens[r]), q[a:b]).to(out.dtype)
         return output
+
+    def _pre_rope(self, k: torch.Tensor, pos: torch.Tensor, eps: float) -> torch.Tensor:
+        """This step's keys [N, H, D] before RoPE: as the rotary step was given them where they are this layer's
+        (turned back, the post-RoPE keys must give them to float rounding), else the post-RoPE keys turned back."""
+        back = self._unturn(k, pos)
+        kept = PreRopeKeys.take()
+        n = k.shape[0]
+        if kept is not None and kept.numel() >= k.numel() and kept.shape[0] >= n:
+            kept = kept[:n].reshape(k.shape).to(k.device, torch.float32)
+            tol = 16 * eps * (1.0 + float(back.abs().amax()))  # rounding of the model's dtype, far below a code step
+            if bool(((kept - back).abs() <= tol).all()):
+                self.keys_taken += 1
+                return kept
+        self.keys_turned_back += 1
+        return back
 
     def _unturn(self, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Post-RoPE keys [N, H, D] turned back to the keys before RoPE.
