@@ -37,3 +37,17 @@ def test_unapply_inverts_apply_scaled_and_partial(scaling, half):
     x = torch.randn(3, 50, 32, generator=g)
     pos = torch.arange(100, 150)
     torch.testing.assert_close(rope.unapply(rope.apply(x, pos), pos), x, rtol=1e-5, atol=1e-5)
+
+
+def test_unapply_by_float32_angles_inverts_keys_turned_by_float32_angles():
+    """An engine that caches cos / sin from float32 angles (vLLM) turned its keys by those: turning back by the
+    same angles recovers them to float rounding; by the float64 angles it leaves a residual rotation."""
+    g = torch.Generator().manual_seed(2)
+    rope = Rope.default(64, theta=100_000.0)
+    x = torch.randn(3, 40, 64, generator=g)
+    pos = torch.arange(4000, 4040)
+    ang = pos.float().unsqueeze(-1) * rope.inv_freq  # float32, as such an engine computes them
+    y = apply_rope(x, ang.cos(), ang.sin())
+    exact = (rope.unapply(y, pos, float32_angles=True) - x).abs().max()
+    residual = (rope.unapply(y, pos) - x).abs().max()
+    assert exact < 1e-5 < residual

@@ -115,16 +115,22 @@ class Rope:
         cos, sin = self.cos_sin(positions)
         return apply_rope(x, cos.to(x.dtype), sin.to(x.dtype), self.rotary_dim)
 
-    def unapply(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """The inverse of `apply`: x [..., T, D] turned back from `positions` (and `scaling` undone)."""
-        cos, sin = self.cos_sin(positions)  # both carry `scaling`: turning back by them scales once more
+    def unapply(self, x: torch.Tensor, positions: torch.Tensor, float32_angles: bool = False) -> torch.Tensor:
+        """The inverse of `apply`: x [..., T, D] turned back from `positions` (and `scaling` undone).
+
+        `float32_angles`: turn back by angles position * inv_freq rounded in float32, as engines that cache cos
+        and sin in float32 (vLLM) turned them; turning back by exactly those leaves no residual rotation (at
+        position 500 the float32 angle is off by ~3e-5 rad, enough to move a code that sits on a level
+        boundary)."""
+        cos, sin = self.cos_sin(positions, float32_angles)  # both carry `scaling`: turning back scales once more
         out = unapply_rope(x, cos.to(x.dtype), sin.to(x.dtype), self.rotary_dim)
         if self.scaling != 1.0:
             r = self.rotary_dim
             out = torch.cat((out[..., :r] / self.scaling**2, out[..., r:]), dim=-1)
         return out
 
-    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin float32 [*positions.shape, D/2] (scaled), angles evaluated in float64."""
-        ang = positions.to(torch.float64).unsqueeze(-1) * self.inv_freq.to(positions.device, torch.float64)
+    def cos_sin(self, positions: torch.Tensor, float32_angles: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin float32 [*positions.shape, D/2] (scaled), angles evaluated in float64 (or float32)."""
+        dtype = torch.float32 if float32_angles else torch.float64
+        ang = positions.to(dtype).unsqueeze(-1) * self.inv_freq.to(positions.device, dtype)
         return (ang.cos() * self.scaling).float(), (ang.sin() * self.scaling).float()

@@ -124,15 +124,6 @@ class PageLayout:
 
     # ---- sizes ---------------------------------------------------------------------------
     @property
-    def token_bytes(self) -> float:
-        """Bytes per cached token, the page's sink area and alignment shared over its tokens."""
-        return self.page_bytes / self.block_size
-
-    def describe(self) -> dict:
-        return {"page_bytes": self.page_bytes, "block_size": self.block_size, "key_slots": self.key_slots,
-                "value_slots": self.value_slots, "sinks": self.sinks, "k_bits": self.k_bits, "v_bits": self.v_bits,
-                "bits_per_element": round(8 * self.page_bytes / (self.block_size * 2 * self.channels), 3)}
-
     def region(self, pages: torch.Tensor, name: str) -> torch.Tensor:
         """One region of every page, as [num_blocks, *shape] of its dtype (a view of `pages`, no copy)."""
         r = self.regions[name]

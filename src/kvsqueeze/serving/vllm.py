@@ -42,7 +42,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ..kernels import decode_attention
 from ..kernels.reference import dequantize_view
-from ..rope import Rope, unapply_rope
+from ..rope import Rope
 from .settings import ServingConfig, ServingError, use_own_numba_cache
 
 BACKEND_PATH = "kvsqueeze.serving.vllm.KVSqueezeBackend"
@@ -307,19 +307,8 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         return back
 
     def _unturn(self, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        """Post-RoPE keys [N, H, D] turned back to the keys before RoPE.
-
-        vLLM turned them by angles position * inv_freq computed in float32 (its cos/sin cache); turning back by
-        exactly those angles, rather than by more precise ones, leaves no residual rotation (at position 500 the
-        float32 angle is off by ~3e-5 rad, enough to move codes that sit on a level boundary)."""
-        ang = pos.to(torch.float32).view(-1, 1) * self.rope.inv_freq.to(k.device).view(1, -1)  # [N, R/2]
-        s = self.rope.scaling
-        cos, sin = (ang.cos() * s).unsqueeze(1), (ang.sin() * s).unsqueeze(1)  # [N, 1, R/2]
-        out = unapply_rope(k, cos, sin, self.rope.rotary_dim)
-        if s != 1.0:
-            r = self.rope.rotary_dim
-            out = torch.cat((out[..., :r] / s**2, out[..., r:]), dim=-1)
-        return out
+        """Post-RoPE keys [N, H, D] turned back to the keys before RoPE, by the float32 angles vLLM turned them."""
+        return self.rope.unapply(k.transpose(0, 1), pos, float32_angles=True).transpose(0, 1)
 
     def _prefill(self, layout, pages, table, seq_len: int, q: torch.Tensor) -> torch.Tensor:
         """Causal attention of a chunk's queries [Q, Hq, D] (the last Q tokens) over the sequence's pages."""
