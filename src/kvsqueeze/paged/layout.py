@@ -122,8 +122,6 @@ class PageLayout:
         self.regions = regions(channels, self.k_bits, self.v_bits, key_slots, self.value_slots, sinks, block_size)
         self.page_bytes = page_bytes(self.regions, block_size)
 
-    # ---- sizes ---------------------------------------------------------------------------
-    @property
     def region(self, pages: torch.Tensor, name: str) -> torch.Tensor:
         """One region of every page, as [num_blocks, *shape] of its dtype (a view of `pages`, no copy)."""
         r = self.regions[name]
