@@ -93,6 +93,12 @@ def machine() -> str:
                 break
     except OSError:
         pass
+    if name.startswith("AMD EPYC") or "Xeon" in name:  # one name covers CPU generations with and without it
+        try:
+            flags = Path("/proc/cpuinfo").read_text().split()
+            name += ", AVX-512" if "avx512f" in flags else ", no AVX-512"
+        except OSError:
+            pass
     return f"{name}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 

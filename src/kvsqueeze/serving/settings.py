@@ -82,11 +82,9 @@ class ServingConfig:
             spec = dataclasses.replace(spec, key_slots=DEFAULT_KEY_SLOTS)
         return spec
 
-    @functools.cached_property
+    @property
     def _recipe(self):
-        from ..recipe import Recipe
-
-        return Recipe.load(self.recipe)
+        return _load_recipe(str(Path(self.recipe).resolve()))
 
     def check_model(self, layers: int, kv_heads: int, head_dim: int) -> None:
         """Refuse a recipe calibrated on a model of another shape (the engine's model has no HF module to
@@ -117,3 +115,11 @@ class ServingConfig:
             raise ServingError(f"layer {layer}: its page would take {out.page_bytes} bytes, the engine allocated "
                                f"{self.page_bytes(channels, block_size)}")
         return out
+
+
+@functools.lru_cache(maxsize=4)
+def _load_recipe(path: str):
+    """One recipe read per process, whatever the number of layers (each attention layer has its own settings)."""
+    from ..recipe import Recipe
+
+    return Recipe.load(path)

@@ -288,7 +288,8 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             out[rows] = o.to(out.dtype)
         for r in (qlens > 1).nonzero().flatten().tolist():
             a, b = int(qsl[r]), int(qsl[r + 1])
-            out[a:b] = self._prefill(layout, pages, md.block_table[r:r + 1], int(lens[r]), q[a:b]).to(out.dtype)
+            qr = query[a:b].view(b - a, hq, d)
+            out[a:b] = self._prefill(layout, pages, md.block_table[r:r + 1], int(lens[r]), qr).to(out.dtype)
         return output
 
     def _pre_rope(self, k: torch.Tensor, pos: torch.Tensor, eps: float) -> torch.Tensor:
@@ -311,19 +312,26 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         return self.rope.unapply(k.transpose(0, 1), pos, float32_angles=True).transpose(0, 1)
 
     def _prefill(self, layout, pages, table, seq_len: int, q: torch.Tensor) -> torch.Tensor:
-        """Causal attention of a chunk's queries [Q, Hq, D] (the last Q tokens) over the sequence's pages."""
+        """Causal attention of a chunk's queries [Q, Hq, D] (the last Q tokens) over the sequence's pages, in the
+        model's dtype: the dequantized keys and values enter attention as the HF path's prefill hands them to
+        the model's attention (cast to its dtype)."""
         view, _ = layout.view(pages, table, torch.tensor([seq_len]))
         k, v = dequantize_view(view)  # [T, 1, C] pre-RoPE keys
         t, h, d = seq_len, self.num_kv_heads, self.head_size
-        k = self.rope.apply(k.view(t, h, d).transpose(0, 1), torch.arange(t, device=k.device))  # [H, T, D]
-        v = v.view(t, h, d).transpose(0, 1)
-        g = self.num_heads // h
-        k, v = k.repeat_interleave(g, dim=0), v.repeat_interleave(g, dim=0)  # [Hq, T, D]
+        k = self.rope.apply(k.view(t, h, d).transpose(0, 1), torch.arange(t, device=k.device)).to(q.dtype)
+        v = v.view(t, h, d).transpose(0, 1).to(q.dtype)  # [H, T, D]
         nq = q.shape[0]
         qpos = torch.arange(t - nq, t, device=q.device)
         allowed = torch.arange(t, device=q.device).view(1, -1) <= qpos.view(-1, 1)  # [Q, T]
+        if self.softcap is None:  # torch's fused attention, as the HF path's prefill (sdpa) computes it
+            whole = nq == t  # a whole prompt: plain causal, which lets torch skip the masked blocks
+            o = torch.nn.functional.scaled_dot_product_attention(
+                q.transpose(0, 1).contiguous().unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                attn_mask=None if whole else allowed, is_causal=whole, scale=self.scale, enable_gqa=True)
+            return o[0].transpose(0, 1)
+        g = self.num_heads // h
+        q, k, v = q.float(), k.float().repeat_interleave(g, dim=0), v.float().repeat_interleave(g, dim=0)
         scores = torch.einsum("qhd,htd->hqt", q, k) * self.scale
-        if self.softcap:
-            scores = self.softcap * torch.tanh(scores / self.softcap)
+        scores = self.softcap * torch.tanh(scores / self.softcap)
         probs = scores.masked_fill(~allowed, float("-inf")).softmax(dim=-1)
         return torch.einsum("hqt,htd->qhd", probs, v)
