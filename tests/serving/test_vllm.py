@@ -130,6 +130,9 @@ got = impl._pre_rope(turned.view(5, 1, 64).float(), pos, eps)
 assert impl.keys_turned_back == 1 and torch.allclose(got.view(5, 64), k0, atol=1e-4), "others' keys are not"
 got = impl._pre_rope(turned.view(5, 1, 64).float(), pos, eps)
 assert impl.keys_turned_back == 2, "nothing kept: turned back"
+kv.PreRopeKeys.keep(torch.randn(5, 128))  # a layer of another width
+got = impl._pre_rope(turned.view(5, 1, 64).float(), pos, eps)
+assert impl.keys_turned_back == 3 and torch.allclose(got.view(5, 64), k0, atol=1e-4), "other widths are not"
 print("ok")
 """
 

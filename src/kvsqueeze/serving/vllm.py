@@ -298,7 +298,7 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         back = self._unturn(k, pos)
         kept = PreRopeKeys.take()
         n = k.shape[0]
-        if kept is not None and kept.numel() >= k.numel() and kept.shape[0] >= n:
+        if kept is not None and kept.shape[0] >= n and kept[:n].numel() == k.numel():
             kept = kept[:n].reshape(k.shape).to(k.device, torch.float32)
             tol = 16 * eps * (1.0 + float(back.abs().amax()))  # rounding of the model's dtype, far below a code step
             if bool(((kept - back).abs() <= tol).all()):
