@@ -313,12 +313,12 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
 
     def _prefill(self, layout, pages, table, seq_len: int, q: torch.Tensor) -> torch.Tensor:
         """Causal attention of a chunk's queries [Q, Hq, D] (the last Q tokens) over the sequence's pages, in the
-        model's dtype: the dequantized keys and values enter attention as the HF path's prefill hands them to
-        the model's attention (cast to its dtype)."""
+        model's dtype: the dequantized keys and values cast to it and the keys turned in it, as the HF path's
+        prefill hands them to the model's attention."""
         view, _ = layout.view(pages, table, torch.tensor([seq_len]))
         k, v = dequantize_view(view)  # [T, 1, C] pre-RoPE keys
         t, h, d = seq_len, self.num_kv_heads, self.head_size
-        k = self.rope.apply(k.view(t, h, d).transpose(0, 1), torch.arange(t, device=k.device)).to(q.dtype)
+        k = self.rope.apply(k.view(t, h, d).transpose(0, 1).to(q.dtype), torch.arange(t, device=k.device))
         v = v.view(t, h, d).transpose(0, 1).to(q.dtype)  # [H, T, D]
         nq = q.shape[0]
         qpos = torch.arange(t - nq, t, device=q.device)
