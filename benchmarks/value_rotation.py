@@ -1,6 +1,7 @@
 """How much a Hadamard rotation of each value head would lower per-token quantization error (a probe, not a method).
 
-    python benchmarks/value_rotation.py [--recipe out/recipe] [--windows 5] [--json benchmarks/results/value_rotation.json]
+    python benchmarks/value_rotation.py [--recipe out/recipe] [--windows 5]
+        [--json benchmarks/results/value_rotation.json]
 
 On the default model's values for one 2,048-token calibration window (the first token left out, as a sink),
 per layer: the relative squared error ||V^ - V||^2 / ||V||^2 of per-token quantization with NormalFloat levels
@@ -61,22 +62,19 @@ class Turned:
         return (y.float().view(n, c // d, d) @ self.h.T).view(n, c).to(x.dtype), kept
 
 
-class TurnedValues(SimulatedQuantization):
-    """The simulated path with every layer's value quantizer turned (`Turned`)."""
-
-    h: torch.Tensor
-
-    def __init__(self, *args, **kw):
-        super().__init__(*args, **kw)
-        self.v = [v if v is None else Turned(v, self.h) for v in self.v]
-
-
 def end_to_end(model, tok, recipe: Recipe, windows: int, h: torch.Tensor):
     """Rows of nuq3-1% and nuq2-1%, plain and turned (the fp16 reference has no value quantizer to turn)."""
     ew = evaluation_windows(tok, load_text("bbc"), 2048, windows)
     specs = [parse_method(n) for n in ("nuq3-1%", "nuq2-1%")]
     rows = [{**r.as_dict(), "values": "plain"} for r in perplexity.evaluate(model, ew.ids, specs, recipe)]
-    TurnedValues.h = h
+
+    class TurnedValues(SimulatedQuantization):
+        """The simulated path with every layer's value quantizer turned by h (`Turned`)."""
+
+        def __init__(self, *args, **kw):
+            super().__init__(*args, **kw)
+            self.v = [v if v is None else Turned(v, h) for v in self.v]
+
     perplexity.SimulatedQuantization = TurnedValues  # evaluate() builds its quantizers through this name
     try:
         turned = perplexity.evaluate(model, ew.ids, specs, recipe)

@@ -6,9 +6,9 @@ Reads the prompts' HF-path greedy tokens from `benchmarks/results/vllm.json` (wr
 asks the HF path itself, teacher-forced (the prompt followed by those tokens, one forward through the compressed
 cache), for its first choice at each of them, twice: with the keys it captures before RoPE (its own prefill
 arithmetic against its own decode steps), and with the post-RoPE keys turned back (what the vLLM backend does
-where it cannot take the keys its rotary step was given). A 3-bit
-cache turns float rounding into whole code steps where a value sits on a level boundary, so even these two
-differ from the greedy tokens at a few positions. A third control measures that sensitivity directly: the same
+where it cannot take the keys its rotary step was given). A 3-bit cache turns float rounding into whole code
+steps where a value sits on a level boundary, so even these two differ from the greedy tokens at a few
+positions. A third control measures that sensitivity directly: the same
 compressed cache with the input embeddings perturbed by noise of float32 rounding size (relative 2**-22, a few
 seeds), against the same greedy tokens; an engine whose arithmetic differs from HF's at rounding level cannot be
 expected to agree better than this.
@@ -50,13 +50,15 @@ def main() -> None:
                 return out * (1 + 2.0**-22 * torch.randn(out.shape, generator=gen, dtype=out.dtype))
 
             handle = model.get_input_embeddings().register_forward_hook(nudge)
-        for p, w in zip(prompts, want):
-            x = torch.tensor([p + w])
-            with torch.no_grad(), kvsqueeze.cache_for(model, ref["recipe"], ref["method"]) as cache:
-                logits = model(x, cache=cache, use_cache=True).logits[0]
-            same += sum(a == b for a, b in zip(logits[len(p) - 1:len(p) - 1 + len(w)].argmax(-1).tolist(), w))
-        if handle is not None:
-            handle.remove()
+        try:
+            for p, w in zip(prompts, want):
+                x = torch.tensor([p + w])
+                with torch.no_grad(), kvsqueeze.cache_for(model, ref["recipe"], ref["method"]) as cache:
+                    logits = model(x, cache=cache, use_cache=True).logits[0]
+                same += sum(a == b for a, b in zip(logits[len(p) - 1:len(p) - 1 + len(w)].argmax(-1).tolist(), w))
+        finally:
+            if handle is not None:
+                handle.remove()
         return same
 
     captured = agree()
