@@ -159,3 +159,126 @@ def test_sensitivity_runs_that_skip_the_unchanged_layers_equal_whole_forwards(ti
     assert fast["kl"].keys() == whole["kl"].keys() and len(fast["kl"]) == 2 * 2 * 3
     for key, value in whole["kl"].items():
         assert fast["kl"][key] == pytest.approx(value, rel=1e-4, abs=1e-9), key
+
+
+# ---- a width per channel (nuq@AVG:chan) -------------------------------------------------------------------------
+def _table_loss(recipe, alloc) -> float:
+    """The summed per-channel errors of an allocation, read from the recipe's tables."""
+    from kvsqueeze.budget import CHANNEL_BITS
+
+    total = 0.0
+    for layer, (k, v) in enumerate(zip(alloc.keys, alloc.values)):
+        for kv, c in (("k", k), ("v", v)):
+            err = recipe.channel_errors(layer, kv, c.fraction)
+            widths = c.widths if c.widths is not None else (c.bits,) * err.shape[0]
+            total += float(sum(err[i, CHANNEL_BITS.index(w)] for i, w in enumerate(widths)))
+    return total
+
+
+def test_channel_errors_split_each_codebook_objective_by_channel(tiny_recipe):
+    """Summed over channels, a width's per-channel errors are its codebook's Fisher-weighted objective (computed
+    there on a histogram, so within its binning); fewer bits never cost a channel less."""
+    from kvsqueeze.budget import CHANNEL_BITS
+
+    objective = tiny_recipe.meta["kmeans_objective"]
+    for layer in (0, 1):
+        for kv in ("k", "v"):
+            for fraction, pct in ((0.0, "p0"), (0.01, "p1")):
+                err = tiny_recipe.channel_errors(layer, kv, fraction).double()
+                assert err.shape == (32, len(CHANNEL_BITS)) and (err >= 0).all()
+                assert (err[:, :-1] >= err[:, 1:] * (1 - 1e-6)).all()  # wider codebooks fit every channel better
+                for i, bits in enumerate(CHANNEL_BITS):
+                    want = objective[f"layers.{layer}.codebook.{kv}.b{bits}.{pct}.vector.fs2"]["nuq"]
+                    assert float(err[:, i].sum()) == pytest.approx(want, rel=0.05), (layer, kv, pct, bits)
+
+
+@pytest.mark.parametrize("avg", [2.2, 2.6, 3.0, 3.5, 4.0])
+def test_channel_budgets_fit_and_predict_no_more_loss_than_layer_budgets(tiny_recipe, avg):
+    """A width per layer is one of the choices a width per channel has: at the same bits, the per-channel choice
+    predicts at most the per-layer one's loss, and it fits its budget, every byte counted."""
+    from kvsqueeze.budget import CHANNEL_BITS, allocate_channels
+
+    chan = allocate_channels(tiny_recipe, avg)
+    assert chan.bits <= avg + 1e-9 and chan.bits >= avg - 0.05  # the budget spent, not left over
+    assert chan.predicted == pytest.approx(_table_loss(tiny_recipe, chan))
+    assert all(set(c.widths) <= set(CHANNEL_BITS) and c.bits == max(c.widths) for c in chan.keys + chan.values)
+    if avg >= 2.6:  # the per-layer choice has nothing under 2 bits
+        layer = allocate(tiny_recipe, avg)
+        assert chan.predicted <= _table_loss(tiny_recipe, layer) * (1 + 1e-9)
+    fp = tiny_recipe.meta["model"]["fingerprint"]
+    c = fp["kv_heads"] * fp["head_dim"]
+    spent = sum(tensor_bits(kv, ch, 2048, c, 1)["total"] for k, v in zip(chan.keys, chan.values)
+                for kv, ch in (("k", k), ("v", v)))
+    assert spent / (2 * 2048 * c * fp["layers"]) == pytest.approx(chan.bits)
+
+
+def test_channel_budgets_round_trip_and_refuse_what_they_cannot_do(tiny_recipe):
+    import copy
+
+    from kvsqueeze.budget import Allocation, allocate_channels
+
+    alloc = recipe_allocation(tiny_recipe, 3.0, unit="channel")
+    assert alloc == allocate_channels(tiny_recipe, 3.0)
+    assert Allocation.from_dict(alloc.as_dict()) == alloc
+    assert layer_choices(parse_method("nuq@3:chan"), tiny_recipe, 1) == alloc.layer(1)
+    with pytest.raises(MethodError, match="below what this recipe can store"):
+        allocate_channels(tiny_recipe, 1.0)
+    old = copy.deepcopy(tiny_recipe)  # a recipe from before the per-channel tables
+    old.tensors = {k: v for k, v in old.tensors.items() if ".chanerr." not in k}
+    with pytest.raises(Exception, match="recalibrate"):
+        allocate_channels(old, 3.0)
+
+
+def test_channel_widths_quantize_each_channel_with_its_own_codebook(tiny_recipe):
+    """A quantizer with a width per channel gives every channel exactly what the plain quantizer of that width
+    (same ranges, same outliers) gives it, keys (per channel) and values (per token) alike."""
+    from kvsqueeze.quantizer import build_quantizers
+
+    spec = parse_method("nuq@3:chan")
+    alloc = recipe_allocation(tiny_recipe, 3.0, unit="channel")
+    x = torch.randn(50, 32) * torch.linspace(0.2, 3.0, 32)
+    for layer in (0, 1):
+        kq, vq = build_quantizers(spec, tiny_recipe, layer, 32, 8)
+        for q, choice, side in ((kq, alloc.keys[layer], 0), (vq, alloc.values[layer], 1)):
+            assert tuple(q.widths.tolist()) == choice.widths
+            got, kept = q.fake(x)
+            for w in set(choice.widths):
+                plain = parse_method(f"nuq{max(w, 2)}" + (f"-{100 * choice.fraction:g}%" if choice.fraction else ""))
+                pq = build_quantizers(plain, tiny_recipe, layer, 32, 8)[side]
+                from kvsqueeze.quantizer import with_widths
+
+                pq = with_widths(pq, (w,) * 32, tiny_recipe, layer, "kv"[side], 32)  # that width everywhere
+                want, want_kept = pq.fake(x)
+                sel = q.widths == w
+                torch.testing.assert_close(got[:, sel], want[:, sel], atol=0, rtol=0)
+                assert kept == want_kept  # the outliers do not depend on the widths
+            assert ((got - x).abs() > 0).any()
+
+
+def test_channel_budgets_run_in_the_simulated_path_and_the_cache_refuses_them(tiny_llama, tiny_recipe):
+    """The simulated path counts each layer's widths as `tensor_bits` does; the compressed cache (one width per
+    layer) refuses the method before any work, naming it and the per-layer budget to use instead, so passkey and
+    RULER-style runs take the simulated path for it."""
+    from conftest import random_ids
+
+    import kvsqueeze
+    from kvsqueeze.integrations.prefill import compressed
+    from kvsqueeze.integrations.simulate import SimulatedQuantization
+
+    spec = parse_method("nuq@3:chan")
+    ids = random_ids(1, 30, seed=4)
+    with torch.no_grad():
+        exact = tiny_llama(ids).logits
+        with SimulatedQuantization(tiny_llama, spec, tiny_recipe) as sim:
+            got = tiny_llama(ids, cache=sim.new_cache(), use_cache=True).logits
+            bits = sim.storage(30)
+        with SimulatedQuantization(tiny_llama, parse_method("nuq2"), tiny_recipe) as sim2:
+            two = tiny_llama(ids, cache=sim2.new_cache(), use_cache=True).logits
+    assert not torch.equal(got, exact)
+    assert (got - exact).abs().mean() < (two - exact).abs().mean()  # 3 bits on average beat 2 everywhere
+    per_layer = [layer_storage_bits(spec, tiny_recipe, i, 30, 32, sim.counter.k[i], sim.counter.v[i])["total"]
+                 for i in range(tiny_llama.config.num_hidden_layers)]
+    assert bits["total"] == pytest.approx(sum(per_layer))
+    assert not compressed(spec)
+    with pytest.raises(MethodError, match=r"nuq@3:chan.*own code width.*'nuq@3'"):
+        kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq@3:chan")

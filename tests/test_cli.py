@@ -138,7 +138,7 @@ def test_device_reaches_the_model_or_is_refused_with_the_reason(tiny_model_dir, 
 
 
 def test_calibrate_stores_bit_budgets_that_eval_and_inspect_read(tiny_model_dir, text_file, tmp_path, capsys):
-    from kvsqueeze.budget import allocate, recipe_allocation
+    from kvsqueeze.budget import allocate, allocate_channels, recipe_allocation
     from kvsqueeze.recipe import Recipe
 
     out = tmp_path / "recipe"
@@ -146,13 +146,22 @@ def test_calibrate_stores_bit_budgets_that_eval_and_inspect_read(tiny_model_dir,
                  "--seqlen", "64", "--out", str(out), "--avg-bits", "2.8,3.5"]) == 0
     assert "nuq@3.5:" in capsys.readouterr().out
     recipe = Recipe.load(out)
-    assert set(recipe.meta["budgets"]) == {"2.8", "3.5"}
+    assert set(recipe.meta["budgets"]) == {"2.8", "3.5", "2.8:chan", "3.5:chan"}  # a width per layer / channel
     assert recipe_allocation(recipe, 3.5) == allocate(recipe, 3.5)  # what was stored is the choice itself
+    stored, now = recipe_allocation(recipe, 3.5, unit="channel"), allocate_channels(recipe, 3.5)
+    assert (stored.keys, stored.values) == (now.keys, now.values)  # its float64 errors were saved as float32
+    assert stored.predicted == pytest.approx(now.predicted, rel=1e-6)
     assert main(["eval", "--model", str(tiny_model_dir), "--text", str(text_file), "--recipe", str(out),
                  "--methods", "fp16,nuq@3.5", "--seqlen", "64", "--max-windows", "2"]) == 0
     assert "nuq@3.5" in capsys.readouterr().out
     assert main(["inspect", "--recipe", str(out), "--avg-bits", "3.5", "--out", str(tmp_path / "plots")]) == 0
     assert (tmp_path / "plots" / "budget_3.5.png").stat().st_size > 1000
+    assert main(["inspect", "--recipe", str(out), "--avg-bits", "3.5", "--chan", "--out", str(tmp_path / "plots")]) == 0
+    assert "nuq@3.5:chan" in capsys.readouterr().out
+    assert (tmp_path / "plots" / "budget_3.5_chan.png").stat().st_size > 1000
+    assert main(["eval", "--model", str(tiny_model_dir), "--text", str(text_file), "--recipe", str(out),
+                 "--methods", "fp16,nuq@3.5:chan", "--seqlen", "64", "--max-windows", "2"]) == 0
+    assert "nuq@3.5:chan" in capsys.readouterr().out
     assert main(["inspect", "--avg-bits", "3.5", "--out", str(tmp_path / "plots")]) == 2
     assert "pass --recipe" in capsys.readouterr().err
     assert main(["calibrate", "--model", str(tiny_model_dir), "--out", str(tmp_path / "x"), "--avg-bits", "1"]) == 2

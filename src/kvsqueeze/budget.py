@@ -14,6 +14,12 @@ minimum summed loss, bits at most B. It is solved on its convex hull by a Lagran
 takes the choice minimising loss + lambda * bits; lambda found by bisection) and the bits left under the
 budget are then spent greedily on the upgrade with the best loss saved per bit.
 
+`nuq@B:chan` goes one unit finer: every channel of every layer's keys and values gets its own width from
+`CHANNEL_BITS` (one outlier fraction per layer and tensor, as above), from the recipe's per-channel split of
+the same Fisher-weighted objective (`calibrate.fit`: sum over tokens of F (x - x^)^2 for each channel and
+width). Channels of one layer differ in sensitivity (F s^2) by orders of magnitude, so by reverse
+water-filling the widths follow them. The multiple-choice knapsack is solved the same way, per channel.
+
 Everything here reads calibration data only (the recipe); evaluation text never shapes the choice. The
 choice depends on the cached length through the per-channel and per-layer metadata, so it is made for
 `TOKENS` tokens (the calibration and evaluation length); `calibrate --avg-bits` stores it in the recipe,
@@ -25,23 +31,33 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from .methods import (FP16_BITS, POINTER_BITS, SCALE_ZERO_BITS, SUPPORTED_BITS, MethodError, MethodSpec,
                       topk_per_side)
 from .recipe import Recipe, RecipeError, codebook_key
 
 TOKENS = 2048  # cached tokens the choice is made for
 INDEX_BITS = 16  # an outlier's channel index
+CHANNEL_BITS = (1, 2, 3, 4)  # widths a ':chan' budget gives channels (the kernels' tables hold 16 levels)
+WIDTH_BITS = 8  # a channel's width, stored once per layer with its codebooks
 
 
 @dataclass(frozen=True)
 class Choice:
     """How one layer stores its keys or its values."""
 
-    bits: int
+    bits: int  # the width of every channel; with `widths`, the widest
     fraction: float  # outliers kept exactly (per channel for keys, per token for values)
+    widths: tuple[int, ...] | None = None  # ':chan' budgets: each channel's own width
 
     def label(self) -> str:
-        return f"{self.bits}" + (f"-{100 * self.fraction:g}%" if self.fraction else "")
+        bits = f"{self.mean_bits:.2f}" if self.widths is not None else f"{self.bits}"
+        return bits + (f"-{100 * self.fraction:g}%" if self.fraction else "")
+
+    @property
+    def mean_bits(self) -> float:
+        return float(np.mean(self.widths)) if self.widths is not None else float(self.bits)
 
 
 @dataclass(frozen=True)
@@ -59,14 +75,20 @@ class Allocation:
     bits: float
 
     def as_dict(self) -> dict:
+        def row(c: Choice) -> list:
+            return [c.bits, c.fraction] + ([list(c.widths)] if c.widths is not None else [])
+
         return {"avg_bits": self.avg_bits, "tokens": self.tokens, "predicted": self.predicted, "bits": self.bits,
-                "keys": [[c.bits, c.fraction] for c in self.keys],
-                "values": [[c.bits, c.fraction] for c in self.values]}
+                "keys": [row(c) for c in self.keys], "values": [row(c) for c in self.values]}
 
     @classmethod
     def from_dict(cls, d: dict) -> Allocation:
-        return cls(float(d["avg_bits"]), int(d["tokens"]), tuple(Choice(int(b), float(f)) for b, f in d["keys"]),
-                   tuple(Choice(int(b), float(f)) for b, f in d["values"]), float(d["predicted"]), float(d["bits"]))
+        def choice(row: list) -> Choice:
+            widths = tuple(int(w) for w in row[2]) if len(row) > 2 else None
+            return Choice(int(row[0]), float(row[1]), widths)
+
+        return cls(float(d["avg_bits"]), int(d["tokens"]), tuple(map(choice, d["keys"])),
+                   tuple(map(choice, d["values"])), float(d["predicted"]), float(d["bits"]))
 
     def layer(self, i: int) -> tuple[Choice, Choice]:
         return self.keys[i], self.values[i]
@@ -81,9 +103,13 @@ def tensor_bits(kv: str, choice: Choice, tokens: int, channels: int, sinks: int,
     per-token top-k outliers (no pointers). `outliers`: the count actually kept (default: nominal)."""
     sinks = min(sinks, tokens)
     q = tokens - sinks
-    out = dict(codes=float(q * channels * choice.bits), scales=float(SCALE_ZERO_BITS * (channels if kv == "k" else q)),
+    if choice.widths is not None:  # every codebook ':chan' may use, and each channel's width
+        codes, codebook = q * sum(choice.widths), FP16_BITS * sum(2**w for w in CHANNEL_BITS) + WIDTH_BITS * channels
+    else:
+        codes, codebook = q * channels * choice.bits, FP16_BITS * 2**choice.bits
+    out = dict(codes=float(codes), scales=float(SCALE_ZERO_BITS * (channels if kv == "k" else q)),
                outlier_values=0.0, outlier_indices=0.0, pointers=0.0, sinks=float(sinks * channels * FP16_BITS),
-               codebook=float(FP16_BITS * 2**choice.bits), fp16_window=0.0)
+               codebook=float(codebook), fp16_window=0.0)
     if choice.fraction > 0:
         if outliers is None:
             outliers = (choice.fraction * q * channels if kv == "k"
@@ -211,24 +237,93 @@ def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKE
                       spent / (2 * tokens * channels * layers))
 
 
-def recipe_allocation(recipe: Recipe, avg_bits: float, sinks: int = 1, proxy: str = "fisher") -> Allocation:
-    """The recipe's stored choice for this budget, sink count and proxy (`calibrate --avg-bits`, `kvsqueeze
-    budget`), or the same computed now."""
-    stored = recipe.meta.get("budgets", {}).get(budget_key(avg_bits, sinks, proxy))
+def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKENS) -> Allocation:
+    """Each channel's width (`CHANNEL_BITS`) and each layer's key / value outlier fraction minimising the summed
+    per-channel Fisher-weighted error at `avg_bits` (see the module docstring).
+
+    Raises:
+        MethodError: a budget below what the cheapest choice everywhere stores.
+        RecipeError: a recipe without per-channel errors (calibrated before they were recorded).
+    """
+    fp = recipe.meta["model"]["fingerprint"]
+    layers, channels = int(fp["layers"]), int(fp["kv_heads"]) * int(fp["head_dim"])
+    fractions = sorted(float(f) for f in recipe.meta.get("settings", {}).get("fractions", (0.0,)))
+    q = tokens - min(sinks, tokens)  # quantized tokens: a channel one bit wider costs q bits
+    widths = np.array(CHANNEL_BITS)
+    units = [(layer, kv) for layer in range(layers) for kv in ("k", "v")]
+    # err [U, F, C, W]; fixed [U, F]: what a unit stores besides its codes
+    err = np.stack([np.stack([recipe.channel_errors(layer, kv, f).double().numpy() for f in fractions])
+                    for layer, kv in units])
+    if err.shape[2:] != (channels, len(CHANNEL_BITS)):
+        raise RecipeError(f"the recipe's per-channel errors have shape {err.shape[2:]}, expected "
+                          f"({channels}, {len(CHANNEL_BITS)}): recalibrate it with this version of kvsqueeze")
+    fixed = np.array([[tensor_bits(kv, Choice(max(CHANNEL_BITS), f, (0,) * channels), tokens, channels, sinks)["total"]
+                       for f in fractions] for _, kv in units])
+    budget = avg_bits * 2 * tokens * channels * layers
+    cheapest = float((fixed + q * channels * widths[0]).min(1).sum())
+    if cheapest > budget:
+        raise MethodError(f"nuq@{avg_bits:g}:chan: below what this recipe can store ({cheapest / budget * avg_bits:.3f} "
+                          f"bits with every channel at {widths[0]} bit); give a larger average")
+
+    def pick(lam: float) -> tuple[np.ndarray, np.ndarray]:
+        w_idx = np.argmin(err + lam * q * widths, axis=-1)  # [U, F, C]
+        loss = np.take_along_axis(err, w_idx[..., None], -1)[..., 0].sum(-1) + lam * (
+            q * widths[w_idx].sum(-1) + fixed)  # [U, F]
+        f_idx = loss.argmin(1)
+        return f_idx, w_idx[np.arange(len(units)), f_idx]  # [U], [U, C]
+
+    def cost(f_idx: np.ndarray, w_idx: np.ndarray) -> float:
+        return float(fixed[np.arange(len(units)), f_idx].sum() + q * widths[w_idx].sum())
+
+    f_idx, w_idx = pick(0.0)
+    if cost(f_idx, w_idx) > budget:
+        lo, hi = 0.0, 1e-12
+        while cost(*pick(hi)) > budget:  # a multiplier large enough to fit
+            hi *= 4
+        for _ in range(200):  # the smallest multiplier that fits
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if cost(*pick(mid)) > budget else (lo, mid)
+        f_idx, w_idx = pick(hi)
+    chosen = err[np.arange(len(units)), f_idx]  # [U, C, W] at each unit's fraction
+    spent = cost(f_idx, w_idx)
+    while spent + q <= budget:  # what is left: the one-bit upgrades that save the most
+        now = np.take_along_axis(chosen, w_idx[..., None], -1)[..., 0]
+        up = np.take_along_axis(chosen, np.minimum(w_idx + 1, len(widths) - 1)[..., None], -1)[..., 0]
+        gain = np.where(w_idx + 1 < len(widths), now - up, -np.inf)
+        u, c = np.unravel_index(int(gain.argmax()), gain.shape)
+        if not gain[u, c] > 0:
+            break
+        w_idx[u, c] += 1
+        spent += q
+    predicted = float(np.take_along_axis(chosen, w_idx[..., None], -1).sum())
+    picks = [Choice(int(widths[w].max()), fractions[f], tuple(int(x) for x in widths[w]))
+             for f, w in zip(f_idx, w_idx)]
+    return Allocation(float(avg_bits), tokens, tuple(picks[0::2]), tuple(picks[1::2]), predicted,
+                      spent / (2 * tokens * channels * layers))
+
+
+def recipe_allocation(recipe: Recipe, avg_bits: float, sinks: int = 1, proxy: str = "fisher",
+                      unit: str = "layer") -> Allocation:
+    """The recipe's stored choice for this budget, sink count, proxy and unit (`calibrate --avg-bits`,
+    `kvsqueeze budget`), or the same computed now."""
+    stored = recipe.meta.get("budgets", {}).get(budget_key(avg_bits, sinks, proxy, unit))
     if stored is not None:
         return Allocation.from_dict(stored)
-    key = (id(recipe), float(avg_bits), sinks, proxy)
+    key = (id(recipe), float(avg_bits), sinks, proxy, unit)
     held = _COMPUTED.get(key)
     if held is None or held[0] is not recipe:
-        held = _COMPUTED[key] = (recipe, allocate(recipe, avg_bits, sinks, proxy=proxy))
+        alloc = (allocate_channels(recipe, avg_bits, sinks) if unit == "channel"
+                 else allocate(recipe, avg_bits, sinks, proxy=proxy))
+        held = _COMPUTED[key] = (recipe, alloc)
     return held[1]
 
 
-_COMPUTED: dict[tuple, tuple[Recipe, Allocation]] = {}  # (recipe id, budget, sinks, proxy) -> (recipe, choice)
+_COMPUTED: dict[tuple, tuple[Recipe, Allocation]] = {}  # (recipe id, budget, sinks, proxy, unit) -> (recipe, choice)
 
 
-def budget_key(avg_bits: float, sinks: int, proxy: str = "fisher") -> str:
-    return f"{avg_bits:g}" + (f":sink{sinks}" if sinks != 1 else "") + (":kl" if proxy == "kl" else "")
+def budget_key(avg_bits: float, sinks: int, proxy: str = "fisher", unit: str = "layer") -> str:
+    return (f"{avg_bits:g}" + (f":sink{sinks}" if sinks != 1 else "") + (":kl" if proxy == "kl" else "")
+            + (":chan" if unit == "channel" else ""))
 
 
 def layer_choices(spec: MethodSpec, recipe: Recipe, layer: int) -> tuple[Choice, Choice]:
@@ -238,11 +333,18 @@ def layer_choices(spec: MethodSpec, recipe: Recipe, layer: int) -> tuple[Choice,
     if recipe is None:
         raise RecipeError(f"method {spec.name!r} chooses each layer's bits from the recipe's Fisher objectives: "
                           "pass --recipe DIR")
-    return recipe_allocation(recipe, spec.budget, spec.sinks, spec.budget_proxy).layer(layer)
+    return recipe_allocation(recipe, spec.budget, spec.sinks, spec.budget_proxy, spec.budget_unit).layer(layer)
 
 
 def describe(alloc: Allocation) -> str:
-    """One line per layer: its key and value choice."""
+    """One line per layer: its key and value choice (with ':chan', the mean width and how many channels have each)."""
     width = max(2, int(math.log10(max(1, len(alloc.keys)))) + 1)
-    return "\n".join(f"layer {i:>{width}}: K {k.label():>6}  V {v.label():>6}"
+
+    def detail(c: Choice) -> str:
+        if c.widths is None:
+            return ""
+        counts = np.bincount(np.array(c.widths), minlength=max(CHANNEL_BITS) + 1)
+        return " (" + " ".join(f"{w}b:{counts[w]}" for w in CHANNEL_BITS) + ")"
+
+    return "\n".join(f"layer {i:>{width}}: K {k.label():>6}{detail(k)}  V {v.label():>6}{detail(v)}"
                      for i, (k, v) in enumerate(zip(alloc.keys, alloc.values)))

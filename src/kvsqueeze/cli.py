@@ -94,13 +94,18 @@ def cmd_calibrate(args) -> None:
     recipe.meta["calibration_pieces"] = sorted(text.calibration_pieces)  # lets eval tell held-out text apart
     recipe.meta["timings_s"]["load"] = round(t_load, 2)
     for avg in _budgets(args.avg_bits):
-        from .budget import allocate, budget_key
+        from .budget import allocate, allocate_channels, budget_key
 
         alloc = allocate(recipe, avg)
         recipe.meta.setdefault("budgets", {})[budget_key(avg, 1)] = alloc.as_dict()
         mix = ", ".join(f"{kv} {n}x{label}" for kv, chosen in (("K", alloc.keys), ("V", alloc.values))
                         for label, n in sorted(_count(c.label() for c in chosen).items()))
         print(f"  nuq@{avg:g}: {alloc.bits:.3f} bits per element at {alloc.tokens} tokens; {mix}")
+        alloc = allocate_channels(recipe, avg)
+        recipe.meta["budgets"][budget_key(avg, 1, unit="channel")] = alloc.as_dict()
+        print(f"  nuq@{avg:g}:chan: {alloc.bits:.3f} bits per element at {alloc.tokens} tokens; mean key width "
+              f"{sum(c.mean_bits for c in alloc.keys) / len(alloc.keys):.2f}, value width "
+              f"{sum(c.mean_bits for c in alloc.values) / len(alloc.values):.2f}")
     recipe.meta["timings_s"]["total"] = round(time.perf_counter() - t0, 2)
     out = recipe.save(args.out)
     objs = recipe.meta["kmeans_objective"]
@@ -222,11 +227,13 @@ def cmd_inspect(args) -> None:
         if not args.recipe:
             raise ValueError("--avg-bits plots a recipe's bit budget: pass --recipe DIR as well")
         recipe = Recipe.load(args.recipe)
+        unit, tag = ("channel", ":chan") if args.chan else ("layer", "")
         for avg in budgets:
-            alloc = recipe_allocation(recipe, avg)
-            print(f"nuq@{avg:g} ({alloc.bits:.3f} bits per element at {alloc.tokens} tokens):")
+            alloc = recipe_allocation(recipe, avg, unit=unit)
+            print(f"nuq@{avg:g}{tag} ({alloc.bits:.3f} bits per element at {alloc.tokens} tokens):")
             print(describe(alloc))
-            print(f"wrote {plot_budget(alloc, str(Path(args.out) / f'budget_{avg:g}.png'))}")
+            name = f"budget_{avg:g}{'_chan' if args.chan else ''}.png"
+            print(f"wrote {plot_budget(alloc, str(Path(args.out) / name))}")
         return
     for path in inspect_activations(args.model, args.text, args.out, layer=args.layer, seqlen=args.seqlen,
                                     dtype=args.dtype, device=args.device):
@@ -404,6 +411,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--seqlen", type=int, default=_INSPECT.seqlen)
     i.add_argument("--recipe", help="with --avg-bits: the recipe whose bit budget to show")
     i.add_argument("--avg-bits", help="plot the bits per layer of these budgets (nuq@B) instead of activations")
+    i.add_argument("--chan", action="store_true", help="with --avg-bits: the budgets with a width per channel "
+                   "(nuq@B:chan), each layer's mean width and its channels' widths")
     i.set_defaults(fn=cmd_inspect)
 
     k = sub.add_parser("passkey", help="passkey retrieval accuracy per method and prompt length")

@@ -10,12 +10,14 @@ indices and pointers, sinks, codebooks and fp16 windows all count.
 
 Grammar::
 
-    FAMILY BITS [-PCT%] [:FLAG ...]      or      nuq@AVG [:sinkN]
+    FAMILY BITS [-PCT%] [:FLAG ...]      or      nuq@AVG [:sinkN] [:kl | :chan]
 
     FAMILY  fp16 | int | nf | nuq | kivi | group | turbo
     AVG     a bit budget, e.g. 3.5: average stored bits per K/V element, every byte counted; each
             layer's key and value bit width and outlier fraction come from the recipe (`kvsqueeze.budget`):
-            from its Fisher objectives, or with `:kl` from measured sensitivities (`kvsqueeze budget`)
+            from its Fisher objectives, or with `:kl` from measured sensitivities (`kvsqueeze budget`);
+            with `:chan` every channel of every layer's keys and values gets its own width (1 to 4 bits)
+            from the recipe's per-channel Fisher-weighted errors
     BITS    2 | 3 | 4 (both K and V)  or  k3v2 (keys 3 bits, values 2 bits)
     PCT     outlier percentage, e.g. 1 or 0.1 (kept exactly in fp16)
     FLAG    ktok | kchan       keys per token / per channel
@@ -87,6 +89,7 @@ class MethodSpec:
     split: bool = False  # turbo only: the higher-RMS half of each head's channels one bit wider
     budget: float | None = None  # nuq only: average stored bits; each layer's K / V choice from the recipe
     budget_proxy: str = "fisher"  # the loss a budget minimises: "fisher" objectives or measured "kl"
+    budget_unit: str = "layer"  # what a budget gives its own bit width: each "layer" (K / V) or each "channel"
     key_slots: int = 0  # per-channel keys: exact elements per token, a fixed count (0: every outlier, a count that varies)
     name: str = field(default="", init=False, compare=False)
 
@@ -239,18 +242,24 @@ def _budget_method(name: str, family: str, m: re.Match) -> MethodSpec:
     if not 2.0 <= budget <= 16.0:
         raise MethodError(f"method {name!r}: the budget is average stored bits per element, between 2 and 16")
     fields: dict = dict(FAMILY_DEFAULTS[family])
-    proxy = "fisher"
+    proxy, unit = "fisher", "layer"
     for flag in filter(None, m["flags"].split(":")):
         if flag == "kl":
             proxy = "kl"
             continue
+        if flag == "chan":
+            unit = "channel"
+            continue
         if not re.fullmatch(r"sink\d+", flag):
-            raise MethodError(f"method {name!r}: a bit budget takes a sink count (':sinkN') and ':kl' (measured "
-                              f"sensitivities), not ':{flag}'")
+            raise MethodError(f"method {name!r}: a bit budget takes a sink count (':sinkN'), ':kl' (measured "
+                              f"sensitivities) or ':chan' (a bit width per channel), not ':{flag}'")
         _apply_flag(name, family, flag, fields)
+    if proxy == "kl" and unit == "channel":
+        raise MethodError(f"method {name!r}: ':chan' widths come from the recipe's per-channel Fisher-weighted "
+                          "errors, and ':kl' measures whole layers; use one of the two")
     # the widest choice stands in for the spec's own bits; every consumer reads the layer's choice instead
     return MethodSpec(family=family, **{**fields, "k_bits": max(SUPPORTED_BITS), "v_bits": max(SUPPORTED_BITS)},
-                      budget=budget, budget_proxy=proxy)
+                      budget=budget, budget_proxy=proxy, budget_unit=unit)
 
 
 def _apply_flag(name: str, family: str, flag: str, fields: dict) -> None:
@@ -308,7 +317,7 @@ def canonical_name(spec: MethodSpec) -> str:
     if spec.budget is not None:
         sinks = FAMILY_DEFAULTS[spec.family].get("sinks", 0)
         return (f"{spec.family}@{spec.budget:g}" + (f":sink{spec.sinks}" if spec.sinks != sinks else "")
-                + (":kl" if spec.budget_proxy == "kl" else ""))
+                + (":kl" if spec.budget_proxy == "kl" else "") + (":chan" if spec.budget_unit == "channel" else ""))
     bits = str(spec.k_bits) if spec.k_bits == spec.v_bits else f"-k{spec.k_bits}v{spec.v_bits}"
     out = spec.family + bits
     if spec.outlier_fraction:

@@ -20,7 +20,7 @@ import torch
 from .affine import choose_qparams, dequantize, quantize
 from .budget import layer_choices
 from .datatypes import check_codebook, standard_levels, uniform_levels
-from .methods import MethodError, MethodSpec, fixed_outlier_count, topk_per_side
+from .methods import SUPPORTED_BITS, MethodError, MethodSpec, fixed_outlier_count, topk_per_side
 from .outliers import clamp_range, online_thresholds, outlier_mask
 from .recipe import Recipe, RecipeError
 from .turbo import TurboQuantizer
@@ -52,10 +52,32 @@ class VectorQuantizer:
     mat_hi: float | None = None
     group: int = 0  # token axis: channels per (scale, zero) group; 0 = the whole token
     slots: int = 0  # channel axis: exact elements per token, a fixed count (0: every element past the range)
+    widths: torch.Tensor | None = None  # int64 [C]: each channel's own code width (':chan' budgets); None: `bits`
+    codebooks: dict[int, torch.Tensor] | None = None  # with `widths`: the levels of every width they use
 
     @property
     def bits(self) -> int:
+        """The code width of every channel (with `widths`, the widest; `levels` are its codebook)."""
         return int(self.levels.numel()).bit_length() - 1
+
+    def _codes(self, x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        if self.widths is None:
+            return quantize(x, scale, zero, self.levels)
+        codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+        for w, sel in self._groups():
+            codes[:, sel] = quantize(x[:, sel], _cols(scale, sel), _cols(zero, sel), self.codebooks[w])
+        return codes
+
+    def _values(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        if self.widths is None:
+            return dequantize(codes, scale, zero, self.levels)
+        out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
+        for w, sel in self._groups():
+            out[:, sel] = dequantize(codes[:, sel], _cols(scale, sel), _cols(zero, sel), self.codebooks[w])
+        return out
+
+    def _groups(self) -> list[tuple[int, torch.Tensor]]:
+        return [(int(w), (self.widths == w).nonzero().view(-1)) for w in torch.unique(self.widths)]
 
     def outliers_per_side(self, channels: int) -> int:
         """Per-token top-k: outliers kept above (and below) each token's range."""
@@ -85,7 +107,7 @@ class VectorQuantizer:
             lo, hi = self.ranges(x)
             mask = outlier_mask(x, lo, hi) if self.fraction > 0 else None
         scale, zero = choose_qparams(lo, hi)
-        codes = quantize(x, scale, zero, self.levels)
+        codes = self._codes(x, scale, zero)
         if self.slots and mask is not None:
             mask = self._slots(x, codes, scale, zero, mask)
         return Encoded(codes, scale, zero, mask)
@@ -94,7 +116,7 @@ class VectorQuantizer:
                past: torch.Tensor) -> torch.Tensor:
         """Exactly `slots` exact elements per token: its outliers first (the farthest past the range when it has
         more; the rest clip), then the in-range elements its codes round worst."""
-        err = (dequantize(codes, scale, zero, self.levels) - x).abs()  # an outlier's: its distance past the range
+        err = (self._values(codes, scale, zero) - x).abs()  # an outlier's: its distance past the range
         err = torch.where(past, err + err.amax(dim=1, keepdim=True) + 1, err)
         chosen = err.topk(min(self.slots, x.shape[1]), dim=1).indices
         return torch.zeros_like(past).scatter_(1, chosen, True)
@@ -124,7 +146,7 @@ class VectorQuantizer:
 
     def decode(self, enc: Encoded, x_exact: torch.Tensor | None = None) -> torch.Tensor:
         """Dequantize; where `enc.outliers` is set, take x_exact rounded to fp16."""
-        out = dequantize(enc.codes, enc.scale, enc.zero, self.levels)
+        out = self._values(enc.codes, enc.scale, enc.zero)
         if enc.outliers is not None and x_exact is not None:
             out = torch.where(enc.outliers, x_exact.half().float(), out)
         return out
@@ -135,6 +157,22 @@ class VectorQuantizer:
         enc = self.encode(xf)
         n_out = int(enc.outliers.sum()) if enc.outliers is not None else 0
         return self.decode(enc, xf).to(x.dtype), n_out
+
+
+def _cols(t: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
+    """The selected channels of a per-channel [1, C] scale or zero-point; a per-token [N, 1] one as it is."""
+    return t[:, sel] if t.shape[-1] > 1 else t
+
+
+def with_widths(q: VectorQuantizer, widths: tuple[int, ...], recipe: Recipe, layer: int, kv: str,
+                channels: int) -> VectorQuantizer:
+    """`q` with a code width per channel: the recipe's codebook of each width at q's outlier fraction."""
+    if len(widths) != channels:
+        raise RecipeError(f"layer {layer} {kv}: the recipe's budget gives {len(widths)} channel widths, the model "
+                          f"has {channels} channels: this recipe belongs to another model")
+    books = {w: check_codebook(recipe.codebook(layer, kv, w, q.fraction, "vector", "fs2"), w) for w in set(widths)}
+    return dataclasses.replace(q, levels=books[max(widths)], widths=torch.tensor(widths, dtype=torch.int64),
+                               codebooks=books)
 
 
 def _levels(spec: MethodSpec, recipe: Recipe | None, layer: int, kv: str, bits: int) -> torch.Tensor:
@@ -170,10 +208,17 @@ def build_quantizers(
     if spec.budget is not None:  # this layer's own key and value choice
         k, v = layer_choices(spec, recipe, layer)
         plain = dict(budget=None, outlier_scope="vector")
-        ks = dataclasses.replace(spec, k_bits=k.bits, v_bits=k.bits, outlier_fraction=k.fraction, **plain)
-        vs = dataclasses.replace(spec, k_bits=v.bits, v_bits=v.bits, outlier_fraction=v.fraction, **plain)
-        return (build_quantizers(ks, recipe, layer, channels, head_dim)[0],
-                build_quantizers(vs, recipe, layer, channels, head_dim)[1])
+        # a ':chan' choice is built at the widest supported width, then given its channels' own codebooks
+        kb, vb = (max(c.bits, min(SUPPORTED_BITS)) for c in (k, v))
+        ks = dataclasses.replace(spec, k_bits=kb, v_bits=kb, outlier_fraction=k.fraction, **plain)
+        vs = dataclasses.replace(spec, k_bits=vb, v_bits=vb, outlier_fraction=v.fraction, **plain)
+        kq = build_quantizers(ks, recipe, layer, channels, head_dim)[0]
+        vq = build_quantizers(vs, recipe, layer, channels, head_dim)[1]
+        if k.widths is not None:
+            kq = with_widths(kq, k.widths, recipe, layer, "k", channels)
+        if v.widths is not None:
+            vq = with_widths(vq, v.widths, recipe, layer, "v", channels)
+        return kq, vq
     if spec.needs_recipe and recipe is None:
         raise RecipeError(
             f"method {spec.name!r} uses offline calibration statistics: pass --recipe DIR "

@@ -45,6 +45,11 @@ def codebook_key(layer: int, kv: str, bits: int, fraction: float, scope: str, fi
     return f"layers.{layer}.codebook.{kv}.b{bits}.{pct_tag(fraction)}.{scope}.{fit}"
 
 
+def channel_error_key(layer: int, kv: str, fraction: float) -> str:
+    """Per-channel [C, widths] Fisher-weighted squared error of `kv` at each width of `budget.CHANNEL_BITS`."""
+    return f"layers.{layer}.chanerr.{kv}.{pct_tag(fraction)}"
+
+
 PROBES = 128  # first-k_proj weights the fingerprint keeps, evenly spaced over the matrix
 # (the fingerprint itself is taken from the model by `kvsqueeze.integrations.fingerprint`)
 PROBE_RTOL = 2.0**-7  # 4x bf16's rounding error: the same weights in fp32, bf16 or fp16 agree within it
@@ -94,6 +99,13 @@ class Recipe:
 
     def codebook(self, layer: int, kv: str, bits: int, fraction: float, scope: str, fit: str) -> torch.Tensor:
         return self._get(codebook_key(layer, kv, bits, fraction, scope, fit), f"{bits}-bit {kv} codebook")
+
+    def channel_errors(self, layer: int, kv: str, fraction: float) -> torch.Tensor:
+        key = channel_error_key(layer, kv, fraction)
+        if key not in self.tensors:
+            raise RecipeError(f"recipe has no per-channel errors {key!r}, which ':chan' bit budgets read: "
+                              "recalibrate it with this version of kvsqueeze (`kvsqueeze calibrate`)")
+        return self.tensors[key]
 
     # ---- model check ---------------------------------------------------------------------
     def check_fingerprint(self, have: dict) -> None:

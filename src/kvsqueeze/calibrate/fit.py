@@ -18,13 +18,14 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..affine import choose_qparams
+from ..affine import choose_qparams, dequantize, quantize
+from ..budget import CHANNEL_BITS
 from ..config import CalibrationConfig
 from ..datatypes import normal_float_levels, uniform_levels
 from ..integrations.fingerprint import model_fingerprint
 from ..integrations.parts import layer_rotaries
 from ..outliers import calibrated_thresholds, clamp_range, online_thresholds, outlier_mask
-from ..recipe import Recipe, codebook_key, matrix_key, range_key
+from ..recipe import Recipe, channel_error_key, codebook_key, matrix_key, range_key
 from ..shape import kv_shape
 from .collect import Activations
 from .kmeans import WeightedHistogram, fit_codebook
@@ -46,6 +47,19 @@ def _hist_objective(hist: WeightedHistogram, centers: np.ndarray) -> float:
     c = np.sort(centers)
     idx = np.clip(np.searchsorted((c[1:] + c[:-1]) / 2, mean), 0, len(c) - 1)
     return float(np.sum(wx2 - 2 * c[idx] * wx + w * c[idx] ** 2))
+
+
+def _channel_errors(x, scale, zero, fisher, inside, codebooks) -> torch.Tensor:
+    """[C, len(codebooks)]: sum over tokens of F (x - x^)^2 at each codebook, outliers (exact) left out.
+
+    The same Fisher-weighted objective as the codebooks' (F s^2 (x_norm - level)^2 = F (x - x^)^2), split by
+    channel: what `budget.allocate_channels` trades against each channel's bits."""
+    out = torch.empty(x.shape[1], len(codebooks), dtype=torch.float64)
+    for i, levels in enumerate(codebooks):
+        levels = levels.float()
+        err = (x - dequantize(quantize(x, scale, zero, levels), scale, zero, levels)).square()
+        out[:, i] = (fisher * err * inside).sum(0, dtype=torch.float64)
+    return out
 
 
 def _normalized(x, lo, hi, fraction):
@@ -106,7 +120,10 @@ def fit_recipe(model, acts: Activations, cfg: CalibrationConfig, model_id: str, 
                         hist = WeightedHistogram(bins=cfg.bins)
                         w = _weights(fit, fisher[kv], scale)
                         hist.add(norm[inside], w[inside])
-                        for bits in cfg.bits:
+                        # per-channel budgets (':chan') choose among CHANNEL_BITS: their codebooks are fitted too
+                        widths = sorted(set(cfg.bits) | set(CHANNEL_BITS)) if (fit, scope) == ("fs2", "vector") \
+                            else cfg.bits
+                        for bits in widths:
                             res = fit_codebook(hist, 2**bits)
                             key = codebook_key(layer, kv, bits, p, scope, fit)
                             tensors[key] = torch.tensor(res.centers, dtype=torch.float32)
@@ -114,8 +131,14 @@ def fit_recipe(model, acts: Activations, cfg: CalibrationConfig, model_id: str, 
                                 objectives[key] = {
                                     "nuq": res.objective,
                                     "uniform": _hist_objective(hist, uniform_levels(bits).double().numpy()),
-                                    "nf": _hist_objective(hist, normal_float_levels(bits).double().numpy()),
                                 }
+                                if bits > 1:  # NormalFloat needs two
+                                    objectives[key]["nf"] = _hist_objective(
+                                        hist, normal_float_levels(bits).double().numpy())
+                    if scope == "vector" and "fs2" in fits:
+                        tensors[channel_error_key(layer, kv, p)] = _channel_errors(
+                            x, scale, choose_qparams(lo, hi)[1], fisher[kv], inside,
+                            [tensors[codebook_key(layer, kv, b, p, "vector", "fs2")] for b in CHANNEL_BITS])
     meta = {
         "model": {"id": model_id, "fingerprint": model_fingerprint(model)},
         "text": text_name,

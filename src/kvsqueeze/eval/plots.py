@@ -113,22 +113,39 @@ def plot_ppl_by_length(runs: list[dict], path: str) -> None:
 
 def plot_budget(alloc, path: str) -> str:
     """Bits per layer of a bit budget (`kvsqueeze.budget.Allocation`): keys and values side by side, the
-    layers that keep 1% (or 0.1%) outliers hatched."""
+    layers that keep 1% (or 0.1%) outliers hatched; with a width per channel (':chan'), each layer's mean width,
+    and a second panel with every channel's width (layers down, channels across; keys left, values right)."""
     plt = _plt()
     layers = range(len(alloc.keys))
-    fig, ax = plt.subplots(figsize=(max(6.0, 0.28 * len(alloc.keys)), 3.2))
+    chan = alloc.keys[0].widths is not None
+    width = max(6.0, 0.28 * len(alloc.keys))
+    if chan:
+        fig, (ax, grid) = plt.subplots(2, 1, figsize=(width, 3.2 + 0.12 * len(alloc.keys)),
+                                       gridspec_kw={"height_ratios": [3.2, 0.12 * len(alloc.keys)]})
+    else:
+        fig, ax = plt.subplots(figsize=(width, 3.2))
     sides = ((-0.2, alloc.keys, "keys", "#3b6ea8"), (0.2, alloc.values, "values", "#d08a2e"))
     for shift, choices, label, color in sides:
-        bars = ax.bar([i + shift for i in layers], [c.bits for c in choices], width=0.4, label=label, color=color)
+        bars = ax.bar([i + shift for i in layers], [c.mean_bits for c in choices], width=0.4, label=label,
+                      color=color)
         for bar, c in zip(bars, choices):
             if c.fraction:
                 bar.set_hatch("//" if c.fraction >= 0.01 else ".")
     ax.set_xlabel("layer")
-    ax.set_ylabel("bits")
-    ax.set_yticks([2, 3, 4])
+    ax.set_ylabel("mean bits" if chan else "bits")
+    ax.set_yticks([1, 2, 3, 4] if chan else [2, 3, 4])
     ax.set_ylim(0, 4.6)
-    ax.set_title(f"nuq@{alloc.avg_bits:g}: {alloc.bits:.3f} bits per element at {alloc.tokens} tokens "
-                 "(hatched: outliers kept)")
+    ax.set_title(f"nuq@{alloc.avg_bits:g}{':chan' if chan else ''}: {alloc.bits:.3f} bits per element at "
+                 f"{alloc.tokens} tokens (hatched: outliers kept)")
+    if chan:
+        import numpy as np
+
+        widths = np.array([list(k.widths) + list(v.widths) for k, v in zip(alloc.keys, alloc.values)])
+        shown = grid.imshow(widths, aspect="auto", cmap="viridis", vmin=1, vmax=4, interpolation="nearest")
+        grid.axvline(len(alloc.keys[0].widths) - 0.5, color="white", lw=1.5)
+        grid.set_xlabel("channel (keys | values)")
+        grid.set_ylabel("layer")
+        fig.colorbar(shown, ax=grid, ticks=[1, 2, 3, 4], label="bits")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

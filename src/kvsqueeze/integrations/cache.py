@@ -59,6 +59,9 @@ def check_supported(spec: MethodSpec) -> None:
         why = f"its keys are quantized per {spec.key_axis} {spec.key_rope}-RoPE"
     elif spec.value_axis != "token":
         why = f"its values are quantized per {spec.value_axis}"
+    elif spec.budget is not None and spec.budget_unit == "channel":
+        why = ("it gives every channel its own code width, and this cache packs one width per layer and tensor "
+               f"(use 'nuq@{spec.budget:g}', whose widths are per layer)")
     if why:
         raise MethodError(
             f"method {spec.name!r} has no compressed cache: {why}. Supported: {SUPPORTED}. Evaluate other methods "
