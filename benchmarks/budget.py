@@ -3,8 +3,8 @@
     python benchmarks/budget.py [--models smollm2-135m,qwen2.5-coder-0.5b,gemma3-270m] [--windows 3]
         [--decode-context 32768] [--json benchmarks/results/budget.json]
 
-Quality: for each model and each plain method (nuq2-1%, nuq3-1%, nuq4-1%), the budgeted method `nuq@B`
-with B = the average bits the plain method stores at 2,048 tokens by the budget's accounting (rounded up to
+Quality: for each model and each plain method (nuq2-1%, nuq3-1%, nuq4-1%), the budgeted methods `nuq@B`
+(a width per layer) and `nuq@B:chan` (a width per channel) with B = the average bits the plain method stores at 2,048 tokens by the budget's accounting (rounded up to
 1e-4, so the budget could choose the plain method in every layer and spends no more than it), both
 evaluated on the same spread windows of the BBC evaluation part with the model's own recipe
 (`out/models/<model>/recipe`, from `benchmarks/models.py`; `out/recipe` for the default model): PPL, its
@@ -12,7 +12,7 @@ change against fp16 with a paired 95% interval, KLD and top-1.
 
 Decode: one decode step of fused attention (the numba backend) over every layer of the default model at
 `--decode-context` tokens, each layer's store built with its own quantizers (a budget's layers differ in
-bits and outliers), nuq3-1% against nuq@3.5; median of interleaved rounds.
+bits and outliers), nuq3-1% against nuq@3.5 and nuq@3.5:chan; median of interleaved rounds.
 """
 
 from __future__ import annotations
@@ -59,8 +59,9 @@ def quality_rows(model_name: str, windows: int, seqlen: int) -> dict:
         held = sum(tensor_bits(kv, choice, seqlen, channels, spec.sinks)["total"] for kv in "kv")
         bits = held / (2 * seqlen * channels)
         budget = parse_method(f"nuq@{math.ceil(bits * 1e4) / 1e4:g}")
-        specs += [spec, budget]
-        pairs.append((plain, budget.name))
+        chan = parse_method(f"{budget.name}:chan")
+        specs += [spec, budget, chan]
+        pairs.append((plain, budget.name, chan.name))
     ew = evaluation_windows(tok, load_text("bbc"), seqlen, windows)
     t0 = time.perf_counter()
     rows = evaluate(model, ew.ids, specs, recipe)
@@ -91,7 +92,7 @@ def decode_rows(context: int, rounds: int) -> list[dict]:
     tdist = torch.distributions.StudentT(TAIL_DF)
     q = torch.randn(1, hq, d)
     caches = {}
-    for name in ("nuq3-1%", "nuq@3.5"):
+    for name in ("nuq3-1%", "nuq@3.5", "nuq@3.5:chan"):
         spec = parse_method(name)
         stores = []
         for layer in range(layers):

@@ -21,8 +21,9 @@ from kvsqueeze.config import EvalConfig
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "results.md")
 HEADLINE = tuple(EvalConfig().methods.split(","))  # the methods `make demo` evaluates
-BUDGET_ROWS = ("fp16", "nuq2-1%", "nuq@2.5", "nuq@2.6", "nuq@2.6:kl", "nuq@3", "nuq3-1%", "nuq@3.5", "nuq@3.5:kl",
-               "nuq3-1%:sink16", "nuq4-1%", "nuq@4.5", "nuq@4.5:kl")
+BUDGET_ROWS = ("fp16", "nuq2-1%", "nuq@2.5", "nuq@2.5:chan", "nuq@2.6", "nuq@2.6:kl", "nuq@2.6:chan", "nuq@3",
+               "nuq@3:chan", "nuq3-1%", "nuq@3.5", "nuq@3.5:kl", "nuq@3.5:chan", "nuq3-1%:sink16", "nuq4-1%",
+               "nuq@4.5", "nuq@4.5:kl", "nuq@4.5:chan")
 
 
 def _load(d: Path, name: str) -> dict | None:
@@ -233,15 +234,17 @@ def budget_models(data: dict) -> str:
     """Each model's bit budget against plain nuq at the bits the plain method stores (`benchmarks/budget.py`)."""
     out = [f"BBC evaluation part, {data['models'][0]['windows']} spread windows of 2048 tokens, each model's own "
            f"recipe ({data['machine']})\n",
-           "| model | plain | bits | vs fp16 | 95% CI | budget | bits | vs fp16 | 95% CI |",
-           "|---|---|---:|---:|---:|---|---:|---:|---:|"]
+           "| model | method | what | bits | vs fp16 | 95% CI | KLD |",
+           "|---|---|---|---:|---:|---:|---:|"]
+    what = ("plain", "width per layer", "width per channel")
     for m in data["models"]:
         at = {r["method"]: r for r in m["rows"]}
-        for plain, budget in m["pairs"]:
-            a, b = at[plain], at[budget]
-            ci = lambda r: f"{r['ci95'][0]:+.2f} … {r['ci95'][1]:+.2f}"  # noqa: E731
-            out.append(f"| `{m['model']}` | `{plain}` | {a['avg_bits']:.2f} | {a['change_pct']:+.2f}% | {ci(a)} | "
-                       f"`{budget}` | {b['avg_bits']:.2f} | {b['change_pct']:+.2f}% | {ci(b)} |")
+        for names in m["pairs"]:
+            for kind, name in zip(what, names):
+                r = at[name]
+                ci = f"{r['ci95'][0]:+.2f} … {r['ci95'][1]:+.2f}"
+                out.append(f"| `{m['model']}` | `{name}` | {kind} | {r['avg_bits']:.2f} | {r['change_pct']:+.2f}% | "
+                           f"{ci} | {r['kld_mean']:.4f} |")
     if data.get("decode"):
         d = {r["method"]: r for r in data["decode"]}
         out.append(f"\nOne fused decode step over all {data['decode'][0]['layers']} layers at "

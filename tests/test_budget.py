@@ -255,30 +255,48 @@ def test_channel_widths_quantize_each_channel_with_its_own_codebook(tiny_recipe)
             assert ((got - x).abs() > 0).any()
 
 
-def test_channel_budgets_run_in_the_simulated_path_and_the_cache_refuses_them(tiny_llama, tiny_recipe):
-    """The simulated path counts each layer's widths as `tensor_bits` does; the compressed cache (one width per
-    layer) refuses the method before any work, naming it and the per-layer budget to use instead, so passkey and
-    RULER-style runs take the simulated path for it."""
+def test_channel_budgets_reach_the_simulated_path_the_compressed_cache_and_the_fused_kernels(tiny_llama, tiny_recipe):
+    """The simulated path counts each layer's widths as `tensor_bits` does; the compressed cache stores every
+    channel in its own width and gives the simulated path's logits; fused decode through the numba and the
+    Triton kernels generates what the dense path does."""
     from conftest import random_ids
 
     import kvsqueeze
+    from kvsqueeze.integrations.fused import fused_decode
     from kvsqueeze.integrations.prefill import compressed
     from kvsqueeze.integrations.simulate import SimulatedQuantization
 
     spec = parse_method("nuq@3:chan")
+    alloc = recipe_allocation(tiny_recipe, 3.0, unit="channel")
     ids = random_ids(1, 30, seed=4)
     with torch.no_grad():
         exact = tiny_llama(ids).logits
         with SimulatedQuantization(tiny_llama, spec, tiny_recipe) as sim:
-            got = tiny_llama(ids, cache=sim.new_cache(), use_cache=True).logits
+            ref = tiny_llama(ids, cache=sim.new_cache(), use_cache=True).logits
             bits = sim.storage(30)
         with SimulatedQuantization(tiny_llama, parse_method("nuq2"), tiny_recipe) as sim2:
             two = tiny_llama(ids, cache=sim2.new_cache(), use_cache=True).logits
-    assert not torch.equal(got, exact)
-    assert (got - exact).abs().mean() < (two - exact).abs().mean()  # 3 bits on average beat 2 everywhere
+        cache = kvsqueeze.cache_for(tiny_llama, tiny_recipe, spec)
+        got = torch.cat([tiny_llama(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(30)], 1)
+        for i, layer in enumerate(cache.layers):
+            assert tuple(layer.store.key_quantizer.widths.tolist()) == alloc.keys[i].widths
+            assert tuple(layer.store.value_quantizer.widths.tolist()) == alloc.values[i].widths
+        cache2 = kvsqueeze.cache_for(tiny_llama, tiny_recipe, spec)
+        with fused_decode(tiny_llama, cache2):
+            fused = tiny_llama.generate(ids[:, :20], cache=cache2, max_new_tokens=5, min_new_tokens=5,
+                                        do_sample=False, pad_token_id=0)
+        dense = tiny_llama.generate(ids[:, :20], cache=kvsqueeze.cache_for(tiny_llama, tiny_recipe, spec),
+                                    max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert not torch.equal(ref, exact)
+    assert (ref - exact).abs().mean() < (two - exact).abs().mean()  # 3 bits on average beat 2 everywhere
+    torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(fused, dense)
     per_layer = [layer_storage_bits(spec, tiny_recipe, i, 30, 32, sim.counter.k[i], sim.counter.v[i])["total"]
                  for i in range(tiny_llama.config.num_hidden_layers)]
     assert bits["total"] == pytest.approx(sum(per_layer))
-    assert not compressed(spec)
-    with pytest.raises(MethodError, match=r"nuq@3:chan.*own code width.*'nuq@3'"):
-        kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq@3:chan")
+    assert compressed(spec)
+    cache3 = kvsqueeze.cache_for(tiny_llama, tiny_recipe, spec)
+    with torch.no_grad(), fused_decode(tiny_llama, cache3, "triton"):  # the GPU kernels, under the interpreter
+        triton = tiny_llama.generate(ids[:, :20], cache=cache3, max_new_tokens=3, min_new_tokens=3,
+                                     do_sample=False, pad_token_id=0)
+    assert torch.equal(triton, dense[:, :23])

@@ -282,3 +282,35 @@ def test_negative_n_raises():
         unpack_codes(torch.zeros(0, dtype=torch.int32), 3, -1)
     with pytest.raises(ValueError, match="must be >= 0"):
         words_per_vector(-5, 3)
+
+
+# ---- a width per code -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 31, 64, 70, 192])
+def test_mixed_widths_round_trip_and_equal_widths_are_pack_codes(n):
+    from kvsqueeze.packing import code_offsets, mixed_words, pack_mixed, unpack_mixed
+
+    g = torch.Generator().manual_seed(n)
+    widths = torch.randint(1, 5, (n,), generator=g)
+    offsets = code_offsets(widths)
+    codes = (torch.rand(3, 2, n, generator=g) * 2.0**widths).floor().to(torch.uint8)
+    words = pack_mixed(codes, offsets)
+    assert words.dtype == torch.int32 and words.shape == (3, 2, mixed_words(offsets)) == (3, 2, -(-int(widths.sum()) // 32))
+    assert torch.equal(unpack_mixed(words, offsets), codes)
+    for bits in (1, 2, 3, 4):  # one width everywhere: the stream pack_codes writes (it pads to whole groups)
+        same = codes % 2**bits
+        mixed, even = pack_mixed(same, code_offsets(torch.full((n,), bits))), pack_codes(same, bits)
+        assert torch.equal(mixed, even[..., : mixed.shape[-1]]) and not even[..., mixed.shape[-1]:].any()
+
+
+def test_mixed_widths_refuse_codes_wider_than_their_channel_and_bad_widths():
+    from kvsqueeze.packing import code_offsets, pack_mixed, unpack_mixed
+
+    offsets = code_offsets(torch.tensor([1, 3, 2]))
+    with pytest.raises(ValueError, match="wider than its channel"):
+        pack_mixed(torch.tensor([[1, 7, 4]], dtype=torch.uint8), offsets)
+    with pytest.raises(ValueError, match="per vector"):
+        pack_mixed(torch.tensor([[1, 7]], dtype=torch.uint8), offsets)
+    with pytest.raises(ValueError, match="code widths in 1..8"):
+        code_offsets(torch.tensor([0, 3]))
+    with pytest.raises(ValueError, match="int32"):
+        unpack_mixed(torch.zeros(1, 2, dtype=torch.int32), offsets)

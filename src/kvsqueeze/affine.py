@@ -39,8 +39,11 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: t
 
 
 def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, levels: torch.Tensor) -> torch.Tensor:
-    """s * levels[codes] + z, float32."""
-    return levels.to(scale.device)[codes.long()] * scale + zero
+    """s * levels[codes] + z, float32; levels [L], or [C, L] with a codebook per channel (the last axis of codes)."""
+    levels = levels.to(scale.device)
+    if levels.dim() == 2:
+        return levels[torch.arange(levels.shape[0], device=levels.device), codes.long()] * scale + zero
+    return levels[codes.long()] * scale + zero
 
 
 def fake_quantize(

@@ -9,6 +9,9 @@ code may straddle two words. Only the final group is padded (with zero codes).
 Words are int32 because torch lacks uint32 arithmetic on many ops; they are raw
 bit patterns, so a word with its top bit set reads as negative.
 
+Codes of different widths (`pack_mixed`, the channels of a `nuq@AVG:chan` budget) are one such stream too,
+each code right after the one before it (`code_offsets`); with equal widths it is `pack_codes`' stream.
+
 `pack_codes`/`unpack_codes` are the vectorized implementations (the tests
 hold them to slow, loop-based oracles of their own).
 """
@@ -24,6 +27,10 @@ __all__ = [
     "words_per_vector",
     "pack_codes",
     "unpack_codes",
+    "code_offsets",
+    "mixed_words",
+    "pack_mixed",
+    "unpack_mixed",
 ]
 
 GROUP_SIZE = 32
@@ -215,3 +222,52 @@ def unpack_codes(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
     high = unsigned.index_select(-1, word + 1) & 0xFF
     codes = ((low | (high << 32)) >> shift) & ((1 << bits) - 1)
     return codes.reshape(*lead, n_groups * GROUP_SIZE)[..., :n].to(torch.uint8)
+
+
+# ---- a width per code (the channels of a ':chan' bit budget) ---------------------------------------------------
+def code_offsets(widths: torch.Tensor) -> torch.Tensor:
+    """Stream bit offsets of codes of the given widths, int64 [n + 1]: code c takes bits [off[c], off[c + 1]).
+
+    Codes follow each other with no padding (a code may straddle two words); `pack_mixed` writes them so.
+    """
+    widths = torch.as_tensor(widths, dtype=torch.int64)
+    if widths.dim() != 1 or (widths.numel() and (int(widths.min()) < 1 or int(widths.max()) > MAX_BITS)):
+        raise ValueError(f"widths must be a 1-D tensor of code widths in 1..{MAX_BITS}, got {widths.tolist()}")
+    return torch.cat([widths.new_zeros(1), widths.cumsum(0)])
+
+
+def mixed_words(offsets: torch.Tensor) -> int:
+    """int32 words that hold one vector of codes laid out by `code_offsets`."""
+    return -(-int(offsets[-1]) // 32)
+
+
+def pack_mixed(codes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Pack codes [..., n] (code c below 2**(off[c + 1] - off[c])) into int32 words [..., mixed_words(offsets)],
+    one little-endian bit stream per vector, as `pack_codes` writes equal widths."""
+    widths = offsets.diff()
+    if codes.shape[-1] != widths.numel():
+        raise ValueError(f"codes have {codes.shape[-1]} per vector, the offsets describe {widths.numel()}")
+    wide = codes.to(torch.int64)
+    if wide.numel() and bool((wide >= (1 << widths.to(wide.device))).any()):
+        raise ValueError("a code is wider than its channel's width; clamp the codes or widen the channel")
+    start = offsets[:-1].to(wide.device)
+    shifted = wide << (start % 32)  # below 2**40: the low 32 bits land in its word, the rest in the next
+    acc = wide.new_zeros(*wide.shape[:-1], mixed_words(offsets) + 1)
+    word = (start // 32).expand_as(shifted)
+    acc.scatter_add_(-1, word, shifted & _WORD_MASK)  # disjoint bit ranges: adding is OR-ing
+    acc.scatter_add_(-1, word + 1, shifted >> 32)
+    return _to_int32_bits(acc[..., :-1])
+
+
+def unpack_mixed(words: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Codes uint8 [..., n] from the words `pack_mixed` wrote with the same offsets."""
+    if words.dtype != torch.int32 or words.shape[-1] != mixed_words(offsets):
+        raise ValueError(f"words must be int32 [..., {mixed_words(offsets)}] as pack_mixed writes them, got "
+                         f"{words.dtype} {tuple(words.shape)}")
+    unsigned = words.to(torch.int64) & _WORD_MASK
+    unsigned = torch.cat([unsigned, unsigned.new_zeros(*unsigned.shape[:-1], 1)], dim=-1)
+    start = offsets[:-1].to(words.device)
+    low = unsigned.index_select(-1, start // 32)
+    high = unsigned.index_select(-1, start // 32 + 1) & 0xFF
+    mask = (1 << offsets.diff().to(words.device)) - 1
+    return (((low | (high << 32)) >> (start % 32)) & mask).to(torch.uint8)

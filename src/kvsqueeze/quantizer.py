@@ -60,6 +60,20 @@ class VectorQuantizer:
         """The code width of every channel (with `widths`, the widest; `levels` are its codebook)."""
         return int(self.levels.numel()).bit_length() - 1
 
+    def channel_levels(self) -> torch.Tensor:
+        """float32 [C, 2**bits] (with `widths`): row c is channel c's codebook, repeated to the widest one's size,
+        so that a code read with bits to spare above it still selects its own level."""
+        n = self.levels.numel()
+        return torch.stack([self.codebooks[int(w)].repeat(n >> int(w)) for w in self.widths])
+
+    def to(self, device: torch.device | str) -> VectorQuantizer:
+        """The same quantizer with its tensors on `device`."""
+        moved = {k: getattr(self, k).to(device) for k in ("levels", "lo", "hi", "widths")
+                 if getattr(self, k) is not None}
+        if self.codebooks is not None:
+            moved["codebooks"] = {w: cb.to(device) for w, cb in self.codebooks.items()}
+        return dataclasses.replace(self, **moved)
+
     def _codes(self, x: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
         if self.widths is None:
             return quantize(x, scale, zero, self.levels)

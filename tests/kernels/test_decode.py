@@ -14,6 +14,7 @@ import os
 import warnings
 
 import pytest
+from dataclasses import replace
 import torch
 
 from kvsqueeze.cache.positions import PositionLog
@@ -58,6 +59,65 @@ def make_store(tokens: int, batch: int, heads: int, head_dim: int, bits: int, fr
                     positions=log)
     store.append(keys, values, real, None if positions is None else positions.t())
     return store
+
+
+def make_mixed_store(tokens: int, batch: int, heads: int, head_dim: int, fraction: float, sinks: int,
+                     seed: int = 0) -> tuple[KVStore, torch.Tensor, torch.Tensor]:
+    """A store whose key and value channels have random widths of their own (1 to 4 bits), and its inputs."""
+    c = heads * head_dim
+    g = torch.Generator().manual_seed(seed)
+    keys, values = random_kv(batch, tokens, c, g)
+    kq, vq = make_quantizers(keys.reshape(-1, c), 4, fraction)
+    books = {w: uniform_levels(w) if w == 1 else normal_float_levels(w) for w in (1, 2, 3, 4)}
+    mixed = [replace(q, widths=torch.randint(1, 5, (c,), generator=g), codebooks=books) for q in (kq, vq)]
+    store = KVStore(*mixed, c, sinks, head_dim=head_dim)
+    store.append(keys, values)
+    return store, keys, values
+
+
+MIXED_CASES = [  # tokens, batch, kv heads, head_dim, G, outlier fraction, sinks
+    (1, 1, 2, 64, 3, 0.01, 1),
+    (17, 2, 3, 64, 7, 0.01, 2),
+    (100, 1, 2, 128, 3, 0.0, 0),
+    (130, 2, 2, 80, 3, 0.05, 5),
+    (257, 1, 2, 16, 1, 0.02, 2),
+]
+
+
+@pytest.mark.parametrize("case", MIXED_CASES, ids=lambda c: "T{}-B{}-H{}-D{}-G{}-p{}-s{}".format(*c))
+def test_channels_of_their_own_widths_store_what_the_quantizer_gives_and_numba_reads_them(case):
+    """Keys and values whose channels have widths of their own (`nuq@AVG:chan`): the store packs each code in
+    its width and reads back exactly what the quantizer's own fake quantization gives; the numba and Triton
+    kernels equal the reference over that cache, through their every outlier path."""
+    tokens, batch, heads, head_dim, group, fraction, sinks = case
+    store, keys, values = make_mixed_store(tokens, batch, heads, head_dim, fraction, sinks, seed=tokens)
+    kv = view_of(store)
+    assert kv.k_offsets is not None and kv.k_levels.shape == (heads * head_dim, 16)
+    c = heads * head_dim
+    k, v = store.dequantize()  # [T, B, C]
+    for b in range(batch):
+        for got, x, q in ((k, keys, store.key_quantizer), (v, values, store.value_quantizer)):
+            want, _ = q.fake(x[b].float())
+            torch.testing.assert_close(got[sinks:, b], want[sinks:], atol=0, rtol=0)
+            torch.testing.assert_close(got[:sinks, b], x[b, :sinks].half().float(), atol=0, rtol=0)
+    words = -(-int(store.key_quantizer.widths.sum()) // 32)
+    assert store.k_codes.view().shape == (tokens, batch, words)  # each code in its own width, nothing wider
+    assert store.component_bytes()["codes"] == (tokens * batch - min(sinks, tokens) * batch) * 4 * (
+        words + -(-int(store.value_quantizer.widths.sum()) // 32))
+    q = torch.randn(batch, heads * group, head_dim, generator=torch.Generator().manual_seed(1))
+    rope = Rope.default(head_dim)
+    ref = decode_attention(q, kv, rope, head_dim**-0.5, backend=Backend.REFERENCE)
+    for backend in FAST_BACKENDS if tokens <= 130 else COMPILED_BACKENDS:  # the interpreter: short caches
+        torch.testing.assert_close(decode_attention(q, kv, rope, head_dim**-0.5, backend=backend), ref,
+                                   atol=2e-5, rtol=1e-4)
+        for variant in outlier_variants(kv):
+            unknown = any(o is not None and o.code is None for o in (variant.k_outliers, variant.v_outliers))
+            if unknown and backend is Backend.NUMBA:  # its sparse passes need the code under every outlier, which
+                with pytest.raises(ValueError, match="code under every outlier"):  # a store always records
+                    decode_attention(q, variant, rope, head_dim**-0.5, backend=backend)
+                continue
+            torch.testing.assert_close(decode_attention(q, variant, rope, head_dim**-0.5, backend=backend), ref,
+                                       atol=2e-5, rtol=1e-4)
 
 
 def view_of(store: KVStore) -> StoreView:
@@ -404,7 +464,7 @@ def _counting(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("method", ["nuq3-1%", "nuq2-1%:sink3", "nuq4"])
+@pytest.mark.parametrize("method", ["nuq3-1%", "nuq2-1%:sink3", "nuq4", "nuq@3:chan", "nuq@2.4:chan:sink3"])
 def test_generate_fused_equals_dense_path(tiny_llama, tiny_recipe, method, monkeypatch):
     from conftest import LAYERS, random_ids
 

@@ -14,7 +14,10 @@ Layout, token-major (a slot is one token of one batch row; slot n = t * B + b):
   codes packed along channels as one bit stream (`packing.py`, W =
   ceil(C / 32) * bits). With head_dim a multiple of 32, every head starts on a
   word boundary, so a per-head kernel can read its slice directly; otherwise
-  only the token's last group is padded.
+  only the token's last group is padded. Where channels have widths of their
+  own (`nuq@AVG:chan`), each slot is one stream of codes back to back
+  (`packing.pack_mixed`, `k_offsets` / `v_offsets` say where each starts) and
+  every channel reads its own codebook (`k_levels` / `v_levels` [C, 2**bits]).
 * `k_scale`, `k_zero` fp16 [C]: offline, per channel. `v_scale_zero` fp16
   [T, B, 2]: online, per slot.
 * `k_outliers` / `v_outliers`: `TokenOutliers` over slots (CSC of K^T,
@@ -46,7 +49,7 @@ import torch
 from ..affine import choose_qparams
 from ..kernels.reference import dequantize_view
 from ..kernels.view import Outliers, StoreView
-from ..packing import pack_codes, words_per_vector
+from ..packing import code_offsets, mixed_words, pack_codes, pack_mixed, words_per_vector
 from ..quantizer import VectorQuantizer
 from .buffers import GrowableTensor
 from .positions import PositionLog
@@ -87,6 +90,11 @@ class KVStore:
         self.owns_positions = positions is None
         self.positions = positions if positions is not None else PositionLog(self.device)
         self.k_bits, self.v_bits = k_quant.bits, v_quant.bits
+        # channels with widths of their own (`nuq@AVG:chan`): one bit stream of every width, a codebook per channel
+        self.k_offsets, self.v_offsets = (None if q.widths is None else code_offsets(q.widths).to(self.device)
+                                          for q in (k_quant, v_quant))
+        self.k_levels, self.v_levels = (q.levels if q.widths is None else q.channel_levels().to(self.device)
+                                        for q in (k_quant, v_quant))
         scale, zero = choose_qparams(k_quant.lo.view(1, -1), k_quant.hi.view(1, -1))  # fp16-exact float32 [1, C]
         self.k_scale, self.k_zero = scale.view(-1).half().to(self.device), zero.view(-1).half().to(self.device)
         if encoder not in ("auto", "torch", "triton"):
@@ -94,8 +102,9 @@ class KVStore:
         if encoder == "auto":  # the same bits either way: triton where it runs, else the torch ops
             fused = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
             encoder = "triton" if fused else "torch"
-        if encoder == "triton" and (k_quant.group or v_quant.scope != "vector" or k_quant.slots):
-            encoder = "torch"  # per-matrix value thresholds, key slots: the torch path alone
+        if encoder == "triton" and (k_quant.group or v_quant.scope != "vector" or k_quant.slots
+                                    or self.k_offsets is not None or self.v_offsets is not None):
+            encoder = "torch"  # per-matrix value thresholds, key slots, channel widths: the torch path alone
         if encoder == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"the triton encoder runs on CUDA tensors (this store is on {self.device}); use "
                              "encoder='auto' or 'torch'")
@@ -108,8 +117,8 @@ class KVStore:
     def _allocate(self, batch: int) -> None:
         c, dev = self.channels, self.device
         self.batch = batch
-        self.k_codes = GrowableTensor((batch, words_per_vector(c, self.k_bits)), torch.int32, dev)
-        self.v_codes = GrowableTensor((batch, words_per_vector(c, self.v_bits)), torch.int32, dev)
+        self.k_codes = GrowableTensor((batch, self._words("k")), torch.int32, dev)
+        self.v_codes = GrowableTensor((batch, self._words("v")), torch.int32, dev)
         self.v_scale_zero = GrowableTensor((batch, 2), torch.float16, dev)
         # methods without outliers store no sparse arrays at all (storage_bits counts no pointers then)
         self.k_outliers = TokenOutliers(c, dev) if self.key_quantizer.fraction > 0 else None
@@ -176,10 +185,20 @@ class KVStore:
             v_replaced = self.v_outliers.append(enc_v.outliers & ~flat_sink, xv) | flat_sink
         k_codes = enc_k.codes.masked_fill(k_replaced, self.OUTLIER_CODE)
         v_codes = enc_v.codes.masked_fill(v_replaced, self.OUTLIER_CODE)
-        self.k_codes.append(pack_codes(k_codes, self.k_bits).view(t, b, -1))
-        self.v_codes.append(pack_codes(v_codes, self.v_bits).view(t, b, -1))
+        self.k_codes.append(self._pack(k_codes, self.k_bits, self.k_offsets).view(t, b, -1))
+        self.v_codes.append(self._pack(v_codes, self.v_bits, self.v_offsets).view(t, b, -1))
         sz = torch.cat([enc_v.scale, enc_v.zero], dim=1).masked_fill(flat_sink, 0)  # [T*B, 2], fp16-exact
         self.v_scale_zero.append(sz.half().view(t, b, 2))
+
+    @staticmethod
+    def _pack(codes: torch.Tensor, bits: int, offsets: torch.Tensor | None) -> torch.Tensor:
+        return pack_codes(codes, bits) if offsets is None else pack_mixed(codes, offsets)
+
+    def _words(self, kv: str) -> int:
+        """int32 words one slot's codes of keys ("k") or values ("v") take."""
+        offsets = self.k_offsets if kv == "k" else self.v_offsets
+        return words_per_vector(self.channels, self.k_bits if kv == "k" else self.v_bits) if offsets is None \
+            else mixed_words(offsets)
 
     def _append_fused(self, xk: torch.Tensor, xv: torch.Tensor, flat_sink: torch.Tensor, t: int, b: int) -> None:
         """`append`'s encoding in one Triton program per slot (`kernels.triton.encode`); the same bits."""
@@ -228,9 +247,9 @@ class KVStore:
         if len(allocations) != len(self._allocations) or not all(map(operator.is_, allocations, self._allocations)):
             self._allocations, self._memo = allocations, {}  # derived data of other allocations must go with them
         return StoreView(self.heads, self.head_dim, self.k_bits, self.v_bits, self.tokens, allocations[0],
-                         allocations[1], self.k_scale, self.k_zero, self.key_quantizer.levels,
-                         self.value_quantizer.levels, allocations[2], self._outliers(k_out), self._outliers(v_out),
-                         self.sink_k, self.sink_v, self.sink_slot, allocations[6], self._memo)
+                         allocations[1], self.k_scale, self.k_zero, self.k_levels, self.v_levels, allocations[2],
+                         self._outliers(k_out), self._outliers(v_out), self.sink_k, self.sink_v, self.sink_slot,
+                         allocations[6], self._memo, self.k_offsets, self.v_offsets)
 
     def _outliers(self, sparse: TokenOutliers | None) -> Outliers | None:
         if sparse is None:
@@ -309,7 +328,7 @@ class KVStore:
         n_sinks = int(self.sink_count.sum())
         slots = self.tokens * self.batch
         c = self.channels
-        slot_code_bytes = 4 * (words_per_vector(c, self.k_bits) + words_per_vector(c, self.v_bits))  # int32 words
+        slot_code_bytes = 4 * (self._words("k") + self._words("v"))  # int32 words
         sparse = self._sparse()
         ptr = sum(s.pointer_itemsize for s in sparse)
         pad = n_sinks * (self.v_fixed or 0) * 2 if self.v_outliers is not None else 0  # fixed-row padding of sinks
@@ -335,6 +354,9 @@ class KVStore:
         """Codebooks (float32 levels, exactly what decoding reads) and the key thresholds encoding reads."""
         kq, vq = self.key_quantizer, self.value_quantizer
         n = sum(x.nbytes for x in (kq.levels, vq.levels, kq.lo, kq.hi))
+        for q in (kq, vq):  # channel widths: every codebook they use besides `levels`, and a byte per width
+            if q.widths is not None:
+                n += sum(cb.nbytes for w, cb in q.codebooks.items() if w != q.bits) + q.widths.numel()
         if vq.mat_lo is not None:
             n += 8  # per-matrix value thresholds, two float32
         return n

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..affine import choose_qparams, dequantize, quantize
+from ..affine import choose_qparams
 from ..budget import CHANNEL_BITS
 from ..config import CalibrationConfig
 from ..datatypes import normal_float_levels, uniform_levels
@@ -49,16 +49,18 @@ def _hist_objective(hist: WeightedHistogram, centers: np.ndarray) -> float:
     return float(np.sum(wx2 - 2 * c[idx] * wx + w * c[idx] ** 2))
 
 
-def _channel_errors(x, scale, zero, fisher, inside, codebooks) -> torch.Tensor:
+def _channel_errors(norm: torch.Tensor, weights: torch.Tensor, inside: torch.Tensor, codebooks) -> torch.Tensor:
     """[C, len(codebooks)]: sum over tokens of F (x - x^)^2 at each codebook, outliers (exact) left out.
 
-    The same Fisher-weighted objective as the codebooks' (F s^2 (x_norm - level)^2 = F (x - x^)^2), split by
-    channel: what `budget.allocate_channels` trades against each channel's bits."""
-    out = torch.empty(x.shape[1], len(codebooks), dtype=torch.float64)
+    The codebooks' own Fisher-weighted objective, split by channel: in the normalized domain the weight
+    F s^2 makes w (x_norm - level)^2 = F (x - x^)^2. What `budget.allocate_channels` trades against each
+    channel's bits."""
+    w = weights * inside  # [N, C]
+    out = torch.empty(norm.shape[1], len(codebooks), dtype=torch.float64)
     for i, levels in enumerate(codebooks):
         levels = levels.float()
-        err = (x - dequantize(quantize(x, scale, zero, levels), scale, zero, levels)).square()
-        out[:, i] = (fisher * err * inside).sum(0, dtype=torch.float64)
+        idx = torch.bucketize(norm, (levels[1:] + levels[:-1]) * 0.5)
+        out[:, i] = (w * (norm - levels[idx]).square()).sum(0).double()
     return out
 
 
@@ -137,7 +139,7 @@ def fit_recipe(model, acts: Activations, cfg: CalibrationConfig, model_id: str, 
                                         hist, normal_float_levels(bits).double().numpy())
                     if scope == "vector" and "fs2" in fits:
                         tensors[channel_error_key(layer, kv, p)] = _channel_errors(
-                            x, scale, choose_qparams(lo, hi)[1], fisher[kv], inside,
+                            norm, _weights("fs2", fisher[kv], scale), inside,
                             [tensors[codebook_key(layer, kv, b, p, "vector", "fs2")] for b in CHANNEL_BITS])
     meta = {
         "model": {"id": model_id, "fingerprint": model_fingerprint(model)},

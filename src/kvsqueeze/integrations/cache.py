@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import copy
 import weakref
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -59,9 +58,6 @@ def check_supported(spec: MethodSpec) -> None:
         why = f"its keys are quantized per {spec.key_axis} {spec.key_rope}-RoPE"
     elif spec.value_axis != "token":
         why = f"its values are quantized per {spec.value_axis}"
-    elif spec.budget is not None and spec.budget_unit == "channel":
-        why = ("it gives every channel its own code width, and this cache packs one width per layer and tensor "
-               f"(use 'nuq@{spec.budget:g}', whose widths are per layer)")
     if why:
         raise MethodError(
             f"method {spec.name!r} has no compressed cache: {why}. Supported: {SUPPORTED}. Evaluate other methods "
@@ -70,8 +66,7 @@ def check_supported(spec: MethodSpec) -> None:
 
 
 def _to_device(q: VectorQuantizer, device: torch.device) -> VectorQuantizer:
-    moved = {k: getattr(q, k).to(device) for k in ("levels", "lo", "hi") if getattr(q, k) is not None}
-    return replace(q, **moved)
+    return q.to(device)
 
 
 class CompressedCache(Cache):

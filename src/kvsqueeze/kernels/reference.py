@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ..affine import dequantize
-from ..packing import unpack_codes
+from ..packing import unpack_codes, unpack_mixed
 from ..rope import Rope
 from .view import Outliers, StoreView
 
@@ -27,12 +27,16 @@ def _replace_outliers(dense: torch.Tensor, sparse: Outliers | None) -> None:
     dense[slots, sparse.channels.long() & 0xFFFF] = sparse.values.float()
 
 
+def _unpack(words: torch.Tensor, bits: int, offsets: torch.Tensor | None, channels: int) -> torch.Tensor:
+    return unpack_codes(words, bits, channels) if offsets is None else unpack_mixed(words, offsets)
+
+
 def dequantize_view(kv: StoreView) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys (pre-RoPE) and values of every slot, float32 [T, B, C] each."""
     kv = kv.trim()
     t, b, c = kv.tokens, kv.batch, kv.channels
-    k_codes = unpack_codes(kv.k_codes, kv.k_bits, c)  # [T, B, C]
-    v_codes = unpack_codes(kv.v_codes, kv.v_bits, c)
+    k_codes = _unpack(kv.k_codes, kv.k_bits, kv.k_offsets, c)  # [T, B, C]
+    v_codes = _unpack(kv.v_codes, kv.v_bits, kv.v_offsets, c)
     sz = kv.v_scale_zero.float()  # [T, B, 2]
     k = dequantize(k_codes, kv.k_scale.float(), kv.k_zero.float(), kv.k_levels.float())
     v = dequantize(v_codes, sz[..., :1], sz[..., 1:], kv.v_levels.float())

@@ -60,7 +60,8 @@ class StoreView(NamedTuple):
         tokens: T, the rows in use of every token-major array; B rows each.
         k_codes, v_codes: int32 [>= T, B, W]: each slot's C codes packed along channels (`kvsqueeze.packing`).
         k_scale, k_zero: fp16 [C], offline per-channel key scale and zero-point.
-        k_levels, v_levels: float32 [2**bits], the layer's codebooks; element = scale * level + zero.
+        k_levels, v_levels: float32 [2**bits], the layer's codebooks; element = scale * level + zero. With a
+            width per channel, [C, 2**bits]: row c is channel c's codebook (its 2**w_c levels, repeated).
         v_scale_zero: fp16 [>= T, B, 2], per-slot value scale and zero-point.
         k_outliers, v_outliers: `Outliers` or None.
         sink_k, sink_v: fp16 [B, S, C], exact pre-RoPE keys and values of each row's sinks.
@@ -68,6 +69,9 @@ class StoreView(NamedTuple):
         positions: int32 [>= T, B], the RoPE position of every cached token.
         memo: a dict that lives as long as these allocations: a backend keeps there what it derives from
             them (numpy views, lookup tables), checking that they are still the arrays it was built from.
+        k_offsets, v_offsets: int64 [C + 1] where channels have widths of their own (`nuq@AVG:chan`): channel c's
+            code is bits [off[c], off[c + 1]) of its slot's stream (`packing.pack_mixed`); None: `k_bits` /
+            `v_bits` for every channel.
     """
 
     heads: int
@@ -89,6 +93,8 @@ class StoreView(NamedTuple):
     sink_slot: torch.Tensor
     positions: torch.Tensor
     memo: dict | None = None
+    k_offsets: torch.Tensor | None = None
+    v_offsets: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:

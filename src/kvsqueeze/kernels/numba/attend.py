@@ -84,7 +84,9 @@ class KernelInputs(NamedTuple):
     """Everything the passes read, as numpy arrays of the rows in use (16-bit floats as their uint16 bits).
 
     q float32 [B, Hq, D]; k_codes, v_codes uint32 [T, B, W]; klut float32 [C, 16] (LUT[c] = level * scale[c] +
-    zero[c], repeated to 16 entries); vlut float32 [1, 16]; positions int32 [T, B]; cos_hi .. sin_lo: the
+    zero[c], repeated to 16 entries); vlut float32 [C, 16] (channel c's levels, repeated); k_bits, v_bits: every
+    channel's code width (0: channels have their own); k_offs, v_offs int64 [C + 1]: each channel's first bit in
+    its slot's stream; positions int32 [T, B]; cos_hi .. sin_lo: the
     `tables.RopeTables`; k_ptr / v_ptr uint32 [slots + 1] (empty: none, or fixed counts), k_chan / v_chan uint16
     [nnz], k_val / v_val fp16 bits [nnz]; k_under, v_under: the code under every outlier (-1: codes vary);
     v_fixed: value outliers per slot when every slot holds that many (0: counts vary); chan_head, chan_pos
@@ -101,6 +103,8 @@ class KernelInputs(NamedTuple):
     vlut: np.ndarray
     k_bits: int
     v_bits: int
+    k_offs: np.ndarray
+    v_offs: np.ndarray
     heads: int
     positions: np.ndarray
     cos_hi: np.ndarray
@@ -152,7 +156,10 @@ def kernel_inputs(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
     k_sparse = _sparse(kv.k_outliers, a.k_out, slots, False) or _NO_OUTLIERS
     v_sparse = _sparse(kv.v_outliers, a.v_out, slots, v_fixed > 0) or _NO_OUTLIERS
     bias = _NO_BIAS if key_mask is None else np.where(_np(key_mask), np.float32(0), np.float32(-np.inf))
-    return KernelInputs(_np(q), a.k_codes[:t], a.v_codes[:t], klut, vlut, kv.k_bits, kv.v_bits, kv.heads, positions,
+    k_bits, k_offs = _widths(kv.k_bits, kv.k_offsets, kv.channels, k_sparse[3] if k_sparse[1].size else 0)
+    v_bits, v_offs = _widths(kv.v_bits, kv.v_offsets, kv.channels, v_sparse[3] if v_sparse[1].size else 0)
+    return KernelInputs(_np(q), a.k_codes[:t], a.v_codes[:t], klut, vlut, k_bits, v_bits, k_offs, v_offs, kv.heads,
+                        positions,
                         tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling), *k_sparse, *v_sparse,
                         v_fixed, *_channel_maps(kv.heads, d), a.sink_k, a.sink_v, a.sink_slot, a.scale_zero[:t],
                         bias, np.float32(softcap or 0.0), _NO_SINK_LOGITS if sink_logits is None else
@@ -235,6 +242,24 @@ def _fixed(s: Outliers | None, slots: int) -> int:
     return s.fixed
 
 
+@functools.cache
+def _even_offsets(bits: int, channels: int) -> np.ndarray:
+    out = np.arange(channels + 1, dtype=np.int64) * bits
+    out.flags.writeable = False
+    return out
+
+
+def _widths(bits: int, offsets: torch.Tensor | None, channels: int, under: int) -> tuple[int, np.ndarray]:
+    """(the `bits` the passes take, int64 offsets [C + 1]) of keys or values: channels of one width, or each of
+    its own (bits 0). Codes under outliers must then be known (`Outliers.code`): those passes read no codes."""
+    if offsets is None:
+        return bits, _even_offsets(bits, channels)
+    if under < 0:
+        raise ValueError("channels of their own widths need the code under every outlier to be known "
+                         "(`Outliers.code`), as KVStore stores it")
+    return 0, np.ascontiguousarray(_np(offsets.to(torch.int64)))
+
+
 def _luts(kv: StoreView) -> tuple[np.ndarray, np.ndarray]:
     """The layer's key tables LUT[c] = level * scale[c] + zero[c] and its value table, kept in the view's memo
     and rebuilt if a quantizer tensor is another one or was modified in place."""
@@ -252,8 +277,11 @@ def _luts(kv: StoreView) -> tuple[np.ndarray, np.ndarray]:
 
 def _build_luts(k_levels: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Tensor,
                 v_levels: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-    klut = _padded(k_levels.float()[None, :] * k_scale.float()[:, None] + k_zero.float()[:, None])
-    return klut, _padded(v_levels[None, :])
+    c = k_scale.numel()
+    k_rows = k_levels.float() if k_levels.dim() == 2 else k_levels.float()[None, :]  # a codebook per channel or one
+    klut = _padded(k_rows * k_scale.float()[:, None] + k_zero.float()[:, None])
+    v_rows = v_levels.float() if v_levels.dim() == 2 else v_levels.float()[None, :].expand(c, -1)
+    return klut, _padded(v_rows)
 
 
 def _padded(table: torch.Tensor) -> np.ndarray:
@@ -319,14 +347,14 @@ def _position_range(positions):
 
 
 @njit(cache=True)
-def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo,
+def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, k_offs, v_offs, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo,
             scaling, k_ptr, k_chan, k_val, k_under, v_ptr, v_chan, v_val, v_under, v_fixed, chan_head,
             chan_pos, sink_k, sink_v, sink_slot, scale_zero, bias, softcap, sink_logit, threads, scores, sz):
     """All passes in order, one dispatch from Python; returns float32 [B, Hq, D]. The arguments are the fields of
     `KernelInputs`, one by one: passed as one tuple, its arrays compile to code about a third slower."""
     bsz, hq, d = q.shape
     starts = work_ranges(k_codes.shape[0], bsz, threads)
-    key_scores(q, k_codes, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, starts, scores)
+    key_scores(q, k_codes, klut, k_bits, k_offs, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, starts, scores)
     if k_ptr.shape[0]:
         key_outliers(q, k_codes, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling,
                      k_ptr, k_chan, k_val, k_under, chan_head, chan_pos, 4 * threads, scores)
@@ -342,7 +370,7 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, c
     items = starts.shape[0] - 1
     partial = np.empty((bsz, heads, items, hq // heads, d), np.float32)
     psum = np.empty((bsz, heads, items, hq // heads), np.float32)
-    value_sums(scores, m, v_codes, vlut, v_bits, heads, scale_zero, sz, starts, partial, psum)  # scores: exp
+    value_sums(scores, m, v_codes, vlut, v_bits, v_offs, heads, scale_zero, sz, starts, partial, psum)  # scores: exp
     out = np.zeros((bsz, hq, d), np.float32)
     total = np.zeros((bsz, hq), np.float32)
     for b in range(bsz):
@@ -368,7 +396,7 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, heads, positions, c
         for w in range(4 * threads):
             out += parts[w]
     if has_sinks:
-        sink_values(scores, v_codes, vlut, v_bits, heads, scale_zero, v_ptr, v_fixed, v_chan, v_val, sink_v, sink_slot,
+        sink_values(scores, v_codes, vlut, v_offs, heads, scale_zero, v_ptr, v_fixed, v_chan, v_val, sink_v, sink_slot,
                     out)
     for b in range(bsz):
         for hh in range(hq):

@@ -6,8 +6,10 @@ Layout conventions (see `attend.py` for the passes):
   lanes are 16 consecutive tokens (`simd.LANES`);
 * a block's packed words are transposed into wb [words, width] (uint32) so that
   one channel's codes of 16 tokens are a vector shift away;
-* lookup tables are rows of 16 float32 (the 2**bits levels repeated to fill 16 lanes): keys have
-  one row per channel (scale and zero-point folded in), values one row.
+* lookup tables are rows of 16 float32 (the 2**bits levels repeated to fill 16 lanes), one row per
+  channel: keys with their scale and zero-point folded in, values the channel's levels;
+* a channel's code starts at stream bit offs[c] of its slot (`offs` int64 [C + 1]; c * bits when every
+  channel has the same width, the running sum of the widths when each has its own).
 
 Small helpers are inlined into their callers (`inline="always"`): a call would
 count references to the arrays it is passed on every invocation.
@@ -85,6 +87,22 @@ def block_rotation(q, b, positions, t0, n, cos_hi, sin_hi, cos_lo, sin_lo, qr, c
 
 
 @njit(cache=True, inline="always")
+def head_words(offs, h, d):
+    """(first word, word count) of KV head h's codes in a slot's stream."""
+    w0 = offs[h * d] >> 5
+    return w0, ((offs[(h + 1) * d] - 1) >> 5) - w0 + 1
+
+
+@njit(cache=True)
+def max_head_words(offs, heads, d):
+    """The most words one head's codes take, and two more that `decode` may read past them."""
+    most = 0
+    for h in range(heads):
+        most = max(most, head_words(offs, h, d)[1])
+    return most + 2
+
+
+@njit(cache=True, inline="always")
 def gather_words(codes, b, t0, n, w0, nw, wb, width):
     """wb[i, t] = word w0 + i of token t0 + t in row b, for i < nw and t < n; zero for n <= t < width.
 
@@ -100,15 +118,16 @@ def gather_words(codes, b, t0, n, w0, nw, wb, width):
 
 
 @njit(cache=True, inline="always")
-def decode(wb, width, w0, c, bits, lut, row, k):
-    """Lanes k..k+15 (tokens) of channel c: lut[row, code], codes from the transposed words wb [*, width].
+def decode(wb, width, w0, off, bits, lut, row, k):
+    """Lanes k..k+15 (tokens) of the code at stream bit `off` (a channel's `offs` entry): lut[row, code], codes
+    from the transposed words wb [*, width].
 
     Branch-free: one funnel shift of the code's word and the next brings the code to the low bits whether or
     not it straddles them, and the lookup reads only the low four bits; the table repeats with period
-    2**bits, so the bits above the code select the same level. wb needs one row past the last word read.
-    2- and 4-bit codes never straddle a word: they take one word and a shift instead.
+    2**width of the code, so the bits above the code select the same level. wb needs one row past the last
+    word read. 2- and 4-bit codes of equal widths never straddle a word: they take one word and a shift instead
+    (`bits` 0: channels of their own widths, every code funnel-shifted).
     """
-    off = c * bits
     wi = (off >> 5) - w0
     if bits == 4 or bits == 2:  # such codes never straddle a word: one word, one shift
         words = ushr(vload(wb, wi * width + k), off & 31)
@@ -118,8 +137,8 @@ def decode(wb, width, w0, c, bits, lut, row, k):
 
 
 @njit(cache=True, inline="always")
-def code_at(codes, t, b, c, bits):
-    off = c * bits
+def code_at(codes, t, b, off, bits):
+    """The code of `bits` bits at stream bit `off` of slot (t, b)."""
     wi = off >> 5
     sh = off & 31
     v = np.int64(codes[t, b, wi]) >> sh

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .common import ZERO, block_rotation, cos_sin_at, decode, gather_words
+from .common import ZERO, block_rotation, cos_sin_at, decode, gather_words, head_words, max_head_words
 from .tables import BLOCK
 from .simd import (
     LANES,
@@ -29,7 +29,7 @@ if BLOCK != 4 * LANES:  # `_dot_group` covers a block with four vectors
 
 
 @njit(parallel=True, cache=True)
-def key_scores(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, starts, scores):
+def key_scores(q, codes, klut, bits, offs, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, starts, scores):
     """scores[b, hq, t] = scaling * q[b, hq] . RoPE(LUT-dequantized key of token t, KV head hq // G).
 
     RoPE turns the first R = 2 * len(inv_freq) channels of a head in pairs (j, j + R/2) (the tables' width:
@@ -37,6 +37,8 @@ def key_scores(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo, s
 
     Args:
         q: float32 [B, Hq, D]; codes: uint32 [T, B, W]; klut: float32 [C, 16] per-channel tables.
+        bits: every channel's code width (0: channels have their own); offs: int64 [C + 1], each channel's
+            first stream bit (`common.py`).
         positions: int32 [T, B]; cos_hi .. sin_lo: `rope.RopeTables`.
         starts: int64 [items + 1], the token ranges of the work items of every row.
         scores: float32 [B, Hq, T], written.
@@ -46,7 +48,7 @@ def key_scores(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo, s
     g_size = hq_all // heads
     rot = cos_lo.shape[0]  # rotary pairs
     n_items = starts.shape[0] - 1
-    max_words = ((d * bits + 31) >> 5) + 2  # a head's words, and one more that `decode` reads
+    max_words = max_head_words(offs, heads, d)
     vscale = vsplat(scaling)
     for item in prange(n_rows * n_items):
         b = item // n_items
@@ -62,11 +64,12 @@ def key_scores(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo, s
             else:
                 qs, qb, ct, st = q, b, cs, sn  # tables at each token's position
             for h in range(heads):
-                w0 = (h * d * bits) >> 5
-                gather_words(codes, b, t0, n, w0, (((h + 1) * d * bits - 1) >> 5) - w0 + 1, wb, BLOCK)
+                w0, nw = head_words(offs, h, d)
+                gather_words(codes, b, t0, n, w0, nw, wb, BLOCK)
                 for gt in range(0, g_size, KEY_TILE):
                     _dot_group(qs, qb, h * g_size + gt, min(KEY_TILE, g_size - gt), wb, w0, h * d, rot, d, bits,
-                               klut, ct, st, n, vscale, scores, ((b * hq_all) + h * g_size + gt) * n_tok + t0, n_tok)
+                               offs, klut, ct, st, n, vscale, scores, ((b * hq_all) + h * g_size + gt) * n_tok + t0,
+                               n_tok)
 
 
 @njit(cache=True, inline="always")
@@ -75,7 +78,7 @@ def _rot(x, y, c, s):
 
 
 @njit(cache=True, inline="always")
-def _dot_group(q, b, qh, ng, wb, w0, c0, half, d, bits, klut, cs, sn, n, vscale, scores, base, n_tok):
+def _dot_group(q, b, qh, ng, wb, w0, c0, half, d, bits, offs, klut, cs, sn, n, vscale, scores, base, n_tok):
     """Scores of query heads qh..qh+ng (ng <= 3) for one block: 64 tokens (four vectors) per pass over the pairs.
 
     The 12 accumulators stay in registers; each rotary pair (j, j + half) of the head's channels is decoded,
@@ -85,10 +88,10 @@ def _dot_group(q, b, qh, ng, wb, w0, c0, half, d, bits, klut, cs, sn, n, vscale,
     for k in range(0, n, 4 * LANES):
         a0 = a1 = a2 = a3 = e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = vsplat(ZERO)
         for j in range(2 * half, d):  # channels RoPE leaves alone
-            x0 = decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k)
-            x1 = decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k + LANES)
-            x2 = decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k + 2 * LANES)
-            x3 = decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k + 3 * LANES)
+            x0 = decode(wb, BLOCK, w0, offs[c0 + j], bits, klut, c0 + j, k)
+            x1 = decode(wb, BLOCK, w0, offs[c0 + j], bits, klut, c0 + j, k + LANES)
+            x2 = decode(wb, BLOCK, w0, offs[c0 + j], bits, klut, c0 + j, k + 2 * LANES)
+            x3 = decode(wb, BLOCK, w0, offs[c0 + j], bits, klut, c0 + j, k + 3 * LANES)
             qx = vsplat(q[b, qh, j])
             a0, a1, a2, a3 = vfma(qx, x0, a0), vfma(qx, x1, a1), vfma(qx, x2, a2), vfma(qx, x3, a3)
             if ng > 1:
@@ -98,17 +101,17 @@ def _dot_group(q, b, qh, ng, wb, w0, c0, half, d, bits, klut, cs, sn, n, vscale,
                 qx = vsplat(q[b, qh + 2, j])
                 f0, f1, f2, f3 = vfma(qx, x0, f0), vfma(qx, x1, f1), vfma(qx, x2, f2), vfma(qx, x3, f3)
         for j in range(half):
-            xr0, yr0 = _rot(decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k),
-                            decode(wb, BLOCK, w0, c0 + j + half, bits, klut, c0 + j + half, k),
+            xr0, yr0 = _rot(decode(wb, BLOCK, w0, offs[c0 + j], bits, klut, c0 + j, k),
+                            decode(wb, BLOCK, w0, offs[c0 + j + half], bits, klut, c0 + j + half, k),
                             vload(cs, j * BLOCK + k), vload(sn, j * BLOCK + k))
-            xr1, yr1 = _rot(decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k + LANES),
-                            decode(wb, BLOCK, w0, c0 + j + half, bits, klut, c0 + j + half, k + LANES),
+            xr1, yr1 = _rot(decode(wb, BLOCK, w0, offs[c0 + j], bits, klut, c0 + j, k + LANES),
+                            decode(wb, BLOCK, w0, offs[c0 + j + half], bits, klut, c0 + j + half, k + LANES),
                             vload(cs, j * BLOCK + k + LANES), vload(sn, j * BLOCK + k + LANES))
-            xr2, yr2 = _rot(decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k + 2 * LANES),
-                            decode(wb, BLOCK, w0, c0 + j + half, bits, klut, c0 + j + half, k + 2 * LANES),
+            xr2, yr2 = _rot(decode(wb, BLOCK, w0, offs[c0 + j], bits, klut, c0 + j, k + 2 * LANES),
+                            decode(wb, BLOCK, w0, offs[c0 + j + half], bits, klut, c0 + j + half, k + 2 * LANES),
                             vload(cs, j * BLOCK + k + 2 * LANES), vload(sn, j * BLOCK + k + 2 * LANES))
-            xr3, yr3 = _rot(decode(wb, BLOCK, w0, c0 + j, bits, klut, c0 + j, k + 3 * LANES),
-                            decode(wb, BLOCK, w0, c0 + j + half, bits, klut, c0 + j + half, k + 3 * LANES),
+            xr3, yr3 = _rot(decode(wb, BLOCK, w0, offs[c0 + j], bits, klut, c0 + j, k + 3 * LANES),
+                            decode(wb, BLOCK, w0, offs[c0 + j + half], bits, klut, c0 + j + half, k + 3 * LANES),
                             vload(cs, j * BLOCK + k + 3 * LANES), vload(sn, j * BLOCK + k + 3 * LANES))
             qx, qy = vsplat(q[b, qh, j]), vsplat(q[b, qh, j + half])
             a0 = vfma(qy, yr0, vfma(qx, xr0, a0))

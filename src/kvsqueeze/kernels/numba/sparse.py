@@ -191,7 +191,7 @@ def value_outliers(probs, codes, vlut, bits, heads, scale_zero, pointers, channe
                    chan_pos, partial):
     """partial[part, b, hq, :] += probs[b, hq, t] * (exact - dequantized) over the value outliers of part's slots.
 
-    probs float32 [B, Hq, T]; codes uint32 [T, B, W]; vlut float32 [1, 16]; scale_zero fp16 bits [T, B, 2];
+    probs float32 [B, Hq, T]; codes uint32 [T, B, W]; vlut float32 [C, 16]; scale_zero fp16 bits [T, B, 2];
     pointers uint32 [T*B + 1]; channels uint16; values fp16 bits; code_under, chan_head, chan_pos: as
     `key_outliers`;
     partial float32 [parts, B, Hq, D], zero on entry, each part summed in its own slice (two slots may hit one
@@ -208,7 +208,7 @@ def value_outliers(probs, codes, vlut, bits, heads, scale_zero, pointers, channe
     codes_flat, p_flat, sz_flat = codes.reshape(-1), probs.reshape(-1), scale_zero.reshape(-1)
     levels = vlut.reshape(-1)
     ub, uw, ug, ut, ud, un_rows = U(bits), U(n_words), U(g_size), U(n_tok), U(d), U(n_rows)
-    known, under = code_under >= 0, levels[max(code_under, 0)]
+    uwidth, known, under = U(vlut.shape[1]), code_under >= 0, U(max(code_under, 0))
     for part in prange(parts):
         acc = partial[part].reshape(-1)  # [B * Hq * D]
         t, b = _steps(bounds[part], n_rows)
@@ -220,7 +220,7 @@ def value_outliers(probs, codes, vlut, bits, heads, scale_zero, pointers, channe
             row_acc, row_p = b * U(hq_all) * ud, b * U(hq_all) * ut + t  # acc[b, 0, 0], probs[b, 0, t]
             for e in range(U(pointers[slot]), U(pointers[slot + U(1)])):
                 c = U(channels[e])
-                level = under if known else levels[_code(codes_flat, uw, slot, c, ub)]
+                level = levels[c * uwidth + (under if known else _code(codes_flat, uw, slot, c, ub))]
                 delta = f16(values[e]) - (level * s + z)
                 ia, ip = row_acc + c_acc[c], row_p + c_p[c]
                 for g in range(ug):
@@ -233,7 +233,7 @@ def value_outliers_fixed(probs, codes, vlut, bits, heads, sz, fixed, channels, v
     """`value_outliers` for fixed-count rows (every slot holds `fixed` outliers: entries slot * fixed + i),
     16 tokens at a time in vector lanes.
 
-    probs float32 [B, Hq, T]; codes uint32 [T, B, W]; vlut float32 [1, 16]; sz float32 [2, B, T] (the planar
+    probs float32 [B, Hq, T]; codes uint32 [T, B, W]; vlut float32 [C, 16]; sz float32 [2, B, T] (the planar
     scales and zero-points `value_sums` wrote); channels, values uint16 [T * B * fixed]; code_under: as
     `key_outliers`;
     lanes float32 [parts, B, Hq, D, 16], zero on entry: part p adds its share into lanes[p], lane i for its
@@ -248,7 +248,8 @@ def value_outliers_fixed(probs, codes, vlut, bits, heads, sz, fixed, channels, v
         c_acc[c] = (chan_head[c] * g_size * d + chan_pos[c]) * LANES
         c_p[c] = chan_head[c] * g_size * n_tok
     codes_flat, p_flat, sz_flat = codes.reshape(-1), probs.reshape(-1), sz.reshape(-1)
-    table, under = vload(vlut, 0), vsplat(vlut[0, max(code_under, 0)])
+    table = vload(vlut, 0)  # read only where codes vary under outliers, which needs one width for all channels
+    under_c = np.ascontiguousarray(vlut[:, max(code_under, 0)])  # [C]: each channel's level under its outliers
     last_word, nnz = codes_flat.shape[0] - 1, channels.shape[0]
     lane = ulanes()
     for part in prange(parts):
@@ -270,7 +271,7 @@ def value_outliers_fixed(probs, codes, vlut, bits, heads, sz, fixed, channels, v
                     else:
                         c, raw = vgather16(channels, e0, step, n), vgather16(values, e0, step, n)
                     if code_under >= 0:
-                        level = under
+                        level = vindex(under_c, 0, c, n)
                     else:
                         off = umul(c, bits)
                         w = uadd(w_lane, ushr(off, 5))

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .common import SPAN, TILE, ZERO, code_at, decode, gather_words
+from .common import SPAN, TILE, ZERO, code_at, decode, gather_words, head_words, max_head_words
 from .simd import (
     LANES,
     f16,
@@ -30,7 +30,7 @@ ONE = np.float32(1.0)
 
 # ---- values ------------------------------------------------------------------------------------
 @njit(parallel=True, cache=True)
-def value_sums(scores, m, codes, vlut, bits, heads, scale_zero, sz, starts, partial, psum):
+def value_sums(scores, m, codes, vlut, bits, offs, heads, scale_zero, sz, starts, partial, psum):
     """partial[b, h, item, g, :] = sum over the item's tokens of p_t * dequantized value, values read packed,
     with the unnormalized softmax weights p_t = exp(score_t - m[b, hq]); psum[b, h, item, g] = sum of p_t.
 
@@ -42,7 +42,8 @@ def value_sums(scores, m, codes, vlut, bits, heads, scale_zero, sz, starts, part
 
     Args:
         scores: float32 [B, Hq, T], scaled and masked (-inf) scores; read, then overwritten with p_t.
-        m: float32 [B, Hq], the row maxima; codes: uint32 [T, B, W]; vlut: float32 [1, 16] (levels, repeated).
+        m: float32 [B, Hq], the row maxima; codes: uint32 [T, B, W]; vlut: float32 [C, 16] (each channel's
+            levels, repeated); bits, offs: as `keys.key_scores`.
         scale_zero: fp16 bits, uint16 [T, B, 2], the per-token scales and zero-points; sz: float32 [2, B, T],
             written: the same in float32 and planar (contiguous over tokens), each item converting its own
             tokens once for all KV heads (the value outlier pass reads them after); starts: int64 [items + 1],
@@ -54,7 +55,7 @@ def value_sums(scores, m, codes, vlut, bits, heads, scale_zero, sz, starts, part
     hq_all = probs.shape[1]
     g_size = hq_all // heads
     d, n_items = partial.shape[4], partial.shape[2]
-    max_words = ((d * bits + 31) >> 5) + 2  # a head's words, and one more that `decode` reads
+    max_words = max_head_words(offs, heads, d)
     for item in prange(n_rows * n_items):
         b, ck = item // n_items, item % n_items
         first, last = starts[ck], starts[ck + 1]
@@ -74,8 +75,7 @@ def value_sums(scores, m, codes, vlut, bits, heads, scale_zero, sz, starts, part
                 sz[0, b, t] = f16(scale_zero[t, b, 0])
                 sz[1, b, t] = f16(scale_zero[t, b, 1])
             for h in range(heads):
-                w0 = (h * d * bits) >> 5
-                nw = (((h + 1) * d * bits - 1) >> 5) - w0 + 1
+                w0, nw = head_words(offs, h, d)
                 gather_words(codes, b, t0, n, w0, nw, wb, SPAN)
                 for g in range(g_size):
                     row = (b * hq_all + h * g_size + g) * n_tok + t0
@@ -90,7 +90,7 @@ def value_sums(scores, m, codes, vlut, bits, heads, scale_zero, sz, starts, part
                     vstore(zacc, (h * g_size + g) * LANES, za)
                     vstore(tacc, (h * g_size + g) * LANES, ta)
                 for gt in range(0, g_size, TILE):
-                    _accumulate(wb, w0, h * d, d, bits, vlut, weights, gt, min(TILE, g_size - gt), width, acc[h],
+                    _accumulate(wb, w0, h * d, d, bits, offs, vlut, weights, gt, min(TILE, g_size - gt), width, acc[h],
                                 t0 == first)
         for h in range(heads):
             for g in range(g_size):
@@ -101,7 +101,7 @@ def value_sums(scores, m, codes, vlut, bits, heads, scale_zero, sz, starts, part
 
 
 @njit(cache=True, inline="always")
-def _accumulate(wb, w0, c0, d, bits, vlut, weights, gt, ng, width, acc, fresh):
+def _accumulate(wb, w0, c0, d, bits, offs, vlut, weights, gt, ng, width, acc, fresh):
     """acc[gt + i, c, :] += weights[gt + i] * level[code of channel c0 + c] over the span, i < ng <= 4 (`fresh`:
     acc holds nothing yet, the sums are stored over it).
 
@@ -118,8 +118,8 @@ def _accumulate(wb, w0, c0, d, bits, vlut, weights, gt, ng, width, acc, fresh):
             a2, e2 = (vload(acc, i0 + 2 * d * LANES), vload(acc, i1 + 2 * d * LANES)) if ng > 2 else (a0, e0)
             a3, e3 = (vload(acc, i0 + 3 * d * LANES), vload(acc, i1 + 3 * d * LANES)) if ng > 3 else (a0, e0)
         for k in range(0, width, LANES):
-            v = decode(wb, SPAN, w0, c0 + c, bits, vlut, 0, k)
-            u = decode(wb, SPAN, w0, c0 + c + 1, bits, vlut, 0, k)
+            v = decode(wb, SPAN, w0, offs[c0 + c], bits, vlut, c0 + c, k)
+            u = decode(wb, SPAN, w0, offs[c0 + c + 1], bits, vlut, c0 + c + 1, k)
             w = vload(weights, gt * SPAN + k)
             a0, e0 = vfma(w, v, a0), vfma(w, u, e0)
             if ng > 1:
@@ -145,14 +145,14 @@ def _accumulate(wb, w0, c0, d, bits, vlut, weights, gt, ng, width, acc, fresh):
 
 
 @njit(cache=True, inline="always")
-def _dense_value(codes, t, b, c, bits, vlut, scale_zero):
+def _dense_value(codes, t, b, c, offs, vlut, scale_zero):
     s = f16(scale_zero[t, b, 0])
     z = f16(scale_zero[t, b, 1])
-    return vlut[0, code_at(codes, t, b, c, bits)] * s + z
+    return vlut[c, code_at(codes, t, b, offs[c], offs[c + 1] - offs[c])] * s + z
 
 
 @njit(cache=True)
-def sink_values(probs, codes, vlut, bits, heads, scale_zero, pointers, fixed, channels, values, sink_v, sink_slot,
+def sink_values(probs, codes, vlut, offs, heads, scale_zero, pointers, fixed, channels, values, sink_v, sink_slot,
                  out):
     """out += probs * (exact - stored) over every channel of every sink, where stored is what the value pass
     and the outlier pass summed for that slot (its dequantized element or an outlier stored there).
@@ -176,7 +176,7 @@ def sink_values(probs, codes, vlut, bits, heads, scale_zero, pointers, fixed, ch
                     stored = f16(values[e])
                     e += 1
                 else:
-                    stored = _dense_value(codes, t, b, c, bits, vlut, scale_zero)
+                    stored = _dense_value(codes, t, b, c, offs, vlut, scale_zero)
                 delta = f16(sink_v[b, s, c]) - stored
                 for g in range(g_size):
                     out[b, h * g_size + g, j] += probs[b, h * g_size + g, t] * delta

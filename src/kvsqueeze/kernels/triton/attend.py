@@ -44,7 +44,7 @@ CHECK_ATOL, CHECK_RTOL = 5e-5, 1e-4
 def _variant(q: torch.Tensor, kv: StoreView, rope: Rope, key_mask, softcap, sink_logits) -> tuple:
     """What selects a compiled variant of the programs (their constexpr arguments) on one device."""
     k_out, v_out = kv.k_outliers, kv.v_outliers
-    return (str(q.device), kv.k_bits, kv.v_bits, q.shape[-1], q.shape[1] // kv.heads, rope.half,
+    return (str(q.device), kv.k_bits, kv.v_bits, kv.k_offsets is not None, kv.v_offsets is not None, q.shape[-1], q.shape[1] // kv.heads, rope.half,
             kv.sink_slot.shape[1], k_out is not None and k_out.fixed, v_out is not None and v_out.fixed,
             key_mask is not None, bool(softcap), sink_logits is not None)
 
@@ -113,6 +113,28 @@ def _pointers(sparse: Outliers, slots: int) -> tuple[torch.Tensor | None, int, i
     return sparse.pointers, 0, max(1, slots.bit_length())
 
 
+def _widths(bits: int, offsets: torch.Tensor | None, device: torch.device) -> tuple[int, torch.Tensor]:
+    """(BITS, offsets) of keys or values for the programs: one width (the offsets are not read), or 0 and each
+    channel's first stream bit, int32 on the device."""
+    if offsets is None:
+        return bits, torch.zeros(1, dtype=torch.int32, device=device)
+    return 0, _int32(offsets, device)
+
+
+_OFFSETS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (id, device) -> (offsets, their int32 copy)
+
+
+def _int32(offsets: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """offsets as int32 on `device`, converted once per offsets tensor (a store keeps its own for its life)."""
+    key = (id(offsets), str(device))
+    held = _OFFSETS.get(key)
+    if held is None or held[0] is not offsets:
+        if len(_OFFSETS) > 256:
+            _OFFSETS.clear()
+        held = _OFFSETS[key] = (offsets, offsets.to(device, torch.int32).contiguous())
+    return held[1]
+
+
 def _check_sizes(q: torch.Tensor, kv: StoreView) -> None:
     bsz, hq, _ = q.shape
     t = kv.tokens
@@ -153,9 +175,14 @@ def _decode(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float, key_mask
     if lo_pos < 0:
         raise ValueError(f"RoPE positions must be >= 0, got {lo_pos}")
     cos_hi, sin_hi, cos_lo, sin_lo = _tables(rope, hi_pos, dev)
-    levels_k = kv.k_levels.to(dev, torch.float32)
-    klut = (levels_k[None, :] * kv.k_scale.float()[:, None] + kv.k_zero.float()[:, None]).contiguous()
+    levels_k = kv.k_levels.to(dev, torch.float32)  # [L], or [C, L] where channels have widths of their own
+    klut = ((levels_k if levels_k.dim() == 2 else levels_k[None, :]) * kv.k_scale.float()[:, None]
+            + kv.k_zero.float()[:, None]).contiguous()  # [C, L]
     vlut = kv.v_levels.to(dev, torch.float32).contiguous()
+    vrow = vlut.shape[1] if vlut.dim() == 2 else 0  # a table per channel, or one for all
+    # BITS 0: each channel's own width, its first bit at offs[c] (int32 offsets on the device)
+    k_bits, k_offs = _widths(kv.k_bits, kv.k_offsets, dev)
+    v_bits, v_offs = _widths(kv.v_bits, kv.v_offsets, dev)
     k_codes, v_codes = kv.k_codes, kv.v_codes
     positions, sz = kv.positions, kv.v_scale_zero
     sinks = kv.sink_slot.shape[1]
@@ -167,16 +194,16 @@ def _decode(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float, key_mask
 
     scores = torch.empty(bsz, hq, t, dtype=torch.float32, device=dev)
     passes.key_scores[(bsz * h, triton.cdiv(t, block_t))](
-        q, k_codes, klut, positions, cos_hi, sin_hi, cos_lo, sin_lo, scores, t, bsz, wk, h, hq,
-        BITS=kv.k_bits, BLOCK_T=block_t, **shape)
+        q, k_codes, k_offs, klut, positions, cos_hi, sin_hi, cos_lo, sin_lo, scores, t, bsz, wk, h, hq,
+        BITS=k_bits, KROW=klut.shape[1], BLOCK_T=block_t, **shape)
     k_out = kv.k_outliers
     if k_out is not None and k_out.nnz:
         ptr, fixed, steps = _pointers(k_out, slots)
         passes.key_outliers[(triton.cdiv(k_out.nnz, sparse_block),)](
-            q, k_codes, klut, positions, cos_hi, sin_hi, cos_lo, sin_lo, scores,
+            q, k_codes, k_offs, klut, positions, cos_hi, sin_hi, cos_lo, sin_lo, scores,
             k_out.values if ptr is None else ptr, k_out.channels, k_out.values, k_out.nnz, slots, t, bsz, wk, hq,
             -1 if k_out.code is None else int(k_out.code),
-            D=d, G=g, HALF=half, BITS=kv.k_bits, FIXED=fixed, STEPS=steps, BLOCK=sparse_block)
+            D=d, G=g, HALF=half, BITS=k_bits, KROW=klut.shape[1], FIXED=fixed, STEPS=steps, BLOCK=sparse_block)
     if sinks:
         passes.sink_scores[(bsz * h, sinks)](
             q, kv.sink_k, kv.sink_slot, positions, cos_hi, sin_hi, cos_lo, sin_lo, scores, t, bsz, h, hq,
@@ -189,9 +216,9 @@ def _decode(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float, key_mask
     acc_part = torch.empty(bsz * hq * nsplit, d, dtype=torch.float32, device=dev)
     mask = scores if key_mask is None else key_mask.to(dev).contiguous().view(torch.uint8)
     passes.value_partial[(bsz * h, nsplit)](
-        scores, mask, v_codes, vlut, sz, kv.sink_v, kv.sink_slot, m_part, l_part, acc_part,
+        scores, mask, v_codes, v_offs, vlut, sz, kv.sink_v, kv.sink_slot, m_part, l_part, acc_part,
         float(scaling), float(softcap or 1.0), t, bsz, wv, h, hq, split_t, nsplit,
-        S=sinks, D=d, D_P=_p2(d), G=g, G_P=_p2(g), BITS=kv.v_bits, HAS_MASK=key_mask is not None,
+        S=sinks, D=d, D_P=_p2(d), G=g, G_P=_p2(g), BITS=v_bits, VROW=vrow, HAS_MASK=key_mask is not None,
         SOFTCAP=bool(softcap), BLOCK_T=block_t)
     out = torch.empty(bsz, hq, d, dtype=torch.float32, device=dev)
     stats = torch.empty(bsz * hq, 2, dtype=torch.float32, device=dev)
@@ -203,8 +230,8 @@ def _decode(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float, key_mask
     if v_out is not None and v_out.nnz:
         ptr, fixed, steps = _pointers(v_out, slots)
         passes.value_outliers[(triton.cdiv(v_out.nnz, sparse_block),)](
-            v_codes, vlut, sz, kv.sink_slot, scores, stats, out,
+            v_codes, v_offs, vlut, sz, kv.sink_slot, scores, stats, out,
             v_out.values if ptr is None else ptr, v_out.channels, v_out.values, v_out.nnz, slots, t, bsz, wv, hq,
             -1 if v_out.code is None else int(v_out.code),
-            S=sinks, D=d, G=g, BITS=kv.v_bits, FIXED=fixed, STEPS=steps, BLOCK=sparse_block)
+            S=sinks, D=d, G=g, BITS=v_bits, VROW=vrow, FIXED=fixed, STEPS=steps, BLOCK=sparse_block)
     return out

@@ -21,17 +21,24 @@ LOW = 64  # positions per low RoPE table: p = hi * LOW + lo
 
 
 @triton.jit
-def _codes(codes_ptr, row, chan, mask, BITS: tl.constexpr):
-    """Codes of channels `chan` in the slots whose first word is at `row` (broadcast together), int32."""
-    off = chan * BITS
+def _codes(codes_ptr, offs_ptr, row, chan, mask, BITS: tl.constexpr):
+    """Codes of channels `chan` in the slots whose first word is at `row` (broadcast together), int32.
+
+    BITS 0: channels have widths of their own; channel c's code is stream bits offs[c] .. offs[c + 1]."""
+    if BITS == 0:
+        off = tl.load(offs_ptr + chan, mask=mask, other=0)
+        width = tl.load(offs_ptr + chan + 1, mask=mask, other=1) - off
+    else:
+        off = chan * BITS
+        width = BITS
     word = off >> 5
     shift = off & 31
     lo = tl.load(codes_ptr + row + word, mask=mask, other=0).to(tl.int64) & 0xFFFFFFFF
-    if BITS == 3:  # 2- and 4-bit codes never straddle two words
-        spill = mask & (shift + BITS > 32)
+    if BITS != 2 and BITS != 4:  # 2- and 4-bit codes of one width never straddle two words
+        spill = mask & (shift + width > 32)
         hi = tl.load(codes_ptr + row + word + 1, mask=spill, other=0).to(tl.int64) & 0xFFFFFFFF
         lo = lo | (hi << 32)
-    return ((lo >> shift) & ((1 << BITS) - 1)).to(tl.int32)
+    return ((lo >> shift) & ((1 << width) - 1)).to(tl.int32)
 
 
 @triton.jit
@@ -47,10 +54,11 @@ def _cos_sin(pos, j, mask, cos_hi, sin_hi, cos_lo, sin_lo, HALF: tl.constexpr):
 
 
 @triton.jit
-def key_scores(q_ptr, codes_ptr, klut_ptr, pos_ptr, cos_hi, sin_hi, cos_lo, sin_lo, scores_ptr,
+def key_scores(q_ptr, codes_ptr, offs_ptr, klut_ptr, pos_ptr, cos_hi, sin_hi, cos_lo, sin_lo, scores_ptr,
                T, B, W, H, HQ,
                D: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
-               PASS: tl.constexpr, PASS_P: tl.constexpr, BITS: tl.constexpr, BLOCK_T: tl.constexpr):
+               PASS: tl.constexpr, PASS_P: tl.constexpr, BITS: tl.constexpr, KROW: tl.constexpr,
+               BLOCK_T: tl.constexpr):
     """Raw scores q . RoPE(k) [B, Hq, T] of one block of BLOCK_T tokens and one KV head (all G query heads of
     its group), the keys dequantized from their codes by each channel's lookup table."""
     bh = tl.program_id(0)
@@ -66,9 +74,9 @@ def key_scores(q_ptr, codes_ptr, klut_ptr, pos_ptr, cos_hi, sin_hi, cos_lo, sin_
     j = tl.arange(0, HALF_P)[None, :]
     m = tmask[:, None] & (j < HALF)
     c_lo = h * D + j
-    k_lo = tl.load(klut_ptr + c_lo * (1 << BITS) + _codes(codes_ptr, row, c_lo, m, BITS), mask=m, other=0.0)
+    k_lo = tl.load(klut_ptr + c_lo * KROW + _codes(codes_ptr, offs_ptr, row, c_lo, m, BITS), mask=m, other=0.0)
     c_hi = c_lo + HALF
-    k_hi = tl.load(klut_ptr + c_hi * (1 << BITS) + _codes(codes_ptr, row, c_hi, m, BITS), mask=m, other=0.0)
+    k_hi = tl.load(klut_ptr + c_hi * KROW + _codes(codes_ptr, offs_ptr, row, c_hi, m, BITS), mask=m, other=0.0)
     cos, sin = _cos_sin(pos, j, m, cos_hi, sin_hi, cos_lo, sin_lo, HALF)
     r_lo = k_lo * cos - k_hi * sin
     r_hi = k_hi * cos + k_lo * sin
@@ -80,7 +88,7 @@ def key_scores(q_ptr, codes_ptr, klut_ptr, pos_ptr, cos_hi, sin_hi, cos_lo, sin_
         p = tl.arange(0, PASS_P)[None, :]
         pm = tmask[:, None] & (p < PASS)
         c_p = h * D + 2 * HALF + p
-        k_p = tl.load(klut_ptr + c_p * (1 << BITS) + _codes(codes_ptr, row, c_p, pm, BITS), mask=pm, other=0.0)
+        k_p = tl.load(klut_ptr + c_p * KROW + _codes(codes_ptr, offs_ptr, row, c_p, pm, BITS), mask=pm, other=0.0)
         q_p = tl.load(q_ptr + qrow + 2 * HALF + p, mask=gmask[:, None] & (p < PASS), other=0.0)
         acc += tl.sum(q_p[:, None, :] * k_p[None, :, :], axis=2)
     out = scores_ptr + ((b * HQ + h * G + g) * T)[:, None] + t[None, :]
@@ -111,9 +119,9 @@ def _is_sink(sink_slot, b, t, mask, S: tl.constexpr):
 
 
 @triton.jit
-def key_outliers(q_ptr, codes_ptr, klut_ptr, pos_ptr, cos_hi, sin_hi, cos_lo, sin_lo, scores_ptr,
+def key_outliers(q_ptr, codes_ptr, offs_ptr, klut_ptr, pos_ptr, cos_hi, sin_hi, cos_lo, sin_lo, scores_ptr,
                  ptr_ptr, chan_ptr, val_ptr, NNZ, SLOTS, T, B, W, HQ, UNDER,
-                 D: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr,
+                 D: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr, KROW: tl.constexpr,
                  FIXED: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr):
     """Key outliers (CSC over slots), BLOCK entries a program whatever their slots: each replaces its element
     before RoPE, so it adds q . RoPE(exact - dequantized), which touches the element's channel and its pair."""
@@ -126,9 +134,9 @@ def key_outliers(q_ptr, codes_ptr, klut_ptr, pos_ptr, cos_hi, sin_hi, cos_lo, si
     if UNDER >= 0:
         code = tl.zeros_like(c) + UNDER
     else:
-        code = _codes(codes_ptr, (t * B + b) * W, c, emask, BITS)
+        code = _codes(codes_ptr, offs_ptr, (t * B + b) * W, c, emask, BITS)
     delta = tl.load(val_ptr + e, mask=emask, other=0.0).to(tl.float32) - tl.load(
-        klut_ptr + c * (1 << BITS) + code, mask=emask, other=0.0)
+        klut_ptr + c * KROW + code, mask=emask, other=0.0)
     h = c // D
     d = c - h * D
     turns = d < 2 * HALF
@@ -189,10 +197,11 @@ def _tanh(x):
 
 
 @triton.jit
-def value_partial(scores_ptr, mask_ptr, codes_ptr, vlut_ptr, sz_ptr, sink_v, sink_slot,
+def value_partial(scores_ptr, mask_ptr, codes_ptr, offs_ptr, vlut_ptr, sz_ptr, sink_v, sink_slot,
                   m_ptr, l_ptr, acc_ptr, scaling, softcap, T, B, W, H, HQ, SPLIT_T, NSPLIT,
                   S: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr,
-                  BITS: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr, BLOCK_T: tl.constexpr):
+                  BITS: tl.constexpr, VROW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
+                  BLOCK_T: tl.constexpr):
     """One split of the tokens for one KV head (flash-decoding): the scores scaled, capped and masked (written
     back, for the value outliers), their running maximum and sum, and sum_t p_t v_t with each value dequantized
     from its codes and its slot's fp16 scale and zero-point; a sink's slot takes its exact fp16 value."""
@@ -229,8 +238,8 @@ def value_partial(scores_ptr, mask_ptr, codes_ptr, vlut_ptr, sz_ptr, sink_v, sin
         alpha = tl.where(alive, tl.exp(m_run - m_new), 1.0)
         p = tl.where(alive[:, None], tl.exp(s - m_new[:, None]), 0.0)
         vm = tm[:, None] & dm[None, :]
-        code = _codes(codes_ptr, ((t * B + b) * W)[:, None], c[None, :], vm, BITS)
-        level = tl.load(vlut_ptr + code, mask=vm, other=0.0)
+        code = _codes(codes_ptr, offs_ptr, ((t * B + b) * W)[:, None], c[None, :], vm, BITS)
+        level = tl.load(vlut_ptr + c[None, :] * VROW + code, mask=vm, other=0.0)
         scale = tl.load(sz_ptr + (t * B + b) * 2, mask=tm, other=0.0).to(tl.float32)
         zero = tl.load(sz_ptr + (t * B + b) * 2 + 1, mask=tm, other=0.0).to(tl.float32)
         v = level * scale[:, None] + zero[:, None]
@@ -274,9 +283,9 @@ def combine(m_ptr, l_ptr, acc_ptr, sink_logit_ptr, out_ptr, stats_ptr, HQ, NSPLI
 
 
 @triton.jit
-def value_outliers(codes_ptr, vlut_ptr, sz_ptr, sink_slot, scores_ptr, stats_ptr, out_ptr,
+def value_outliers(codes_ptr, offs_ptr, vlut_ptr, sz_ptr, sink_slot, scores_ptr, stats_ptr, out_ptr,
                    ptr_ptr, chan_ptr, val_ptr, NNZ, SLOTS, T, B, W, HQ, UNDER,
-                   S: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr,
+                   S: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, VROW: tl.constexpr,
                    FIXED: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr):
     """Value outliers (CSR over slots), BLOCK entries a program: each adds p_t (exact - dequantized) to its
     channel of the output, p_t the token's final softmax weight. Sink slots are skipped (their exact values
@@ -291,10 +300,10 @@ def value_outliers(codes_ptr, vlut_ptr, sz_ptr, sink_slot, scores_ptr, stats_ptr
     if UNDER >= 0:
         code = tl.zeros_like(c) + UNDER
     else:
-        code = _codes(codes_ptr, (t * B + b) * W, c, emask, BITS)
+        code = _codes(codes_ptr, offs_ptr, (t * B + b) * W, c, emask, BITS)
     scale = tl.load(sz_ptr + n * 2, mask=emask, other=0.0).to(tl.float32)
     zero = tl.load(sz_ptr + n * 2 + 1, mask=emask, other=0.0).to(tl.float32)
-    stored = tl.load(vlut_ptr + code, mask=emask, other=0.0) * scale + zero
+    stored = tl.load(vlut_ptr + c * VROW + code, mask=emask, other=0.0) * scale + zero
     delta = tl.load(val_ptr + e, mask=emask, other=0.0).to(tl.float32) - stored
     h = c // D
     d = c - h * D
