@@ -300,3 +300,27 @@ def test_channel_budgets_reach_the_simulated_path_the_compressed_cache_and_the_f
         triton = tiny_llama.generate(ids[:, :20], cache=cache3, max_new_tokens=3, min_new_tokens=3,
                                      do_sample=False, pad_token_id=0)
     assert torch.equal(triton, dense[:, :23])
+
+
+def test_channel_widths_the_kernels_cannot_read_and_broken_tables_are_refused(tiny_recipe):
+    """A width past the kernels' 16-level tables, a store or a page layout handed channel widths they cannot hold,
+    and per-channel errors that are not finite all raise before any token is stored."""
+    import copy
+    import dataclasses
+
+    from kvsqueeze.budget import allocate_channels
+    from kvsqueeze.cache.store import KVStore
+    from kvsqueeze.paged.layout import PageLayout
+    from kvsqueeze.quantizer import build_quantizers
+
+    kq, vq = build_quantizers(parse_method("nuq@3:chan"), tiny_recipe, 0, 32, 8)
+    wide = dataclasses.replace(kq, widths=torch.full((32,), 5))
+    with pytest.raises(MethodError, match=r"widths \[5\] are not supported"):
+        KVStore(wide, vq, 32, 1, head_dim=8)
+    with pytest.raises(ValueError, match="widths of their own"):
+        PageLayout(kq, vq, 32, 8, block_size=16, sinks=1)
+    broken = copy.deepcopy(tiny_recipe)
+    key = next(k for k in broken.tensors if ".chanerr." in k)
+    broken.tensors[key] = broken.tensors[key].clone().fill_(float("nan"))
+    with pytest.raises(Exception, match="NaN"):
+        allocate_channels(broken, 3.0)

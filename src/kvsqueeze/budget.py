@@ -237,6 +237,14 @@ def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKE
                       spent / (2 * tokens * channels * layers))
 
 
+def check_widths(widths, what: str) -> None:
+    """Raise MethodError unless every width is one the kernels read (`CHANNEL_BITS`)."""
+    bad = sorted({int(w) for w in widths} - set(CHANNEL_BITS))
+    if bad:
+        raise MethodError(f"{what}: channel widths {bad} are not supported; the kernels' tables read widths "
+                          f"{', '.join(map(str, CHANNEL_BITS))}")
+
+
 def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKENS) -> Allocation:
     """Each channel's width (`CHANNEL_BITS`) and each layer's key / value outlier fraction minimising the summed
     per-channel Fisher-weighted error at `avg_bits` (see the module docstring).
@@ -257,6 +265,8 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
     if err.shape[2:] != (channels, len(CHANNEL_BITS)):
         raise RecipeError(f"the recipe's per-channel errors have shape {err.shape[2:]}, expected "
                           f"({channels}, {len(CHANNEL_BITS)}): recalibrate it with this version of kvsqueeze")
+    if not np.isfinite(err).all() or (err < 0).any():
+        raise RecipeError("the recipe's per-channel errors hold NaN, Inf or negative values: recalibrate it")
     fixed = np.array([[tensor_bits(kv, Choice(max(CHANNEL_BITS), f, (0,) * channels), tokens, channels, sinks)["total"]
                        for f in fractions] for _, kv in units])
     budget = avg_bits * 2 * tokens * channels * layers

@@ -13,12 +13,13 @@ arithmetic itself (scale, zero-point, nearest level) is `affine.py`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from .affine import choose_qparams, dequantize, quantize
-from .budget import layer_choices
+from .budget import check_widths, layer_choices
 from .datatypes import check_codebook, standard_levels, uniform_levels
 from .methods import SUPPORTED_BITS, MethodError, MethodSpec, fixed_outlier_count, topk_per_side
 from .outliers import clamp_range, online_thresholds, outlier_mask
@@ -78,7 +79,7 @@ class VectorQuantizer:
         if self.widths is None:
             return quantize(x, scale, zero, self.levels)
         codes = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-        for w, sel in self._groups():
+        for w, sel in self._groups:
             codes[:, sel] = quantize(x[:, sel], _cols(scale, sel), _cols(zero, sel), self.codebooks[w])
         return codes
 
@@ -86,11 +87,13 @@ class VectorQuantizer:
         if self.widths is None:
             return dequantize(codes, scale, zero, self.levels)
         out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
-        for w, sel in self._groups():
+        for w, sel in self._groups:
             out[:, sel] = dequantize(codes[:, sel], _cols(scale, sel), _cols(zero, sel), self.codebooks[w])
         return out
 
+    @functools.cached_property
     def _groups(self) -> list[tuple[int, torch.Tensor]]:
+        """(width, its channels) of every width in use; found once per quantizer (no host sync per token)."""
         return [(int(w), (self.widths == w).nonzero().view(-1)) for w in torch.unique(self.widths)]
 
     def outliers_per_side(self, channels: int) -> int:
@@ -184,6 +187,7 @@ def with_widths(q: VectorQuantizer, widths: tuple[int, ...], recipe: Recipe, lay
     if len(widths) != channels:
         raise RecipeError(f"layer {layer} {kv}: the recipe's budget gives {len(widths)} channel widths, the model "
                           f"has {channels} channels: this recipe belongs to another model")
+    check_widths(widths, f"layer {layer} {kv}")
     books = {w: check_codebook(recipe.codebook(layer, kv, w, q.fraction, "vector", "fs2"), w) for w in set(widths)}
     return dataclasses.replace(q, levels=books[max(widths)], widths=torch.tensor(widths, dtype=torch.int64),
                                codebooks=books)

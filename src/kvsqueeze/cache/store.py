@@ -47,6 +47,7 @@ import os
 import torch
 
 from ..affine import choose_qparams
+from ..budget import check_widths
 from ..kernels.reference import dequantize_view
 from ..kernels.view import Outliers, StoreView
 from ..packing import code_offsets, mixed_words, pack_codes, pack_mixed, words_per_vector
@@ -91,6 +92,12 @@ class KVStore:
         self.positions = positions if positions is not None else PositionLog(self.device)
         self.k_bits, self.v_bits = k_quant.bits, v_quant.bits
         # channels with widths of their own (`nuq@AVG:chan`): one bit stream of every width, a codebook per channel
+        for q in (k_quant, v_quant):
+            if q.widths is not None:
+                check_widths(q.widths.tolist(), "KVStore")
+                if q.widths.numel() != channels or not set(q.widths.tolist()) <= set(q.codebooks or ()):
+                    raise ValueError(f"KVStore: {q.widths.numel()} channel widths for {channels} channels, or a "
+                                     "width without its codebook")
         self.k_offsets, self.v_offsets = (None if q.widths is None else code_offsets(q.widths).to(self.device)
                                           for q in (k_quant, v_quant))
         self.k_levels, self.v_levels = (q.levels if q.widths is None else q.channel_levels().to(self.device)
@@ -353,10 +360,8 @@ class KVStore:
     def _quantizer_nbytes(self) -> int:
         """Codebooks (float32 levels, exactly what decoding reads) and the key thresholds encoding reads."""
         kq, vq = self.key_quantizer, self.value_quantizer
-        n = sum(x.nbytes for x in (kq.levels, vq.levels, kq.lo, kq.hi))
-        for q in (kq, vq):  # channel widths: every codebook they use besides `levels`, and a byte per width
-            if q.widths is not None:
-                n += sum(cb.nbytes for w, cb in q.codebooks.items() if w != q.bits) + q.widths.numel()
+        n = sum(x.nbytes for x in (self.k_levels, self.v_levels, kq.lo, kq.hi))  # a table per channel, or one
+        n += sum(x.nbytes for x in (self.k_offsets, self.v_offsets) if x is not None)  # where each channel starts
         if vq.mat_lo is not None:
             n += 8  # per-matrix value thresholds, two float32
         return n

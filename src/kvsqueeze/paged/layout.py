@@ -108,6 +108,9 @@ class PageLayout:
                             f"1 to {channels} slots (a method with ':kslotsN', e.g. 'nuq3-1%:kslots6')")
         if channels > 1 << 16:
             problems.append(f"{channels} channels: outlier channel indices are 16 bits")
+        if k_quant.widths is not None or v_quant.widths is not None:
+            problems.append("pages hold one code width per layer and tensor, and these channels have widths of "
+                            "their own (nuq@AVG:chan): serve a method of one width per layer")
         if problems:
             raise ValueError("PageLayout: " + "; ".join(problems))
         self.k_quant, self.v_quant = k_quant, v_quant

@@ -244,9 +244,7 @@ def _fixed(s: Outliers | None, slots: int) -> int:
 
 @functools.cache
 def _even_offsets(bits: int, channels: int) -> np.ndarray:
-    out = np.arange(channels + 1, dtype=np.int64) * bits
-    out.flags.writeable = False
-    return out
+    return np.arange(channels + 1, dtype=np.int64) * bits  # writable, as a store's own: one compiled variant
 
 
 def _widths(bits: int, offsets: torch.Tensor | None, channels: int, under: int) -> tuple[int, np.ndarray]:
