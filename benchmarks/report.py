@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "results.md")
 HEADLINE = tuple(EvalConfig().methods.split(","))  # the methods `make demo` evaluates
 BUDGET_ROWS = ("fp16", "nuq2-1%", "nuq@2.5", "nuq@2.5:chan", "nuq@2.6", "nuq@2.6:kl", "nuq@2.6:chan", "nuq@3",
-               "nuq@3:chan", "nuq3-1%", "nuq@3.5", "nuq@3.5:kl", "nuq@3.5:chan", "nuq3-1%:sink16", "nuq4-1%",
-               "nuq@4.5", "nuq@4.5:kl", "nuq@4.5:chan")
+               "nuq@3:chan", "nuq3-1%", "nuq@3.5", "nuq@3.5:kl", "nuq@3.45:chan", "nuq@3.5:chan", "nuq3-1%:sink16",
+               "nuq4-1%", "nuq@4.5", "nuq@4.5:kl", "nuq@4.5:chan")
 
 
 def _load(d: Path, name: str) -> dict | None:

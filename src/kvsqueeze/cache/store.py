@@ -355,13 +355,22 @@ class KVStore:
         grids = sum(buf.capacity_nbytes for buf in (self.k_codes, self.v_codes, self.v_scale_zero))
         sparse = sum(s.capacity_nbytes for s in self._sparse())
         fixed = sum(x.nbytes for x in (self.k_scale, self.k_zero, self.sink_k, self.sink_v, self.sink_slot))
-        return grids + sparse + fixed + self._quantizer_nbytes()
+        derived = sum(levels.nbytes + offsets.nbytes for levels, offsets in
+                      ((self.k_levels, self.k_offsets), (self.v_levels, self.v_offsets)) if offsets is not None)
+        return grids + sparse + fixed + self._quantizer_nbytes() + derived  # channel widths: their tables too
 
     def _quantizer_nbytes(self) -> int:
-        """Codebooks (float32 levels, exactly what decoding reads) and the key thresholds encoding reads."""
+        """Codebooks (float32 levels, exactly what decoding reads) and the key thresholds encoding reads. Where
+        channels have widths of their own: every codebook they use and a byte per channel for its width; the
+        per-channel tables and bit offsets the kernels read are derived from those (as the kernels' own lookup
+        tables are), allocated but not counted as stored (`capacity_nbytes` counts them)."""
         kq, vq = self.key_quantizer, self.value_quantizer
-        n = sum(x.nbytes for x in (self.k_levels, self.v_levels, kq.lo, kq.hi))  # a table per channel, or one
-        n += sum(x.nbytes for x in (self.k_offsets, self.v_offsets) if x is not None)  # where each channel starts
+        n = sum(x.nbytes for x in (kq.lo, kq.hi))
+        for q in (kq, vq):
+            if q.widths is None:
+                n += q.levels.nbytes
+            else:
+                n += sum(cb.nbytes for cb in q.codebooks.values()) + q.widths.numel()
         if vq.mat_lo is not None:
             n += 8  # per-matrix value thresholds, two float32
         return n
