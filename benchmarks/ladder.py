@@ -63,7 +63,8 @@ BUDGETS = [  # quality per bit: each layer's K / V bits and outliers chosen from
     ("nuq@2.5:chan", "bit budget 2.5, a width (1-4 bits) per channel from the per-channel Fisher errors"),
     ("nuq@2.6:chan", "bit budget 2.6, a width per channel"),
     ("nuq@3:chan", "bit budget 3.0, a width per channel"),
-    ("nuq@3.45:chan", "bit budget 3.45, a width per channel (evaluation text's key outliers stay under 3.5)"),
+    ("nuq@3.45:chan", "bit budget 3.45, a width per channel"),
+    ("nuq@3.49:chan", "bit budget 3.49, a width per channel (evaluation text's key outliers stay under 3.5)"),
     ("nuq@3.5:chan", "bit budget 3.5, a width per channel"),
     ("nuq@4.5:chan", "bit budget 4.5, a width per channel"),
 ]
