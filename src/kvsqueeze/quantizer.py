@@ -84,12 +84,11 @@ class VectorQuantizer:
         return codes
 
     def _values(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-        if self.widths is None:
-            return dequantize(codes, scale, zero, self.levels)
-        out = torch.empty(codes.shape, dtype=torch.float32, device=codes.device)
-        for w, sel in self._groups:
-            out[:, sel] = dequantize(codes[:, sel], _cols(scale, sel), _cols(zero, sel), self.codebooks[w])
-        return out
+        return dequantize(codes, scale, zero, self.levels if self.widths is None else self._table)
+
+    @functools.cached_property
+    def _table(self) -> torch.Tensor:
+        return self.channel_levels()
 
     @functools.cached_property
     def _groups(self) -> list[tuple[int, torch.Tensor]]:
