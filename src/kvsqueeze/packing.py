@@ -226,14 +226,14 @@ def unpack_codes(words: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 # ---- a width per code (the channels of a ':chan' bit budget) ---------------------------------------------------
 def code_offsets(widths: torch.Tensor) -> torch.Tensor:
-    """Stream bit offsets of codes of the given widths, int64 [n + 1]: code c takes bits [off[c], off[c + 1]).
+    """Stream bit offsets of codes of the given widths, int32 [n + 1]: code c takes bits [off[c], off[c + 1]).
 
     Codes follow each other with no padding (a code may straddle two words); `pack_mixed` writes them so.
     """
     widths = torch.as_tensor(widths, dtype=torch.int64)
     if widths.dim() != 1 or (widths.numel() and (int(widths.min()) < 1 or int(widths.max()) > MAX_BITS)):
         raise ValueError(f"widths must be a 1-D tensor of code widths in 1..{MAX_BITS}, got {widths.tolist()}")
-    return torch.cat([widths.new_zeros(1), widths.cumsum(0)])
+    return torch.cat([widths.new_zeros(1), widths.cumsum(0)]).to(torch.int32)  # what every kernel reads
 
 
 def mixed_words(offsets: torch.Tensor) -> int:
@@ -250,7 +250,7 @@ def pack_mixed(codes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     wide = codes.to(torch.int64)
     if wide.numel() and bool((wide >= (1 << widths.to(wide.device))).any()):
         raise ValueError("a code is wider than its channel's width; clamp the codes or widen the channel")
-    start = offsets[:-1].to(wide.device)
+    start = offsets[:-1].to(wide.device, torch.int64)
     shifted = wide << (start % 32)  # below 2**40: the low 32 bits land in its word, the rest in the next
     acc = wide.new_zeros(*wide.shape[:-1], mixed_words(offsets) + 1)
     word = (start // 32).expand_as(shifted)
@@ -266,8 +266,8 @@ def unpack_mixed(words: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
                          f"{words.dtype} {tuple(words.shape)}")
     unsigned = words.to(torch.int64) & _WORD_MASK
     unsigned = torch.cat([unsigned, unsigned.new_zeros(*unsigned.shape[:-1], 1)], dim=-1)
-    start = offsets[:-1].to(words.device)
+    start = offsets[:-1].to(words.device, torch.int64)
     low = unsigned.index_select(-1, start // 32)
     high = unsigned.index_select(-1, start // 32 + 1) & 0xFF
-    mask = (1 << offsets.diff().to(words.device)) - 1
+    mask = (1 << offsets.diff().to(words.device, torch.int64)) - 1
     return (((low | (high << 32)) >> (start % 32)) & mask).to(torch.uint8)

@@ -53,7 +53,7 @@ class VectorQuantizer:
     mat_hi: float | None = None
     group: int = 0  # token axis: channels per (scale, zero) group; 0 = the whole token
     slots: int = 0  # channel axis: exact elements per token, a fixed count (0: every element past the range)
-    widths: torch.Tensor | None = None  # int64 [C]: each channel's own code width (':chan' budgets); None: `bits`
+    widths: torch.Tensor | None = None  # int [C]: each channel's own code width (':chan' budgets); None: `bits`
     codebooks: dict[int, torch.Tensor] | None = None  # with `widths`: the levels of every width they use
 
     @property
@@ -61,9 +61,13 @@ class VectorQuantizer:
         """The code width of every channel (with `widths`, the widest; `levels` are its codebook)."""
         return int(self.levels.numel()).bit_length() - 1
 
-    def channel_levels(self) -> torch.Tensor:
-        """float32 [C, 2**bits] (with `widths`): row c is channel c's codebook, repeated to the widest one's size,
-        so that a code read with bits to spare above it still selects its own level."""
+    @functools.cached_property
+    def decode_levels(self) -> torch.Tensor:
+        """The levels decoding reads: `levels`, or with `widths` float32 [C, 2**bits] whose row c is channel c's
+        codebook repeated to the widest one's size, so that a code read with bits to spare above it still selects
+        its own level."""
+        if self.widths is None:
+            return self.levels
         n = self.levels.numel()
         return torch.stack([self.codebooks[int(w)].repeat(n >> int(w)) for w in self.widths])
 
@@ -84,11 +88,7 @@ class VectorQuantizer:
         return codes
 
     def _values(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-        return dequantize(codes, scale, zero, self.levels if self.widths is None else self._table)
-
-    @functools.cached_property
-    def _table(self) -> torch.Tensor:
-        return self.channel_levels()
+        return dequantize(codes, scale, zero, self.decode_levels)
 
     @functools.cached_property
     def _groups(self) -> list[tuple[int, torch.Tensor]]:

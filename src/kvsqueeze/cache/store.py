@@ -100,8 +100,7 @@ class KVStore:
                                      "width without its codebook")
         self.k_offsets, self.v_offsets = (None if q.widths is None else code_offsets(q.widths).to(self.device)
                                           for q in (k_quant, v_quant))
-        self.k_levels, self.v_levels = (q.levels if q.widths is None else q.channel_levels().to(self.device)
-                                        for q in (k_quant, v_quant))
+        self.k_levels, self.v_levels = (q.decode_levels.to(self.device) for q in (k_quant, v_quant))
         scale, zero = choose_qparams(k_quant.lo.view(1, -1), k_quant.hi.view(1, -1))  # fp16-exact float32 [1, C]
         self.k_scale, self.k_zero = scale.view(-1).half().to(self.device), zero.view(-1).half().to(self.device)
         if encoder not in ("auto", "torch", "triton"):

@@ -69,7 +69,7 @@ class StoreView(NamedTuple):
         positions: int32 [>= T, B], the RoPE position of every cached token.
         memo: a dict that lives as long as these allocations: a backend keeps there what it derives from
             them (numpy views, lookup tables), checking that they are still the arrays it was built from.
-        k_offsets, v_offsets: int64 [C + 1] where channels have widths of their own (`nuq@AVG:chan`): channel c's
+        k_offsets, v_offsets: int32 [C + 1] where channels have widths of their own (`nuq@AVG:chan`): channel c's
             code is bits [off[c], off[c + 1]) of its slot's stream (`packing.pack_mixed`); None: `k_bits` /
             `v_bits` for every channel.
     """

@@ -85,7 +85,7 @@ class KernelInputs(NamedTuple):
 
     q float32 [B, Hq, D]; k_codes, v_codes uint32 [T, B, W]; klut float32 [C, 16] (LUT[c] = level * scale[c] +
     zero[c], repeated to 16 entries); vlut float32 [C, 16] (channel c's levels, repeated); k_bits, v_bits: every
-    channel's code width (0: channels have their own); k_offs, v_offs int64 [C + 1]: each channel's first bit in
+    channel's code width (0: channels have their own); k_offs, v_offs int32 [C + 1]: each channel's first bit in
     its slot's stream; positions int32 [T, B]; cos_hi .. sin_lo: the
     `tables.RopeTables`; k_ptr / v_ptr uint32 [slots + 1] (empty: none, or fixed counts), k_chan / v_chan uint16
     [nnz], k_val / v_val fp16 bits [nnz]; k_under, v_under: the code under every outlier (-1: codes vary);
@@ -244,18 +244,18 @@ def _fixed(s: Outliers | None, slots: int) -> int:
 
 @functools.cache
 def _even_offsets(bits: int, channels: int) -> np.ndarray:
-    return np.arange(channels + 1, dtype=np.int64) * bits  # writable, as a store's own: one compiled variant
+    return np.arange(channels + 1, dtype=np.int32) * bits  # int32 and writable, as a store's own: one variant
 
 
 def _widths(bits: int, offsets: torch.Tensor | None, channels: int, under: int) -> tuple[int, np.ndarray]:
-    """(the `bits` the passes take, int64 offsets [C + 1]) of keys or values: channels of one width, or each of
+    """(the `bits` the passes take, int32 offsets [C + 1]) of keys or values: channels of one width, or each of
     its own (bits 0). Codes under outliers must then be known (`Outliers.code`): those passes read no codes."""
     if offsets is None:
         return bits, _even_offsets(bits, channels)
     if under < 0:
         raise ValueError("channels of their own widths need the code under every outlier to be known "
                          "(`Outliers.code`), as KVStore stores it")
-    return 0, np.ascontiguousarray(_np(offsets.to(torch.int64)))
+    return 0, _np(offsets)  # the store's own int32 offsets, viewed
 
 
 def _luts(kv: StoreView) -> tuple[np.ndarray, np.ndarray]:

@@ -8,7 +8,7 @@ Layout conventions (see `attend.py` for the passes):
   one channel's codes of 16 tokens are a vector shift away;
 * lookup tables are rows of 16 float32 (the 2**bits levels repeated to fill 16 lanes), one row per
   channel: keys with their scale and zero-point folded in, values the channel's levels;
-* a channel's code starts at stream bit offs[c] of its slot (`offs` int64 [C + 1]; c * bits when every
+* a channel's code starts at stream bit offs[c] of its slot (`offs` int32 [C + 1]; c * bits when every
   channel has the same width, the running sum of the widths when each has its own).
 
 Small helpers are inlined into their callers (`inline="always"`): a call would

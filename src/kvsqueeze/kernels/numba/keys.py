@@ -37,7 +37,7 @@ def key_scores(q, codes, klut, bits, offs, heads, positions, cos_hi, sin_hi, cos
 
     Args:
         q: float32 [B, Hq, D]; codes: uint32 [T, B, W]; klut: float32 [C, 16] per-channel tables.
-        bits: every channel's code width (0: channels have their own); offs: int64 [C + 1], each channel's
+        bits: every channel's code width (0: channels have their own); offs: int32 [C + 1], each channel's
             first stream bit (`common.py`).
         positions: int32 [T, B]; cos_hi .. sin_lo: `rope.RopeTables`.
         starts: int64 [items + 1], the token ranges of the work items of every row.

@@ -114,25 +114,17 @@ def _pointers(sparse: Outliers, slots: int) -> tuple[torch.Tensor | None, int, i
 
 
 def _widths(bits: int, offsets: torch.Tensor | None, device: torch.device) -> tuple[int, torch.Tensor]:
-    """(BITS, offsets) of keys or values for the programs: one width (the offsets are not read), or 0 and each
-    channel's first stream bit, int32 on the device."""
+    """(BITS, offsets) of keys or values for the programs: one width (the offsets are not read), or 0 and the
+    store's own int32 offsets of each channel's first stream bit (`packing.code_offsets`)."""
     if offsets is None:
-        return bits, torch.zeros(1, dtype=torch.int32, device=device)
-    return 0, _int32(offsets, device)
+        return bits, _unread(str(device))
+    return 0, offsets.to(device)
 
 
-_OFFSETS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}  # (id, device) -> (offsets, their int32 copy)
-
-
-def _int32(offsets: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """offsets as int32 on `device`, converted once per offsets tensor (a store keeps its own for its life)."""
-    key = (id(offsets), str(device))
-    held = _OFFSETS.get(key)
-    if held is None or held[0] is not offsets:
-        if len(_OFFSETS) > 256:
-            _OFFSETS.clear()
-        held = _OFFSETS[key] = (offsets, offsets.to(device, torch.int32).contiguous())
-    return held[1]
+@functools.cache
+def _unread(device: str) -> torch.Tensor:
+    """A stand-in for the offsets programs of one width never read."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def _check_sizes(q: torch.Tensor, kv: StoreView) -> None:
