@@ -29,6 +29,7 @@ and a recipe without a stored choice gets the same one computed on load.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -166,6 +167,20 @@ def sensitivity_key(sinks: int) -> str:
     return f"sink{sinks}"
 
 
+def _fitting_multiplier(fits: Callable[[float], bool], start: float) -> float:
+    """The smallest Lagrange multiplier whose choice fits the budget: 0 when the least-loss choice does, else
+    grown from `start` by fours until one fits, then bisected (the cost falls as the multiplier grows)."""
+    if fits(0.0):
+        return 0.0
+    lo, hi = 0.0, start
+    while not fits(hi):
+        hi *= 4
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+    return hi
+
+
 def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKENS,
              proxy: str = "fisher") -> Allocation:
     """The choice of every layer's keys and values minimising the summed predicted loss at `avg_bits`.
@@ -207,16 +222,7 @@ def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKE
     def cost(idx: list[int]) -> float:
         return sum(rows[j][0] for rows, j in zip(table, idx))
 
-    if cost(pick(0.0)) <= budget:
-        idx = pick(0.0)  # every unit at its least loss fits
-    else:
-        lo, hi = 0.0, 1.0
-        while cost(pick(hi)) > budget:  # a multiplier large enough to fit
-            hi *= 4
-        for _ in range(200):  # the smallest multiplier that fits
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if cost(pick(mid)) > budget else (lo, mid)
-        idx = pick(hi)
+    idx = pick(_fitting_multiplier(lambda lam: cost(pick(lam)) <= budget, start=1.0))
     spent = cost(idx)
     while True:  # spend what is left on the upgrade that saves the most loss per bit
         best = None
@@ -285,15 +291,8 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
     def cost(f_idx: np.ndarray, w_idx: np.ndarray) -> float:
         return float(fixed[np.arange(len(units)), f_idx].sum() + q * widths[w_idx].sum())
 
-    f_idx, w_idx = pick(0.0)
-    if cost(f_idx, w_idx) > budget:
-        lo, hi = 0.0, 1e-12
-        while cost(*pick(hi)) > budget:  # a multiplier large enough to fit
-            hi *= 4
-        for _ in range(200):  # the smallest multiplier that fits
-            mid = (lo + hi) / 2
-            lo, hi = (mid, hi) if cost(*pick(mid)) > budget else (lo, mid)
-        f_idx, w_idx = pick(hi)
+    # errors are sums of F (x - x^)^2, small numbers: the multiplier search starts low
+    f_idx, w_idx = pick(_fitting_multiplier(lambda lam: cost(*pick(lam)) <= budget, start=1e-12))
     chosen = err[np.arange(len(units)), f_idx]  # [U, C, W] at each unit's fraction
     spent = cost(f_idx, w_idx)
     while spent + q <= budget:  # what is left: the one-bit upgrades that save the most
