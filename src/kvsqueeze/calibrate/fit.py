@@ -122,9 +122,10 @@ def fit_recipe(model, acts: Activations, cfg: CalibrationConfig, model_id: str, 
                         hist = WeightedHistogram(bins=cfg.bins)
                         w = _weights(fit, fisher[kv], scale)
                         hist.add(norm[inside], w[inside])
-                        # per-channel budgets (':chan') choose among CHANNEL_BITS: their codebooks are fitted too
-                        widths = sorted(set(cfg.bits) | set(CHANNEL_BITS)) if (fit, scope) == ("fs2", "vector") \
-                            else cfg.bits
+                        # per-channel budgets (':chan') choose among CHANNEL_BITS: their codebooks are fitted too,
+                        # and each channel's error at each of them is recorded
+                        per_channel = (fit, scope) == ("fs2", "vector")
+                        widths = sorted(set(cfg.bits) | set(CHANNEL_BITS)) if per_channel else cfg.bits
                         for bits in widths:
                             res = fit_codebook(hist, 2**bits)
                             key = codebook_key(layer, kv, bits, p, scope, fit)
@@ -137,10 +138,10 @@ def fit_recipe(model, acts: Activations, cfg: CalibrationConfig, model_id: str, 
                                 if bits > 1:  # NormalFloat needs two
                                     objectives[key]["nf"] = _hist_objective(
                                         hist, normal_float_levels(bits).double().numpy())
-                    if scope == "vector" and "fs2" in fits:
-                        tensors[channel_error_key(layer, kv, p)] = _channel_errors(
-                            norm, _weights("fs2", fisher[kv], scale), inside,
-                            [tensors[codebook_key(layer, kv, b, p, "vector", "fs2")] for b in CHANNEL_BITS])
+                        if per_channel:
+                            tensors[channel_error_key(layer, kv, p)] = _channel_errors(
+                                norm, w, inside, [tensors[codebook_key(layer, kv, b, p, scope, fit)]
+                                                  for b in CHANNEL_BITS])
     meta = {
         "model": {"id": model_id, "fingerprint": model_fingerprint(model)},
         "text": text_name,
