@@ -24,14 +24,23 @@ fp16 [bs, vk], sink_k fp16 [S, C], sink_v fp16 [S, C]. Slot n of the buffer is t
 
 `view` gathers the pages of a batch of sequences into the `StoreView` the decode kernels read (`kernels.view`):
 every kernel, the numba one on CPU and the Triton ones on GPU, then attends over paged memory as over the HF
-cache's store. Nothing here needs transformers.
+cache's store. `read` dequantizes one sequence straight from its pages (what a prefill chunk attends).
+
+Two implementations do the page work: torch ops (any device; the reference) and, for pages in CPU memory, the
+numba kernels of `kvsqueeze.kernels.numba.pages` (one pass per token instead of dozens of small torch ops,
+which is what a serving engine's every layer and step pays for). They write the same bytes and read the same
+floats. `kernels="auto"` takes numba for CPU pages where it loads (and warns once where it cannot).
+Nothing here needs transformers.
 """
 
 from __future__ import annotations
 
+import functools
 import math
+import warnings
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ..kernels.view import Outliers, StoreView
@@ -40,6 +49,31 @@ from ..quantizer import VectorQuantizer
 
 OUTLIER_CODE = 0  # the code under every exact element, as in the HF store (the kernels rely on it)
 ALIGN = 16
+
+
+KERNELS = ("auto", "torch", "numba")
+
+
+@functools.cache
+def _numba_pages():
+    """`kvsqueeze.kernels.numba.pages`, or None where numba cannot load (warned once)."""
+    try:
+        from ..kernels.numba import pages
+    except ImportError as exc:
+        warnings.warn(f"the numba page kernels cannot be loaded ({exc}); pages are written and read with torch "
+                      "ops, which is much slower. Ask for kernels='numba' to see the full error", RuntimeWarning,
+                      stacklevel=3)
+        return None
+    return pages
+
+
+def _numpy(x: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU tensor (strided as it is); 16-bit floats as uint16 bits, int32 as uint32."""
+    if x.dtype in (torch.float16, torch.bfloat16, torch.int16):
+        return x.view(torch.int16).numpy().view(np.uint16)
+    if x.dtype == torch.int32:
+        return x.numpy().view(np.uint32)
+    return x.numpy()
 
 
 def _up(n: int, a: int = ALIGN) -> int:
@@ -89,11 +123,14 @@ class PageLayout:
         head_dim: D.
         block_size: tokens per page.
         sinks: leading positions of each sequence kept exactly in fp16 (at most `block_size`).
+        kernels: "auto" (numba for pages in CPU memory where it loads, else torch), "torch" or "numba".
     """
 
     def __init__(self, k_quant: VectorQuantizer, v_quant: VectorQuantizer, channels: int, head_dim: int,
-                 block_size: int, sinks: int = 0):
+                 block_size: int, sinks: int = 0, kernels: str = "auto"):
         problems = []
+        if kernels not in KERNELS:
+            problems.append(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
         key_slots = k_quant.slots if k_quant.fraction > 0 else 0
         if k_quant.axis != "channel" or v_quant.axis != "token" or v_quant.group:
             problems.append("pages hold per-channel pre-RoPE keys and per-token values (KVQuant's axes)")
@@ -124,6 +161,56 @@ class PageLayout:
         self.k_scale, self.k_zero = scale.view(-1).half(), zero.view(-1).half()
         self.regions = regions(channels, self.k_bits, self.v_bits, key_slots, self.value_slots, sinks, block_size)
         self.page_bytes = page_bytes(self.regions, block_size)
+        self.kernels = kernels
+        if kernels == "numba":
+            from ..kernels.numba import pages  # noqa: F401  asked for by name: its own import error
+
+    def _fast(self, pages: torch.Tensor):
+        """The numba page kernels where they do this buffer's work, else None (torch ops)."""
+        if self.kernels == "torch" or pages.device.type != "cpu":
+            if self.kernels == "numba":
+                raise ValueError(f"kernels='numba' works on pages in CPU memory, these are on {pages.device}")
+            return None
+        if self.kernels == "numba":
+            from ..kernels.numba import pages as fast
+
+            return fast
+        return _numba_pages()
+
+    @functools.cached_property
+    def _tables(self) -> dict[str, np.ndarray]:
+        """What the numba kernels read of the quantizers, float32 numpy (computed as the torch path does)."""
+        from ..affine import choose_qparams
+
+        kq, vq = self.k_quant, self.v_quant
+        k_scale, k_zero = choose_qparams(kq.lo.view(1, -1), kq.hi.view(1, -1))
+        f = lambda x: np.ascontiguousarray(x.detach().float().cpu().reshape(-1).numpy())  # noqa: E731
+        mids = lambda levels: f((levels[1:] + levels[:-1]) * 0.5)  # noqa: E731  affine.quantize's boundaries
+        return {"k_mids": mids(kq.levels.float()), "k_levels": f(kq.decode_levels), "k_scale": f(k_scale),
+                "k_zero": f(k_zero), "k_lo": f(kq.lo), "k_hi": f(kq.hi), "v_mids": mids(vq.levels.float()),
+                "v_levels": f(vq.levels), "k_scale_read": f(self.k_scale), "k_zero_read": f(self.k_zero)}
+
+    _REGION_ORDER = ("k_codes", "v_codes", "v_scale_zero", "k_channels", "k_values", "v_channels", "v_values",
+                     "sink_k", "sink_v")
+
+    def _regions_np(self, pages: torch.Tensor) -> list[np.ndarray]:
+        """numpy views of every region of the buffer, in `_REGION_ORDER`; kept for the buffer an engine hands every
+        step (while they are kept, the memory they view stays allocated: a buffer at the same address and of the
+        same size is that memory)."""
+        key = (pages.data_ptr(), pages.shape[0])
+        hit = getattr(self, "_np_views", None)
+        if hit is None or hit[0] != key:
+            hit = self._np_views = (key, {name: _numpy(self.region(pages, name)) for name in self._REGION_ORDER})
+        return list(hit[1].values())
+
+    def _scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A [shape] tensor in a buffer this layout keeps for `name` (grown by half again when too small)."""
+        bufs = self.__dict__.setdefault("_buffers", {})
+        need = math.prod(shape)
+        buf = bufs.get(name)
+        if buf is None or buf.numel() < need:
+            buf = bufs[name] = torch.empty(max(need, need * 3 // 2 if buf is not None else need), dtype=dtype)
+        return buf[:need].view(shape)
 
     def region(self, pages: torch.Tensor, name: str) -> torch.Tensor:
         """One region of every page, as [num_blocks, *shape] of its dtype (a view of `pages`, no copy)."""
@@ -170,6 +257,9 @@ class PageLayout:
         if int(block.max()) >= pages.shape[0] or int(slots.min()) < 0:
             raise ValueError(f"write: slot {int(slots.max())} is past the {pages.shape[0]} pages of the buffer")
         xk, xv = keys.float(), values.float()
+        fast = self._fast(pages)
+        if fast is not None:
+            return self._write_numba(fast, pages, block, offset, xk, xv, positions)
         sink = (positions.long() < self.sinks).view(-1, 1)  # [N, 1]
         kq, vq = self.k_quant, self.v_quant
         enc_k = kq.encode(xk)  # with `slots`, the mask holds exactly `key_slots` elements per token
@@ -203,17 +293,31 @@ class PageLayout:
             self.region(pages, "sink_v")[block[rows], rank] = xv[rows].half()
         return overflow
 
+    def _write_numba(self, fast, pages, block, offset, xk, xv, positions) -> int:
+        tab = self._tables
+        n = xk.shape[0]
+        clipped = np.zeros(n, np.int64)
+        side = self.v_quant.outliers_per_side(self.channels) if self.value_slots else 0
+        as_np = lambda x: np.ascontiguousarray(x.numpy())  # noqa: E731
+        fast.write_tokens(as_np(xk.contiguous()), as_np(xv.contiguous()), as_np(block), as_np(offset),
+                          as_np(positions.long()), self.sinks, tab["k_mids"], tab["k_levels"], tab["k_scale"],
+                          tab["k_zero"], tab["k_lo"], tab["k_hi"], self.k_bits, self.key_slots, tab["v_mids"],
+                          tab["v_levels"], self.v_bits, side, *self._regions_np(pages), clipped)
+        return int(clipped.sum())
+
     def _put(self, pages: torch.Tensor, name: str, block: torch.Tensor, offset: torch.Tensor, rows: torch.Tensor):
         self.region(pages, name)[block, offset] = rows.to(self.regions[name].dtype)
 
     # ---- reading -------------------------------------------------------------------------
-    def view(self, pages: torch.Tensor, block_table: torch.Tensor,
-             seq_lens: torch.Tensor) -> tuple[StoreView, torch.Tensor]:
+    def view(self, pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+             reuse: bool = False) -> tuple[StoreView, torch.Tensor]:
         """The cache of B sequences as one `StoreView` (T = the longest sequence) and its key mask bool [B, T].
 
         Args:
             block_table: int [B, >= pages needed], the pages of each sequence in order.
             seq_lens: int [B], tokens cached per sequence (the new ones included).
+            reuse: gather into buffers this layout keeps (numba path): the view is then valid until the next
+                `view(..., reuse=True)` of this layout; what an engine wants, attending once per layer and step.
         Token t of sequence b sits at position t. A shorter sequence's slots past its length are zeroed in the
         gathered copy (whatever a page held there before) and masked.
         """
@@ -230,8 +334,19 @@ class PageLayout:
         live = torch.arange(nb * bs).view(1, -1) < lens.view(-1, 1)  # [B, nb*bs]
         mask = live[:, :t].to(dev)
 
+        fast = self._fast(pages)
+        if fast is not None:
+            table_np = np.ascontiguousarray(table.to(torch.int64).numpy())
+            lens_np = np.ascontiguousarray(lens.numpy())
+            regions_np = dict(zip(self._REGION_ORDER, self._regions_np(pages)))
+
         def grid(name: str) -> torch.Tensor:  # [T, B, ...] token-major, dead slots zeroed
             r = self.regions[name]
+            if fast is not None:
+                shape = (t, b, r.shape[1])
+                out = self._scratch(name, shape, r.dtype) if reuse else torch.empty(shape, dtype=r.dtype)
+                fast.gather_rows(regions_np[name], table_np, lens_np, bs, _numpy(out))
+                return out
             x = self.region(pages, name)[table]  # [B, nb, bs, w]
             x = x.reshape(b, nb * bs, r.shape[1])[:, :t]
             x = x.masked_fill(~mask.unsqueeze(-1), 0)
@@ -261,3 +376,33 @@ class PageLayout:
                          self.k_scale.to(dev), self.k_zero.to(dev), kq.levels.to(dev), vq.levels.to(dev), sz, k_out,
                          v_out, sink_k, sink_v, sink_slot, positions, {})
         return view, mask
+
+    def read(self, pages: torch.Tensor, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's first `length` tokens, dequantized: pre-RoPE keys and values, float32 [T, C] each,
+        as `kernels.reference.dequantize_view` reconstructs them from `view` (the outliers and sinks exact).
+
+        Args:
+            table: int [>= pages needed], the sequence's pages in order.
+        """
+        self._check_pages(pages)
+        if length < 1:
+            raise ValueError(f"read: a sequence of {length} tokens; write its tokens before reading them")
+        fast = self._fast(pages)
+        if fast is None:
+            from ..kernels.reference import dequantize_view
+
+            view, _ = self.view(pages, table.view(1, -1), torch.tensor([length]))
+            k, v = dequantize_view(view)
+            return k[:, 0], v[:, 0]
+        nb = -(-length // self.block_size)
+        if table.numel() < nb or int(table[:nb].max()) >= pages.shape[0] or int(table[:nb].min()) < 0:
+            raise ValueError(f"read: {length} tokens need {nb} pages of the buffer's {pages.shape[0]}, the table "
+                             f"names {table[:nb].tolist()}")
+        tab = self._tables
+        keys = torch.empty(length, self.channels, dtype=torch.float32)  # not the default dtype (an engine sets it)
+        values = torch.empty(length, self.channels, dtype=torch.float32)
+        fast.read_sequence(np.ascontiguousarray(table[:nb].to(torch.int64).numpy()), length, self.block_size,
+                           self.sinks, self.k_bits, self.v_bits, tab["k_levels"], tab["k_scale_read"],
+                           tab["k_zero_read"], tab["v_levels"], *self._regions_np(pages), keys.numpy(),
+                           values.numpy())
+        return keys, values

@@ -20,8 +20,9 @@ What the backend does, per layer and step:
   model config). Either way the pre-RoPE keys are quantized with the values into their slots of the pages.
 * every query then attends over its sequence's pages: decode tokens of the whole batch in one call of the fused
   kernel (numba on CPU, Triton on GPU) over the pages gathered by their block tables; prefill chunks (prompts,
-  later chunks of a chunked prefill, and prompts whose prefix vLLM found cached) over the dequantized pages with
-  a causal mask. That is what kvsqueeze's own HF path computes: its prefill also attends the quantized cache.
+  later chunks of a chunked prefill, and prompts whose prefix vLLM found cached) over the pages dequantized
+  through the sequence's block table (`PageLayout.read`) with a causal mask. Pages in CPU memory are written,
+  read and gathered by numba kernels (`kvsqueeze.kernels.numba.pages`), compiled or loaded at start-up. That is what kvsqueeze's own HF path computes: its prefill also attends the quantized cache.
 
 Refused at start-up with the reason: sliding windows, ALiBi, learned attention sinks, encoder attention, KV
 sharing across layers, interleaved (GPT-J) RoPE, RoPE scalings whose frequencies change with the length.
@@ -41,8 +42,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, Attentio
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ..kernels import decode_attention
-from ..kernels.reference import dequantize_view
-from ..rope import Rope
+from ..rope import Rope, apply_rope
 from .settings import ServingConfig, ServingError, use_own_numba_cache
 
 BACKEND_PATH = "kvsqueeze.serving.vllm.KVSqueezeBackend"
@@ -246,6 +246,7 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         self.overflow = 0  # key outliers clipped by the per-token budget, summed
         self.keys_taken = self.keys_turned_back = 0  # steps whose pre-RoPE keys came from the rotary step / not
         PreRopeKeys.enabled = True
+        self._warm_up()
 
     def _layout(self, layer):
         if self.layout is None:
@@ -282,7 +283,7 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         decode = (qlens == 1).nonzero().flatten()
         if decode.numel():
             rows = qsl[decode]
-            view, mask = layout.view(pages, md.block_table[decode], lens[decode])
+            view, mask = layout.view(pages, md.block_table[decode], lens[decode], reuse=True)
             o = decode_attention(q[rows].contiguous(), view, self.rope, self.scale, key_mask=mask,
                                  backend=self.config.decode, softcap=self.softcap)
             out[rows] = o.to(out.dtype)
@@ -292,33 +293,69 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             out[a:b] = self._prefill(layout, pages, md.block_table[r:r + 1], int(lens[r]), qr).to(out.dtype)
         return output
 
+    _warm = False
+
+    def _warm_up(self) -> None:
+        """Once per process, as the model is built: write, read and attend a few tokens of scratch pages (the first
+        layer's layout), so the compiled kernels are loaded, or compiled, before the first request, not in it."""
+        if KVSqueezeImpl._warm:
+            return
+        KVSqueezeImpl._warm = True
+        layout = self.config.layout(0, self.num_kv_heads * self.head_size, self.head_size, self.block_size)
+        h, hq, d = self.num_kv_heads, self.num_heads, self.head_size
+        pages = layout.allocate(2)
+        n = min(3, layout.block_size * 2)
+        g = torch.Generator().manual_seed(0)
+        f32 = torch.float32  # explicitly: the engine builds the model under its own default dtype
+        k, v = torch.randn(n, h * d, generator=g, dtype=f32), torch.randn(n, h * d, generator=g, dtype=f32)
+        layout.write(pages, torch.arange(n), k, v, torch.arange(n))
+        table = torch.arange(2, dtype=torch.int32).view(1, 2)
+        layout.read(pages, table[0], n)
+        view, mask = layout.view(pages, table, torch.tensor([n]))
+        decode_attention(torch.randn(1, hq, d, generator=g, dtype=f32), view, self.rope, self.scale, key_mask=mask,
+                         backend=self.config.decode, softcap=self.softcap)
+
     def _pre_rope(self, k: torch.Tensor, pos: torch.Tensor, eps: float) -> torch.Tensor:
-        """This step's keys [N, H, D] before RoPE: as the rotary step was given them where they are this layer's
-        (turned back, the post-RoPE keys must give them to float rounding), else the post-RoPE keys turned back."""
-        back = self._unturn(k, pos)
+        """This step's keys [N, H, D] before RoPE: as the rotary step was given them where they are this layer's,
+        else the post-RoPE keys turned back. The kept keys are this layer's if, turned back, the post-RoPE keys
+        give them to float rounding at the first, middle and last token (keys of another layer or tensor differ
+        by far more than rounding everywhere)."""
         kept = PreRopeKeys.take()
         n = k.shape[0]
         if kept is not None and kept.shape[0] >= n and kept[:n].numel() == k.numel():
             kept = kept[:n].reshape(k.shape).to(k.device, torch.float32)
+            rows = torch.tensor(sorted({0, n // 2, n - 1}), device=k.device)
+            back = self._unturn(k[rows], pos[rows])
             tol = 16 * eps * (1.0 + float(back.abs().amax()))  # rounding of the model's dtype, far below a code step
-            if bool(((kept - back).abs() <= tol).all()):
+            if bool(((kept[rows] - back).abs() <= tol).all()):
                 self.keys_taken += 1
                 return kept
         self.keys_turned_back += 1
-        return back
+        return self._unturn(k, pos)
 
     def _unturn(self, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """Post-RoPE keys [N, H, D] turned back to the keys before RoPE, by the float32 angles vLLM turned them."""
         return self.rope.unapply(k.transpose(0, 1), pos, float32_angles=True).transpose(0, 1)
 
+    def _angles(self, t: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin [t, R/2] at positions 0 .. t - 1 in `dtype`, as `Rope.apply` computes and casts them;
+        kept (grown by doubling) so that a prefill does not evaluate them again in every layer."""
+        memo = self.__dict__.setdefault("_angle_memo", {})
+        hit = memo.get((dtype, device))
+        if hit is None or hit[0].shape[0] < t:
+            cap = max(t, 2 * hit[0].shape[0] if hit is not None else 1024)
+            cos, sin = self.rope.cos_sin(torch.arange(cap))
+            hit = memo[(dtype, device)] = (cos.to(device, dtype), sin.to(device, dtype))
+        return hit[0][:t], hit[1][:t]
+
     def _prefill(self, layout, pages, table, seq_len: int, q: torch.Tensor) -> torch.Tensor:
         """Causal attention of a chunk's queries [Q, Hq, D] (the last Q tokens) over the sequence's pages, in the
         model's dtype: the dequantized keys and values cast to it and the keys turned in it, as the HF path's
         prefill hands them to the model's attention."""
-        view, _ = layout.view(pages, table, torch.tensor([seq_len]))
-        k, v = dequantize_view(view)  # [T, 1, C] pre-RoPE keys
+        k, v = layout.read(pages, table[0], seq_len)  # [T, C] pre-RoPE keys, straight from the pages
         t, h, d = seq_len, self.num_kv_heads, self.head_size
-        k = self.rope.apply(k.view(t, h, d).transpose(0, 1).to(q.dtype), torch.arange(t, device=k.device))
+        cos, sin = self._angles(t, q.dtype, q.device)  # what `Rope.apply` computes at positions 0 .. t - 1
+        k = apply_rope(k.view(t, h, d).transpose(0, 1).to(q.dtype), cos, sin, self.rope.rotary_dim)
         v = v.view(t, h, d).transpose(0, 1).to(q.dtype)  # [H, T, D]
         nq = q.shape[0]
         qpos = torch.arange(t - nq, t, device=q.device)

@@ -13,7 +13,8 @@ so results do not depend on the machine's vector width.
 
 Types: `F32x16` (float32 lanes), `U32x16` (uint32 lanes). Memory operands are
 C-contiguous numpy arrays addressed by flat element index. `f16` reads an fp16
-bit pattern (numba has no float16 type) as float32.
+bit pattern (numba has no float16 type) as float32,
+`half_bits` rounds a float32 to one.
 """
 
 from __future__ import annotations
@@ -401,6 +402,19 @@ def f16(typingctx, bits16):
         return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
 
     return types.float32(bits16), codegen
+
+
+@intrinsic
+def half_bits(typingctx, x):
+    """The 16-bit pattern (uint16) of float32 x rounded to an IEEE half (to nearest, ties to even: what torch's
+    `.half()` does)."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(x), codegen
 
 
 @intrinsic

@@ -1,0 +1,247 @@
+"""The paged layout's page work on CPU, compiled with numba: quantize tokens into their slots, and read
+sequences back through their block tables.
+
+`kvsqueeze.paged.layout.PageLayout` writes and reads pages with torch ops (the reference) or with these
+kernels; both give the same bytes and the same floats (the tests hold them to that). A serving engine calls
+them on every layer of every step, where the torch version's dozens of small ops per call cost more than the
+arithmetic:
+
+* `write_tokens`: one pass per token (tokens in parallel) does what `PageLayout.write` does with torch: the
+  pre-RoPE key against each channel's offline range and codebook, the token's `key_slots` exact elements (its
+  outliers first, the farthest past the range when it has more; then the in-range elements its codes round
+  worst), the value's top-k outliers per side, its fp16 scale and zero-point and its codes; packs the codes
+  and stores everything straight into the token's slot of its page. The arithmetic is `affine.py`'s, operation
+  for operation in float32 (fp16 rounding by the hardware's conversion), so codes and scales are bit for bit
+  those of the torch path. (Where elements tie exactly for the last exact slot, this kernel keeps the lower
+  channel; torch's top-k may keep the other: either is a valid choice);
+* `read_sequence`: a sequence's keys (pre-RoPE) and values, float32 [T, C], dequantized straight from its
+  pages through its block table (what a prefill chunk attends);
+* `gather_rows`: one region of every token of a batch of sequences, token-major [T, B, w], through their block
+  tables, dead slots zeroed (what the decode kernel reads).
+
+Page regions arrive as numpy views of the page buffer (strided: a region is a slice of every page), with
+16-bit floats as their uint16 bits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .simd import f16, half_bits
+
+_HALF = np.float32(0.5)
+_ONE = np.float32(1.0)
+_MIN_SCALE = np.float32(1e-6)  # affine._MIN_SCALE, as torch compares it: a float32
+
+
+@njit(cache=True, inline="always")
+def _rounded(x):
+    """float32 x rounded to fp16 and back (how scales and zero-points are stored)."""
+    return f16(half_bits(x))
+
+
+@njit(cache=True, inline="always")
+def _pack(codes, bits, words):
+    """codes uint8 [C] -> words uint32 [W], the stream `packing.pack_codes` writes (code c at bit c * bits)."""
+    for i in range(words.shape[0]):
+        words[i] = 0
+    for c in range(codes.shape[0]):
+        off = c * bits
+        wi, sh = off >> 5, off & 31
+        code = np.uint32(codes[c])
+        words[wi] |= np.uint32(code << sh)
+        if sh + bits > 32:
+            words[wi + 1] |= np.uint32(code >> (32 - sh))
+
+
+@njit(cache=True, inline="always")
+def _code(words, c, bits):
+    off = c * bits
+    wi, sh = off >> 5, off & 31
+    v = np.uint64(words[wi]) >> np.uint64(sh)
+    if sh + bits > 32:
+        v |= np.uint64(words[wi + 1]) << np.uint64(32 - sh)
+    return np.int64(v & np.uint64((1 << bits) - 1))
+
+
+@njit(cache=True, inline="always")
+def _top(x, k, side, idx, val):
+    """The k largest (side 1) or smallest (side -1) entries of x [C] into idx/val [k + 1], best first, in one pass;
+    ties keep the lower channel first. Returns how many were found (min(k, C))."""
+    m = 0
+    for c in range(x.shape[0]):
+        v = x[c] if side > 0 else -x[c]
+        if m == k and not v > val[k - 1]:
+            continue
+        i = m if m < k else k - 1
+        while i > 0 and v > val[i - 1]:  # shift the worse ones down
+            val[i], idx[i] = val[i - 1], idx[i - 1]
+            i -= 1
+        val[i], idx[i] = v, c
+        if m < k:
+            m += 1
+    return m
+
+
+@njit(parallel=True, cache=True, error_model="numpy")  # no zero-division branch: scales are >= 1e-6
+def write_tokens(xk, xv, block, offset, positions, sinks, k_mids, k_levels, k_scale, k_zero, k_lo, k_hi, k_bits,
+                 key_slots, v_mids, v_levels, v_bits, v_side, r_kcodes, r_vcodes, r_sz, r_kch, r_kval, r_vch, r_vval,
+                 r_sink_k, r_sink_v, clipped):
+    """Quantize tokens n < N into slot (block[n], offset[n]) of their pages; see the module docstring.
+
+    Args:
+        xk, xv: float32 [N, C] pre-RoPE keys and values; block, offset, positions: int64 [N].
+        sinks: positions below it are stored exactly (sink area of the page).
+        k_mids, k_levels: float32 key boundaries [L - 1] and levels [L]; k_scale, k_zero: float32 [C] (fp16
+            values); k_lo, k_hi: float32 [C] calibrated range; key_slots: exact key elements per token (0: none).
+        v_mids, v_levels: the value codebook's; v_side: value outliers per side of each token (0: none).
+        r_*: the page regions (`layout.regions`), written.
+        clipped: int64 [N], written: the token's outliers that did not get a slot.
+    """
+    n_tok, c = xk.shape
+    vk = r_vch.shape[2]
+    chunks = min(n_tok, 64)
+    for ch in prange(chunks):  # scratch allocated once per chunk of tokens, not per token
+        codes = np.empty(c, np.uint8)
+        words_k = np.empty(r_kcodes.shape[2], np.uint32)
+        words_v = np.empty(r_vcodes.shape[2], np.uint32)
+        err = np.empty(c, np.float32)
+        qi = np.empty(c, np.int32)
+        past = np.empty(c, np.bool_)
+        taken = np.empty(c, np.bool_)
+        idx = np.empty(max(key_slots, v_side + 1) + 1, np.int64)
+        val = np.empty(max(key_slots, v_side + 1) + 1, np.float32)
+        for n in range(n_tok * ch // chunks, n_tok * (ch + 1) // chunks):
+            p, o = block[n], offset[n]
+            sink = positions[n] < sinks
+            # keys: nearest level of each channel's normalized element
+            xn = xk[n]
+            for j in range(c):  # simple loops over contiguous float32 rows: LLVM vectorizes them
+                err[j] = (xn[j] - k_zero[j]) / k_scale[j]
+                qi[j] = 0
+            for i in range(k_mids.shape[0]):  # the nearest level, counted without a branch
+                m = k_mids[i]
+                for j in range(c):
+                    qi[j] += m < err[j]
+            worst = np.float32(0.0)
+            for j in range(c):
+                x = xn[j]
+                q = qi[j]
+                codes[j] = q
+                e = abs(k_levels[q] * k_scale[j] + k_zero[j] - x)
+                err[j] = e
+                past[j] = x < k_lo[j] or x > k_hi[j]
+                worst = max(worst, e)
+            over = 0
+            if key_slots > 0:
+                for j in range(c):  # an outlier ranks above every in-range element, the farthest first
+                    taken[j] = False
+                    if past[j]:
+                        err[j] = err[j] + worst + _ONE
+                for i in range(_top(err, key_slots, 1, idx, val)):
+                    taken[idx[i]] = True
+                s = 0
+                for j in range(c):
+                    if taken[j]:
+                        r_kch[p, o, s] = np.uint16(j)
+                        r_kval[p, o, s] = half_bits(xk[n, j])
+                        codes[j] = 0
+                        s += 1
+                    elif past[j]:
+                        over += 1
+            clipped[n] = over
+            if sink:
+                codes[:] = 0
+            _pack(codes, k_bits, words_k)
+            for i in range(words_k.shape[0]):
+                r_kcodes[p, o, i] = words_k[i]
+            # values: the token's range between its top-k outliers per side, its fp16 scale and zero-point
+            for j in range(c):
+                taken[j] = False
+            lo = hi = xv[n, 0]
+            if v_side > 0:
+                _top(xv[n], v_side + 1, 1, idx, val)
+                hi = xv[n, idx[v_side]]
+                for i in range(v_side):
+                    taken[idx[i]] = True
+                _top(xv[n], v_side + 1, -1, idx, val)
+                lo = xv[n, idx[v_side]]
+                for i in range(v_side):
+                    taken[idx[i]] = True
+            else:
+                for j in range(c):
+                    lo, hi = min(lo, xv[n, j]), max(hi, xv[n, j])
+            zero = _rounded((hi + lo) * _HALF)
+            scale = max(_rounded(max((hi - lo) * _HALF, _MIN_SCALE)), _MIN_SCALE)
+            xn = xv[n]
+            for j in range(c):
+                err[j] = (xn[j] - zero) / scale
+                qi[j] = 0
+            for i in range(v_mids.shape[0]):
+                m = v_mids[i]
+                for j in range(c):
+                    qi[j] += m < err[j]
+            s = 0
+            for j in range(c):
+                if taken[j]:
+                    codes[j] = 0
+                    if s < vk:
+                        r_vch[p, o, s] = np.uint16(j)
+                        r_vval[p, o, s] = half_bits(xn[j])
+                    s += 1
+                else:
+                    codes[j] = qi[j]
+            if sink:
+                codes[:] = 0
+                r_sz[p, o, 0] = 0
+                r_sz[p, o, 1] = 0
+                for j in range(c):
+                    r_sink_k[p, positions[n], j] = half_bits(xk[n, j])
+                    r_sink_v[p, positions[n], j] = half_bits(xv[n, j])
+            else:
+                r_sz[p, o, 0] = half_bits(scale)
+                r_sz[p, o, 1] = half_bits(zero)
+            _pack(codes, v_bits, words_v)
+            for i in range(words_v.shape[0]):
+                r_vcodes[p, o, i] = words_v[i]
+
+
+@njit(parallel=True, cache=True)
+def read_sequence(table, length, bs, sinks, k_bits, v_bits, k_lut_levels, k_scale, k_zero, v_levels, r_kcodes,
+                  r_vcodes, r_sz, r_kch, r_kval, r_vch, r_vval, r_sink_k, r_sink_v, keys, values):
+    """Keys (pre-RoPE) and values float32 [T, C] of one sequence's first T = `length` tokens, read from its pages
+    (`table` int32 [>= pages]) as `kernels.reference.dequantize_view` reconstructs them: level * scale + zero,
+    each exact element in place, the sinks whole."""
+    c = keys.shape[1]
+    for t in prange(length):
+        p, o = table[t // bs], t % bs
+        for j in range(c):
+            keys[t, j] = k_lut_levels[_code(r_kcodes[p, o], j, k_bits)] * k_scale[j] + k_zero[j]
+        for s in range(r_kch.shape[2]):
+            keys[t, np.int64(r_kch[p, o, s])] = f16(r_kval[p, o, s])
+        scale, zero = f16(r_sz[p, o, 0]), f16(r_sz[p, o, 1])
+        for j in range(c):
+            values[t, j] = v_levels[_code(r_vcodes[p, o], j, v_bits)] * scale + zero
+        for s in range(r_vch.shape[2]):
+            values[t, np.int64(r_vch[p, o, s])] = f16(r_vval[p, o, s])
+        if t < sinks:
+            first = table[0]
+            for j in range(c):
+                keys[t, j] = f16(r_sink_k[first, t, j])
+                values[t, j] = f16(r_sink_v[first, t, j])
+
+
+@njit(parallel=True, cache=True)
+def gather_rows(region, table, lens, bs, out):
+    """out[t, b] = region[table[b, t // bs], t % bs] for t < lens[b], zero past it; out [T, B, w]."""
+    n_tok, n_rows, w = out.shape
+    for t in prange(n_tok):
+        for b in range(n_rows):
+            if t < lens[b]:
+                p, o = table[b, t // bs], t % bs
+                for i in range(w):
+                    out[t, b, i] = region[p, o, i]
+            else:
+                for i in range(w):
+                    out[t, b, i] = 0

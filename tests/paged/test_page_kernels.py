@@ -1,0 +1,143 @@
+"""The numba page kernels against the torch page path: the same bytes written, the same floats read back."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from numba import njit
+
+from kvsqueeze.kernels.numba import pages as page_kernels  # a numba that cannot load fails here, not silently
+from kvsqueeze.kernels.numba.simd import half_bits
+from kvsqueeze.kernels.reference import dequantize_view
+from kvsqueeze.paged.layout import PageLayout
+
+from test_pages import _quantizers
+
+CASES = [  # channels, head_dim, bits, outlier fraction, sinks, key slots, block size
+    (64, 32, 3, 0.02, 1, 4, 8), (128, 64, 2, 0.01, 0, 3, 16), (96, 32, 4, 0.05, 2, 8, 8), (64, 64, 3, 0.0, 1, 0, 4),
+    (576, 64, 3, 0.01, 1, 6, 128), (160, 32, 1, 0.03, 3, 5, 4),
+]
+
+
+def _pair(c, d, bits, fraction, sinks, key_slots, bs, seed=0):
+    kq, vq = _quantizers(c, bits, fraction, seed=seed, slots=key_slots)
+    return (PageLayout(kq, vq, c, d, block_size=bs, sinks=sinks, kernels="torch"),
+            PageLayout(kq, vq, c, d, block_size=bs, sinks=sinks, kernels="numba"))
+
+
+def _sequences(layout, lens, seed):
+    """Random keys (some past the calibrated ranges, some tokens over the slot budget) and values, their slots in
+    shuffled pages, and the block table."""
+    g = torch.Generator().manual_seed(seed)
+    bs, c = layout.block_size, layout.channels
+    need = [-(-n // bs) for n in lens]
+    order = torch.randperm(sum(need) + 2, generator=g)
+    table = torch.zeros(len(lens), max(need), dtype=torch.int32)
+    out, used = [], 0
+    for i, n in enumerate(lens):
+        table[i, :need[i]] = order[used:used + need[i]]
+        used += need[i]
+        k = torch.randn(n, c, generator=g) * (0.5 + torch.rand(1, c, generator=g))
+        v = torch.randn(n, c, generator=g) * (0.1 + 3 * torch.rand(n, 1, generator=g))
+        pos = torch.arange(n)
+        out.append((k, v, table[i, pos // bs].long() * bs + pos % bs, pos))
+    return out, table, sum(need) + 2
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_numba_writes_the_bytes_torch_writes(case):
+    """Chunked writes (as prefill chunks and decode steps come) with padding slots: every byte of every page
+    equal, the garbage a page held before included, and the same clipped-outlier counts."""
+    ref, fast = _pair(*case)
+    lens = [37, 1, 2 * case[-1] + 3]
+    seqs, _, n_pages = _sequences(ref, lens, seed=1)
+    g = torch.Generator().manual_seed(2)
+    pages_ref = ref.allocate(n_pages)
+    pages_ref.copy_(torch.randint(0, 256, pages_ref.shape, generator=g, dtype=torch.uint8))
+    pages_fast = pages_ref.clone()
+    for k, v, slots, pos in seqs:
+        for chunk in torch.arange(len(pos)).split(7):
+            s = slots[chunk].clone()
+            s[-1:] = -1 if len(chunk) > 2 else s[-1:]  # a padding slot: skipped by both
+            a = ref.write(pages_ref, s, k[chunk], v[chunk], pos[chunk])
+            b = fast.write(pages_fast, s, k[chunk], v[chunk], pos[chunk])
+            assert a == b
+    assert torch.equal(pages_ref, pages_fast)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_numba_reads_and_gathers_what_torch_does(case):
+    ref, fast = _pair(*case, seed=4)
+    lens = [29, 1, 3 * case[-1] + 1]
+    seqs, table, n_pages = _sequences(ref, lens, seed=5)
+    pages = ref.allocate(n_pages)
+    pages.random_(0, 256)
+    for k, v, slots, pos in seqs:
+        ref.write(pages, slots, k, v, pos)
+    lens_t = torch.tensor(lens)
+    v_ref, m_ref = ref.view(pages, table, lens_t)
+    for reuse in (False, True):
+        v_fast, m_fast = fast.view(pages, table, lens_t, reuse=reuse)
+        assert torch.equal(m_ref, m_fast)
+        for name in ("k_codes", "v_codes", "v_scale_zero", "sink_k", "sink_v", "sink_slot", "positions"):
+            a, b = getattr(v_ref, name), getattr(v_fast, name)
+            if a.dtype == torch.float16:  # bit patterns: a sink slot no token filled holds whatever bytes, NaN too
+                a, b = a.view(torch.int16), b.view(torch.int16)
+            assert torch.equal(a, b), name
+        for name in ("k_outliers", "v_outliers"):
+            a, b = getattr(v_ref, name), getattr(v_fast, name)
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a.channels, b.channels) and torch.equal(a.values.view(torch.int16),
+                                                                           b.values.view(torch.int16))
+    k_all, v_all = dequantize_view(v_ref)  # [T, B, C]
+    for b, n in enumerate(lens):
+        for layout in (ref, fast):
+            k, v = layout.read(pages, table[b], n)
+            assert k.dtype == v.dtype == torch.float32
+            assert torch.equal(k, k_all[:n, b]) and torch.equal(v, v_all[:n, b])
+
+
+def test_reused_gather_buffers_serve_every_shape():
+    ref, fast = _pair(64, 32, 3, 0.02, 1, 4, 8)
+    seqs, table, n_pages = _sequences(ref, [40, 9], seed=7)
+    pages = ref.allocate(n_pages)
+    for k, v, slots, pos in seqs:
+        ref.write(pages, slots, k, v, pos)
+    for rows, lens in (([0, 1], [40, 9]), ([1], [9]), ([0], [40]), ([1, 0], [3, 33])):
+        want, _ = ref.view(pages, table[rows], torch.tensor(lens))
+        got, _ = fast.view(pages, table[rows], torch.tensor(lens), reuse=True)
+        assert torch.equal(want.k_codes, got.k_codes) and torch.equal(want.v_scale_zero, got.v_scale_zero)
+
+
+@njit(cache=True)
+def _halves(x, out):
+    for i in range(x.shape[0]):
+        out[i] = half_bits(x[i])
+
+
+def test_half_rounding_is_torchs():
+    """Every kind of float32: normal, halfway cases, subnormal in fp16, overflowing it, infinities."""
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(1 << 31), (1 << 31) - 1, (200_000,), generator=g, dtype=torch.int64).to(torch.int32)
+    x = bits.view(torch.float32)
+    x = x[torch.isfinite(x)]
+    specials = torch.tensor([0.0, -0.0, 65504.0, 65519.99, 65520.0, 1e-8, 2.0**-24, 2.0**-25, 3 * 2.0**-26, 1 + 2.0**-11,
+                             1 + 3 * 2.0**-11, float("inf"), float("-inf"), 1e30, -1e-30])
+    x = torch.cat([x, specials, torch.randn(10_000, generator=g) * 100])
+    out = np.empty(x.numel(), np.uint16)
+    _halves(x.numpy(), out)
+    assert np.array_equal(out, x.half().view(torch.int16).numpy().view(np.uint16))
+
+
+def test_kernel_choice_is_checked():
+    kq, vq = _quantizers(64, 3, 0.01, slots=2)
+    with pytest.raises(ValueError, match="kernels must be one of"):
+        PageLayout(kq, vq, 64, 32, block_size=4, kernels="cuda")
+    layout = PageLayout(kq, vq, 64, 32, block_size=4, kernels="numba")
+    with pytest.raises(ValueError, match="sequence of 0 tokens"):
+        layout.read(layout.allocate(1), torch.tensor([0]), 0)
+    with pytest.raises(ValueError, match="need 2 pages"):
+        layout.read(layout.allocate(1), torch.tensor([0, 5]), 6)
+    assert page_kernels.write_tokens is not None
