@@ -7,12 +7,10 @@ import pytest
 import torch
 from numba import njit
 
-from kvsqueeze.kernels import decode_attention
 from kvsqueeze.kernels.numba import pages as page_kernels  # a numba that cannot load fails here, not silently
 from kvsqueeze.kernels.numba.simd import half_bits
 from kvsqueeze.kernels.reference import dequantize_view
 from kvsqueeze.paged.layout import PageLayout
-from kvsqueeze.rope import Rope
 
 from test_pages import _quantizers
 
@@ -79,19 +77,20 @@ def test_numba_reads_and_gathers_what_torch_does(case):
         ref.write(pages, slots, k, v, pos)
     lens_t = torch.tensor(lens)
     v_ref, m_ref = ref.view(pages, table, lens_t)
-    v_fast, m_fast = fast.view(pages, table, lens_t)
-    assert torch.equal(m_ref, m_fast)
-    for name in ("k_codes", "v_codes", "v_scale_zero", "sink_k", "sink_v", "sink_slot", "positions"):
-        a, b = getattr(v_ref, name), getattr(v_fast, name)
-        if a.dtype == torch.float16:  # bit patterns: a sink slot no token filled holds whatever bytes, NaN too
-            a, b = a.view(torch.int16), b.view(torch.int16)
-        assert torch.equal(a, b), name
-    for name in ("k_outliers", "v_outliers"):
-        a, b = getattr(v_ref, name), getattr(v_fast, name)
-        assert (a is None) == (b is None)
-        if a is not None:
-            assert torch.equal(a.channels, b.channels) and torch.equal(a.values.view(torch.int16),
-                                                                       b.values.view(torch.int16))
+    for reuse in (False, True):
+        v_fast, m_fast = fast.view(pages, table, lens_t, reuse=reuse)
+        assert torch.equal(m_ref, m_fast)
+        for name in ("k_codes", "v_codes", "v_scale_zero", "sink_k", "sink_v", "sink_slot", "positions"):
+            a, b = getattr(v_ref, name), getattr(v_fast, name)
+            if a.dtype == torch.float16:  # bit patterns: a sink slot no token filled holds whatever bytes, NaN too
+                a, b = a.view(torch.int16), b.view(torch.int16)
+            assert torch.equal(a, b), name
+        for name in ("k_outliers", "v_outliers"):
+            a, b = getattr(v_ref, name), getattr(v_fast, name)
+            assert (a is None) == (b is None)
+            if a is not None:
+                assert torch.equal(a.channels, b.channels) and torch.equal(a.values.view(torch.int16),
+                                                                           b.values.view(torch.int16))
     k_all, v_all = dequantize_view(v_ref)  # [T, B, C]
     for b, n in enumerate(lens):
         for layout in (ref, fast):
@@ -100,47 +99,16 @@ def test_numba_reads_and_gathers_what_torch_does(case):
             assert torch.equal(k, k_all[:n, b]) and torch.equal(v, v_all[:n, b])
 
 
-@pytest.mark.parametrize("case", CASES)
-def test_decode_reads_pages_in_place(case):
-    """Attention over the pages' own rows (no copy) equals the reference over the gathered copy, ragged batches
-    and rows in any order, whatever garbage the pages hold past the sequences; the view names rows, not slots."""
-    ref, _ = _pair(*case, seed=8)
-    c, d, bs = case[0], case[1], case[-1]
-    lens = [3 * bs + 5, 1, bs, 2]
-    seqs, table, n_pages = _sequences(ref, lens, seed=9)
-    pages = ref.allocate(n_pages)
-    pages.random_(0, 256)  # unwritten rows: garbage bytes, NaN and Inf patterns among them
-    for k, v, slots, pos in seqs:
-        ref.write(pages, slots, k, v, pos)
-    q = torch.randn(len(lens), 2 * (c // d), d, generator=torch.Generator().manual_seed(10))
-    rope = Rope.default(d)
-    gathered, mask = ref.view(pages, table, torch.tensor(lens))
-    rows, mask_rows = ref.view(pages, table, torch.tensor(lens), in_place=True)
-    assert rows.rows is not None and rows.k_codes.shape[0] == n_pages * bs
-    assert torch.equal(mask, mask_rows)
-    want = decode_attention(q, gathered, rope, d**-0.5, key_mask=mask, backend="reference")
-    got = decode_attention(q, rows, rope, d**-0.5, key_mask=mask, backend="numba")
-    assert torch.isfinite(want).all()
-    torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5)
-    torch.testing.assert_close(decode_attention(q, rows, rope, d**-0.5, key_mask=mask, backend="reference"), want,
-                               rtol=0, atol=0)  # the reference reads the same rows, gathered
-
-
-def test_rows_views_are_checked():
-    ref, _ = _pair(64, 32, 3, 0.02, 1, 4, 8)
-    seqs, table, n_pages = _sequences(ref, [5], seed=11)
+def test_reused_gather_buffers_serve_every_shape():
+    ref, fast = _pair(64, 32, 3, 0.02, 1, 4, 8)
+    seqs, table, n_pages = _sequences(ref, [40, 9], seed=7)
     pages = ref.allocate(n_pages)
     for k, v, slots, pos in seqs:
         ref.write(pages, slots, k, v, pos)
-    view, mask = ref.view(pages, table, torch.tensor([5]), in_place=True)
-    q = torch.randn(1, 4, 32)
-    bad = view._replace(rows=view.rows.to(torch.int64))
-    with pytest.raises(ValueError, match="rows must be a contiguous int32"):
-        decode_attention(q, bad, Rope.default(32), 1.0, key_mask=mask, backend="numba")
-    with pytest.raises(ValueError, match="need a block table"):
-        ref.view(pages, table[:, :0], torch.tensor([5]))
-    with pytest.raises(ValueError, match="sequences of"):
-        ref.view(pages, table, torch.tensor([0]))
+    for rows, lens in (([0, 1], [40, 9]), ([1], [9]), ([0], [40]), ([1, 0], [3, 33])):
+        want, _ = ref.view(pages, table[rows], torch.tensor(lens))
+        got, _ = fast.view(pages, table[rows], torch.tensor(lens), reuse=True)
+        assert torch.equal(want.k_codes, got.k_codes) and torch.equal(want.v_scale_zero, got.v_scale_zero)
 
 
 @njit(cache=True)
@@ -173,3 +141,27 @@ def test_kernel_choice_is_checked():
     with pytest.raises(ValueError, match="need 2 pages"):
         layout.read(layout.allocate(1), torch.tensor([0, 5]), 6)
     assert page_kernels.write_tokens is not None
+
+
+@pytest.mark.parametrize("kernels", ["torch", "numba"])
+def test_a_block_is_its_own_bytes(kernels):
+    """What an engine does to blocks as raw memory — zeroing a newly allocated one (vLLM: kv[block].zero_()) and
+    copying one on write — touches that block's tokens only: the other sequences read back the same."""
+    ref, fast = _pair(64, 32, 3, 0.02, 1, 4, 8, seed=12)
+    layout = ref if kernels == "torch" else fast
+    lens = [21, 13]
+    seqs, table, n_pages = _sequences(layout, lens, seed=13)
+    pages = layout.allocate(n_pages)
+    for k, v, slots, pos in seqs:
+        layout.write(pages, slots, k, v, pos)
+    before = [layout.read(pages, table[b], n) for b, n in enumerate(lens)]
+    free = sorted(set(range(n_pages)) - set(table.flatten().tolist()))
+    pages[free[0]].zero_()  # a new block handed out
+    pages[free[1]].copy_(pages[int(table[0, 1])])  # a copy of sequence 0's second block
+    for b, n in enumerate(lens):
+        k, v = layout.read(pages, table[b], n)
+        assert torch.equal(k, before[b][0]) and torch.equal(v, before[b][1])
+    copied = table[0].clone()
+    copied[1] = free[1]
+    k, v = layout.read(pages, copied, lens[0])
+    assert torch.equal(k, before[0][0]) and torch.equal(v, before[0][1])

@@ -8,11 +8,6 @@ no copy and no slicing, and between two reallocations every view of a store
 holds the very same tensors. `trim()` cuts every array to the rows in use.
 
 Slots: slot n = t * B + b is token t of batch row b.
-
-Rows (`StoreView.rows`): a view may instead point into storage laid out by physical rows, such as a paged
-cache's pages (`kvsqueeze.paged.layout`): the token-major arrays are then [R, W] (one row per stored token,
-wherever it lies), and rows[b, t] names the row of token t of batch row b. A backend that reads rows attends
-over such storage in place; `gathered()` copies it into the token-major form for the others.
 """
 
 from __future__ import annotations
@@ -77,10 +72,6 @@ class StoreView(NamedTuple):
         k_offsets, v_offsets: int32 [C + 1] where channels have widths of their own (`nuq@AVG:chan`): channel c's
             code is bits [off[c], off[c + 1]) of its slot's stream (`packing.pack_mixed`); None: `k_bits` /
             `v_bits` for every channel.
-        rows: int32 [B, >= T] where the arrays hold physical rows (see the module docstring): k_codes, v_codes
-            [R, W], v_scale_zero [R, 2], and outliers of a fixed count k with row r's entries at r * k .. r * k + k
-            (`pointers` None); a masked token's row must be one holding finite values (a row of its own sequence).
-            None: token-major arrays.
     """
 
     heads: int
@@ -104,30 +95,10 @@ class StoreView(NamedTuple):
     memo: dict | None = None
     k_offsets: torch.Tensor | None = None
     v_offsets: torch.Tensor | None = None
-    rows: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
-        return self.k_codes.shape[1] if self.rows is None else self.rows.shape[0]
-
-    def gathered(self) -> StoreView:
-        """This view with token-major arrays: itself when it has them, else its rows copied into slot order."""
-        if self.rows is None:
-            return self
-        t, b = self.tokens, self.batch
-        idx = self.rows[:, :t].t().reshape(-1).long()  # slot n = t * B + b
-        shaped = lambda x: x[idx].view(t, b, x.shape[1])  # noqa: E731
-
-        def outliers(o: Outliers | None) -> Outliers | None:
-            if o is None:
-                return None
-            k = o.fixed
-            return o._replace(pointers=None, channels=o.channels.view(-1, k)[idx].reshape(-1),
-                              values=o.values.view(-1, k)[idx].reshape(-1), nnz=t * b * k)
-
-        return self._replace(k_codes=shaped(self.k_codes), v_codes=shaped(self.v_codes),
-                             v_scale_zero=shaped(self.v_scale_zero), k_outliers=outliers(self.k_outliers),
-                             v_outliers=outliers(self.v_outliers), rows=None, memo={})
+        return self.k_codes.shape[1]
 
     @property
     def channels(self) -> int:
@@ -138,10 +109,7 @@ class StoreView(NamedTuple):
         return self.k_codes.device
 
     def trim(self) -> StoreView:
-        """The same view with every array cut to the rows in use (a new memo: the arrays are other tensors);
-        token-major (`gathered`)."""
-        if self.rows is not None:
-            return self.gathered().trim()
+        """The same view with every array cut to the rows in use (a new memo: the arrays are other tensors)."""
         t, slots = self.tokens, self.tokens * self.batch
         return self._replace(
             k_codes=self.k_codes[:t], v_codes=self.v_codes[:t], v_scale_zero=self.v_scale_zero[:t],

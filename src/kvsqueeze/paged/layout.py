@@ -18,14 +18,9 @@ such pages with a fixed number of bytes per token:
 * the sinks: the first `sinks` positions of a sequence, fp16 pre-RoPE keys and values, in a sink area every
   page carries (a sequence's first page uses it; `sinks` is at most `block_size`).
 
-A page's regions, each a multiple of 16 bytes, in this order: k_codes int32 [bs, Wk], v_codes int32 [bs, Wv],
-v_scale_zero fp16 [bs, 2], k_channels int16 [bs, key_slots], k_values fp16 [bs, key_slots], v_channels int16
-[bs, vk], v_values fp16 [bs, vk], sink_k fp16 [S, C], sink_v fp16 [S, C]. Slot n of the buffer is token n % bs of
-page n // bs. A buffer of N pages lays them out region-major: first region 0 of every page, then region 1 of every
-page, and so on (region r of page p at N * offset_r + p * size_r). Every page still takes `page_bytes`, so an
-engine's allocator sizes and counts them as before; only the backend reads the buffer, and it gets each region as
-one contiguous array over all pages, [N * bs, width]: slot n is its row n, the row an engine's slot mapping names.
-The decode kernel reads those rows in place, through the block tables (`view`).
+Page regions, each aligned to 16 bytes, in this order: k_codes int32 [bs, Wk], v_codes int32 [bs, Wv], v_scale_zero
+fp16 [bs, 2], k_channels int16 [bs, key_slots], k_values fp16 [bs, key_slots], v_channels int16 [bs, vk], v_values
+fp16 [bs, vk], sink_k fp16 [S, C], sink_v fp16 [S, C]. Slot n of the buffer is token n % bs of page n // bs.
 
 `view` gathers the pages of a batch of sequences into the `StoreView` the decode kernels read (`kernels.view`):
 every kernel, the numba one on CPU and the Triton ones on GPU, then attends over paged memory as over the HF
@@ -208,11 +203,20 @@ class PageLayout:
             hit = self._np_views = (key, {name: _numpy(self.region(pages, name)) for name in self._REGION_ORDER})
         return list(hit[1].values())
 
+    def _scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """A [shape] tensor in a buffer this layout keeps for `name` (grown by half again when too small)."""
+        bufs = self.__dict__.setdefault("_buffers", {})
+        need = math.prod(shape)
+        buf = bufs.get(name)
+        if buf is None or buf.numel() < need:
+            buf = bufs[name] = torch.empty(max(need, need * 3 // 2 if buf is not None else need), dtype=dtype)
+        return buf[:need].view(shape)
+
     def region(self, pages: torch.Tensor, name: str) -> torch.Tensor:
-        """One region of every page, contiguous [num_blocks, *shape] of its dtype (a view of `pages`, no copy)."""
+        """One region of every page, as [num_blocks, *shape] of its dtype (a view of `pages`, no copy)."""
         r = self.regions[name]
         n = pages.shape[0]
-        raw = pages.view(-1)[n * r.offset:n * (r.offset + r.nbytes)]
+        raw = pages.view(n, self.page_bytes)[:, r.offset:r.offset + r.nbytes]
         return raw.view(r.dtype).view(n, *r.shape)
 
     def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
@@ -306,36 +310,29 @@ class PageLayout:
 
     # ---- reading -------------------------------------------------------------------------
     def view(self, pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-             in_place: bool = False) -> tuple[StoreView, torch.Tensor]:
+             reuse: bool = False) -> tuple[StoreView, torch.Tensor]:
         """The cache of B sequences as one `StoreView` (T = the longest sequence) and its key mask bool [B, T].
 
         Args:
             block_table: int [B, >= pages needed], the pages of each sequence in order.
             seq_lens: int [B], tokens cached per sequence (the new ones included).
-            in_place: a view of the pages' own rows (`StoreView.rows`, no copy): token t of sequence b is row
-                table[b, t // bs] * bs + t % bs of each region; a masked slot past a sequence's end names the
-                sequence's first row (written, so finite). The numba kernel reads it so; other backends gather it
-                (`StoreView.gathered`). Else the pages are gathered into a token-major copy, the slots past a
-                sequence's end zeroed.
-        Token t of sequence b sits at position t.
+            reuse: gather into buffers this layout keeps (numba path): the view is then valid until the next
+                `view(..., reuse=True)` of this layout; what an engine wants, attending once per layer and step.
+        Token t of sequence b sits at position t. A shorter sequence's slots past its length are zeroed in the
+        gathered copy (whatever a page held there before) and masked.
         """
         self._check_pages(pages)
         lens = seq_lens.to(torch.long).cpu()
         b = lens.numel()
         t = int(lens.max()) if b else 0
         nb = -(-t // self.block_size)
-        if b == 0 or t == 0 or int(lens.min()) < 1:
-            raise ValueError(f"view: sequences of {lens.tolist()} tokens; write the new tokens before attending")
-        if block_table.shape[0] != b or block_table.shape[1] < nb:
-            raise ValueError(f"view: {b} sequences of up to {t} tokens need a block table [{b}, >= {nb}], got "
-                             f"{tuple(block_table.shape)}")
+        if b == 0 or t == 0:
+            raise ValueError("view: every sequence is empty; write the new tokens before attending")
         table = block_table[:, :nb].to(device=pages.device, dtype=torch.long)
         bs = self.block_size
         dev = pages.device
         live = torch.arange(nb * bs).view(1, -1) < lens.view(-1, 1)  # [B, nb*bs]
         mask = live[:, :t].to(dev)
-        if in_place:
-            return self._rows_view(pages, table, lens, t, mask), mask
 
         fast = self._fast(pages)
         if fast is not None:
@@ -346,7 +343,8 @@ class PageLayout:
         def grid(name: str) -> torch.Tensor:  # [T, B, ...] token-major, dead slots zeroed
             r = self.regions[name]
             if fast is not None:
-                out = torch.empty(t, b, r.shape[1], dtype=r.dtype)
+                shape = (t, b, r.shape[1])
+                out = self._scratch(name, shape, r.dtype) if reuse else torch.empty(shape, dtype=r.dtype)
                 fast.gather_rows(regions_np[name], table_np, lens_np, bs, _numpy(out))
                 return out
             x = self.region(pages, name)[table]  # [B, nb, bs, w]
@@ -378,38 +376,6 @@ class PageLayout:
                          self.k_scale.to(dev), self.k_zero.to(dev), kq.levels.to(dev), vq.levels.to(dev), sz, k_out,
                          v_out, sink_k, sink_v, sink_slot, positions, {})
         return view, mask
-
-    def _rows_view(self, pages: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, t: int,
-                   mask: torch.Tensor) -> StoreView:
-        """`view(..., in_place=True)`: the regions as [num_blocks * bs, width] arrays and each slot's row."""
-        bs, b, dev = self.block_size, lens.numel(), pages.device
-        n_rows = pages.shape[0] * bs
-        tok = torch.arange(t, device=dev)
-        rows = table[:, tok // bs] * bs + tok % bs  # [B, T]
-        rows = torch.where(mask, rows, table[:, :1] * bs).to(torch.int32).contiguous()
-        flat = lambda name: self.region(pages, name).reshape(n_rows, -1)  # noqa: E731
-        k_out = v_out = None
-        if self.key_slots:
-            k_out = Outliers(None, flat("k_channels").reshape(-1), flat("k_values").reshape(-1),
-                             n_rows * self.key_slots, self.key_slots, OUTLIER_CODE)
-        if self.value_slots:
-            v_out = Outliers(None, flat("v_channels").reshape(-1), flat("v_values").reshape(-1),
-                             n_rows * self.value_slots, self.value_slots, OUTLIER_CODE)
-        first = table[:, 0]
-        rank = torch.arange(self.sinks).view(1, -1)
-        sink_slot = torch.where(rank < lens.view(-1, 1), rank, -1).to(torch.int32).to(dev)
-        positions = torch.arange(t, dtype=torch.int32, device=dev).view(-1, 1).expand(t, b).contiguous()
-        kq, vq = self.k_quant, self.v_quant
-        return StoreView(self.heads, self.head_dim, self.k_bits, self.v_bits, t, flat("k_codes"), flat("v_codes"),
-                         self.k_scale.to(dev), self.k_zero.to(dev), kq.levels.to(dev), vq.levels.to(dev),
-                         flat("v_scale_zero"), k_out, v_out, self.region(pages, "sink_k")[first],
-                         self.region(pages, "sink_v")[first], sink_slot, positions, self._memo, rows=rows)
-
-    @functools.cached_property
-    def _memo(self) -> dict:
-        """The memo of this layout's in-place views: what a backend derives from the layout's own tensors (its
-        lookup tables) is kept between steps; what it derives from a step's arrays it checks and rebuilds."""
-        return {}
 
     def read(self, pages: torch.Tensor, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's first `length` tokens, dequantized: pre-RoPE keys and values, float32 [T, C] each,

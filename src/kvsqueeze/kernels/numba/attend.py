@@ -83,18 +83,15 @@ def decode_attention(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
 class KernelInputs(NamedTuple):
     """Everything the passes read, as numpy arrays of the rows in use (16-bit floats as their uint16 bits).
 
-    q float32 [B, Hq, D]; k_codes, v_codes uint32 [R, W], one storage row per token; rows uint32 [B, >= T]: the row
-    of token t of batch row b (t * B + b for a store's token-major arrays, the pages' rows for a paged cache);
-    slot_rows uint32 [T * B]: the same by slot (read where key outliers are); klut float32 [C, 16] (LUT[c] = level * scale[c] +
+    q float32 [B, Hq, D]; k_codes, v_codes uint32 [T, B, W]; klut float32 [C, 16] (LUT[c] = level * scale[c] +
     zero[c], repeated to 16 entries); vlut float32 [C, 16] (channel c's levels, repeated); k_bits, v_bits: every
     channel's code width (0: channels have their own); k_offs, v_offs int32 [C + 1]: each channel's first bit in
     its slot's stream; positions int32 [T, B]; cos_hi .. sin_lo: the
-    `tables.RopeTables`; k_ptr / v_ptr uint32 [slots + 1] (empty: none, or fixed counts), k_base uint32 [slots]: the
-    first entry of each slot's key outliers, k_chan / v_chan uint16
+    `tables.RopeTables`; k_ptr / v_ptr uint32 [slots + 1] (empty: none, or fixed counts), k_chan / v_chan uint16
     [nnz], k_val / v_val fp16 bits [nnz]; k_under, v_under: the code under every outlier (-1: codes vary);
     v_fixed: value outliers per slot when every slot holds that many (0: counts vary); chan_head, chan_pos
     uint32 [C]: the head and offset of every channel; sink_k, sink_v fp16 bits [B, S, C], sink_slot int32 [B, S];
-    scale_zero fp16 bits [R, 2]; bias float32 [B, T] of 0 / -inf ([0, 0]: no mask); softcap: the logit cap
+    scale_zero fp16 bits [T, B, 2]; bias float32 [B, T] of 0 / -inf ([0, 0]: no mask); softcap: the logit cap
     (0: none); sink_logit float32 [Hq]: a learned logit per query head that joins the softmax without a value
     (empty: none); threads: numba's; scores float32 [B, Hq, T] and sz float32 [2, B, T]: scratch space.
     """
@@ -102,8 +99,6 @@ class KernelInputs(NamedTuple):
     q: np.ndarray
     k_codes: np.ndarray
     v_codes: np.ndarray
-    rows: np.ndarray
-    slot_rows: np.ndarray
     klut: np.ndarray
     vlut: np.ndarray
     k_bits: int
@@ -118,7 +113,6 @@ class KernelInputs(NamedTuple):
     sin_lo: np.ndarray
     scaling: np.float32
     k_ptr: np.ndarray
-    k_base: np.ndarray
     k_chan: np.ndarray
     k_val: np.ndarray
     k_under: int
@@ -158,95 +152,29 @@ def kernel_inputs(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
     if lo < 0:
         raise ValueError(f"RoPE positions must be >= 0, got {lo}")
     tab = _tables(rope, int(hi))
-    if kv.rows is None:  # token-major: slot n = t * B + b is row n of the arrays seen as [T * B, W]
-        k_codes, v_codes = _by_slot(a.k_codes, t), _by_slot(a.v_codes, t)
-        scale_zero = _by_slot(a.scale_zero, t)
-        rows, slot_rows = _identity_rows(bsz, t), _identity_slots(slots)
-        v_fixed = _fixed(kv.v_outliers, slots)
-        k_sparse = _sparse(kv.k_outliers, a.k_out, slots, False) or _NO_OUTLIERS
-        v_sparse = _sparse(kv.v_outliers, a.v_out, slots, v_fixed > 0) or _NO_OUTLIERS
-        k_base = k_sparse[0][:slots]  # a slot's entries are stored where its pointer says
-    else:
-        k_codes, v_codes, scale_zero = a.k_codes, a.v_codes, a.scale_zero
-        rows, slot_rows, k_sparse, k_base, v_sparse, v_fixed = _row_inputs(kv, a, t)
-    if max(k_codes.size, v_codes.size, k_sparse[1].size, v_sparse[1].size) >= 1 << 31:
-        raise ValueError("a cache of 2**31 code words or outliers or more in one layer: the numba backend gathers "
-                         "with 32-bit offsets; use backend='reference' or a shorter cache")
+    v_fixed = _fixed(kv.v_outliers, slots)
+    k_sparse = _sparse(kv.k_outliers, a.k_out, slots, False) or _NO_OUTLIERS
+    v_sparse = _sparse(kv.v_outliers, a.v_out, slots, v_fixed > 0) or _NO_OUTLIERS
     bias = _NO_BIAS if key_mask is None else np.where(_np(key_mask), np.float32(0), np.float32(-np.inf))
     k_bits, k_offs = _widths(kv.k_bits, kv.k_offsets, kv.channels, k_sparse[3] if k_sparse[1].size else 0)
     v_bits, v_offs = _widths(kv.v_bits, kv.v_offsets, kv.channels, v_sparse[3] if v_sparse[1].size else 0)
-    k_ptr, k_chan, k_val, k_under = k_sparse
-    return KernelInputs(_np(q), k_codes, v_codes, rows, slot_rows, klut, vlut, k_bits, v_bits, k_offs, v_offs,
-                        kv.heads, positions,
-                        tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling), k_ptr, k_base, k_chan,
-                        k_val, k_under, *v_sparse,
-                        v_fixed, *_channel_maps(kv.heads, d), a.sink_k, a.sink_v, a.sink_slot, scale_zero,
+    return KernelInputs(_np(q), a.k_codes[:t], a.v_codes[:t], klut, vlut, k_bits, v_bits, k_offs, v_offs, kv.heads,
+                        positions,
+                        tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling), *k_sparse, *v_sparse,
+                        v_fixed, *_channel_maps(kv.heads, d), a.sink_k, a.sink_v, a.sink_slot, a.scale_zero[:t],
                         bias, np.float32(softcap or 0.0), _NO_SINK_LOGITS if sink_logits is None else
                         np.ascontiguousarray(sink_logits.detach().float().cpu().numpy().reshape(hq)),
                         numba.get_num_threads(), _scratch("scores", bsz * hq * t).reshape(bsz, hq, t),
                         _scratch("sz", 2 * bsz * t).reshape(2, bsz, t))
 
 
-def _by_slot(x: np.ndarray, t: int) -> np.ndarray:
-    """Token-major [>= T, B, W] -> its first T * B slots as rows [T * B, W] (a view)."""
-    return x[:t].reshape(t * x.shape[1], x.shape[2])
-
-
-_ROWS: dict[tuple[int, int], np.ndarray] = {}  # (B, capacity) -> uint32 [B, capacity], rows[b, t] = t * B + b
-_SLOTS: list[np.ndarray] = [np.zeros(0, np.uint32)]  # uint32 0, 1, 2, ..., grown by doubling
-
-
-def _identity_rows(batch: int, t: int) -> np.ndarray:
-    """rows of a token-major store: rows[b, t] = t * B + b, uint32 [B, >= t] (kept, grown by doubling)."""
-    cap = 1 << max(t - 1, 1).bit_length()
-    hit = _ROWS.get((batch, cap))
-    if hit is None:
-        if len(_ROWS) > 16:
-            _ROWS.clear()
-        hit = _ROWS[(batch, cap)] = (np.arange(cap, dtype=np.uint32)[None, :] * np.uint32(batch)
-                                     + np.arange(batch, dtype=np.uint32)[:, None])
-    return hit
-
-
-def _identity_slots(slots: int) -> np.ndarray:
-    if _SLOTS[0].size < slots:
-        _SLOTS[0] = np.arange(1 << max(slots - 1, 1).bit_length(), dtype=np.uint32)
-    return _SLOTS[0][:slots]
-
-
-def _row_inputs(kv: StoreView, a: "_Arrays", t: int):
-    """(rows, slot_rows, key outliers, their entry bases, value outliers, value outliers per row) of a view of
-    physical rows (`StoreView.rows`): outliers there are a fixed count per row, row r's at r * k."""
-    bsz = kv.batch
-    rows = kv.rows
-    if rows.dtype != torch.int32 or rows.dim() != 2 or rows.shape[1] < t or not rows.is_contiguous():
-        raise ValueError(f"rows must be a contiguous int32 [B, >= {t}] tensor, got {rows.dtype} {tuple(rows.shape)}")
-    rows = rows.numpy().view(np.uint32)
-    slot_rows = np.ascontiguousarray(rows[:, :t].T).reshape(-1)  # slot n = t * B + b
-    k_sparse, k_base = _NO_OUTLIERS, _POINTERLESS
-    k, v = kv.k_outliers, kv.v_outliers
-    for o in (k, v):
-        if o is not None and (o.fixed is None or o.pointers is not None):
-            raise ValueError("a view of rows holds a fixed count of outliers per row (`Outliers.fixed`, no "
-                             "pointers)")
-    if k is not None and k.fixed:
-        kk = k.fixed
-        pointers = np.arange(t * bsz + 1, dtype=np.uint32) * np.uint32(kk)
-        k_sparse = (pointers, a.k_out[1], a.k_out[2], -1 if k.code is None else k.code)
-        k_base = slot_rows * np.uint32(kk)
-    v_sparse, v_fixed = _NO_OUTLIERS, 0
-    if v is not None and v.fixed:
-        v_sparse, v_fixed = (_POINTERLESS, a.v_out[1], a.v_out[2], -1 if v.code is None else v.code), v.fixed
-    return rows, slot_rows, k_sparse, k_base, v_sparse, v_fixed
-
-
 class _Arrays(NamedTuple):
     """numpy views of a `StoreView`'s allocations, as the kernels read them (16-bit floats as uint16 bits)."""
 
     sources: tuple  # the tensors viewed
-    k_codes: np.ndarray  # uint32 [>= T, B, W], or [R, W] rows
+    k_codes: np.ndarray  # uint32 [>= T, B, W]
     v_codes: np.ndarray
-    scale_zero: np.ndarray  # uint16 [>= T, B, 2], or [R, 2] rows
+    scale_zero: np.ndarray  # uint16 [>= T, B, 2]
     positions: np.ndarray  # int32 [>= T, B]
     sink_k: np.ndarray  # uint16 [B, S, C]
     sink_v: np.ndarray
@@ -417,19 +345,17 @@ def _position_range(positions):
 
 
 @njit(cache=True)
-def _attend(q, k_codes, v_codes, rows, slot_rows, klut, vlut, k_bits, v_bits, k_offs, v_offs, heads, positions, cos_hi,
-            sin_hi, cos_lo, sin_lo, scaling, k_ptr, k_base, k_chan, k_val, k_under, v_ptr, v_chan, v_val, v_under,
-            v_fixed, chan_head, chan_pos, sink_k, sink_v, sink_slot, scale_zero, bias, softcap, sink_logit, threads,
-            scores, sz):
+def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, k_offs, v_offs, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo,
+            scaling, k_ptr, k_chan, k_val, k_under, v_ptr, v_chan, v_val, v_under, v_fixed, chan_head,
+            chan_pos, sink_k, sink_v, sink_slot, scale_zero, bias, softcap, sink_logit, threads, scores, sz):
     """All passes in order, one dispatch from Python; returns float32 [B, Hq, D]. The arguments are the fields of
     `KernelInputs`, one by one: passed as one tuple, its arrays compile to code about a third slower."""
     bsz, hq, d = q.shape
-    starts = work_ranges(positions.shape[0], bsz, threads)
-    key_scores(q, k_codes, rows, klut, k_bits, k_offs, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling,
-               starts, scores)
+    starts = work_ranges(k_codes.shape[0], bsz, threads)
+    key_scores(q, k_codes, klut, k_bits, k_offs, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, starts, scores)
     if k_ptr.shape[0]:
-        key_outliers(q, k_codes, slot_rows, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling,
-                     k_ptr, k_base, k_chan, k_val, k_under, chan_head, chan_pos, 4 * threads, scores)
+        key_outliers(q, k_codes, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling,
+                     k_ptr, k_chan, k_val, k_under, chan_head, chan_pos, 4 * threads, scores)
     has_sinks = (sink_slot >= 0).any()
     if has_sinks:
         sink_scores(q, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, sink_k, sink_slot, scores)
@@ -442,8 +368,7 @@ def _attend(q, k_codes, v_codes, rows, slot_rows, klut, vlut, k_bits, v_bits, k_
     items = starts.shape[0] - 1
     partial = np.empty((bsz, heads, items, hq // heads, d), np.float32)
     psum = np.empty((bsz, heads, items, hq // heads), np.float32)
-    value_sums(scores, m, v_codes, rows, vlut, v_bits, v_offs, heads, scale_zero, sz, starts, partial,
-               psum)  # scores: exp
+    value_sums(scores, m, v_codes, vlut, v_bits, v_offs, heads, scale_zero, sz, starts, partial, psum)  # scores: exp
     out = np.zeros((bsz, hq, d), np.float32)
     total = np.zeros((bsz, hq), np.float32)
     for b in range(bsz):
@@ -453,8 +378,8 @@ def _attend(q, k_codes, v_codes, rows, slot_rows, klut, vlut, k_bits, v_bits, k_
                 total[b, h * (hq // heads):(h + 1) * (hq // heads)] += psum[b, h, i]
     if v_fixed > 0:
         lanes = np.zeros((threads, bsz, hq, d, LANES), np.float32)
-        value_outliers_fixed(scores, v_codes, rows, vlut, v_bits, heads, sz, v_fixed, v_chan, v_val, v_under,
-                             chan_head, chan_pos, lanes)
+        value_outliers_fixed(scores, v_codes, vlut, v_bits, heads, sz, v_fixed, v_chan, v_val, v_under, chan_head,
+                             chan_pos, lanes)
         for b in range(bsz):  # parts added lane-wise, then the lanes, in a fixed order
             for hh in range(hq):
                 for c in range(d):
@@ -469,8 +394,8 @@ def _attend(q, k_codes, v_codes, rows, slot_rows, klut, vlut, k_bits, v_bits, k_
         for w in range(4 * threads):
             out += parts[w]
     if has_sinks:
-        sink_values(scores, v_codes, rows, vlut, v_offs, heads, scale_zero, v_ptr, v_fixed, v_chan, v_val, sink_v,
-                    sink_slot, out)
+        sink_values(scores, v_codes, vlut, v_offs, heads, scale_zero, v_ptr, v_fixed, v_chan, v_val, sink_v, sink_slot,
+                    out)
     for b in range(bsz):
         for hh in range(hq):
             if sink_logit.shape[0]:

@@ -4,11 +4,8 @@ Layout conventions (see `attend.py` for the passes):
 
 * work runs over blocks of `BLOCK` consecutive tokens of one batch row; vector
   lanes are 16 consecutive tokens (`simd.LANES`);
-* the packed codes are rows of a [R, W] array, token t of batch row b in row
-  rows[b, t] (rows[b, t] = t * B + b for a store's token-major arrays; the
-  rows of its pages for a paged cache, read in place); a block's words are
-  gathered by row and transposed into wb [words, width] (uint32) so that one
-  channel's codes of 16 tokens are a vector shift away;
+* a block's packed words are transposed into wb [words, width] (uint32) so that
+  one channel's codes of 16 tokens are a vector shift away;
 * lookup tables are rows of 16 float32 (the 2**bits levels repeated to fill 16 lanes), one row per
   channel: keys with their scale and zero-point folded in, values the channel's levels;
 * a channel's code starts at stream bit offs[c] of its slot (`offs` int32 [C + 1]; c * bits when every
@@ -26,12 +23,10 @@ from numba import njit
 from .tables import BLOCK
 from .simd import (
     LANES,
-    umul,
     ushr,
     vadd,
     vfunnel,
     vgather,
-    vindex,
     vload,
     vload_first,
     vlookup,
@@ -108,18 +103,18 @@ def max_head_words(offs, heads, d):
 
 
 @njit(cache=True, inline="always")
-def gather_words(codes, rows, b, t0, n, w0, nw, wb, width):
-    """wb[i, t] = word w0 + i of token t0 + t in batch row b, for i < nw and t < n; zero for n <= t < width.
+def gather_words(codes, b, t0, n, w0, nw, wb, width):
+    """wb[i, t] = word w0 + i of token t0 + t in row b, for i < nw and t < n; zero for n <= t < width.
 
-    codes uint32 [R, W], one storage row per token, token t of batch row b in row rows[b, t] (uint32 [B, T]) ->
-    wb uint32 [*, width] (token-contiguous rows, for 16-token lanes).
+    codes uint32 [T, B, W] (token-major) -> wb uint32 [*, width] (token-contiguous rows, for 16-token lanes).
     """
-    n_words, n_tok = codes.shape[1], rows.shape[1]
+    n_rows, n_words = codes.shape[1], codes.shape[2]
+    stride = n_rows * n_words
     for k in range(0, width, LANES):
+        base = ((t0 + k) * n_rows + b) * n_words + w0
         valid = max(0, min(LANES, n - k))
-        at = umul(vload_first(rows, b * n_tok + t0 + k, valid), n_words)  # each lane's row, in words
         for i in range(nw):
-            vstore(wb, i * width + k, vindex(codes, w0 + i, at, valid))
+            vstore(wb, i * width + k, vgather(codes, base + i, stride, valid))
 
 
 @njit(cache=True, inline="always")
@@ -142,11 +137,11 @@ def decode(wb, width, w0, off, bits, lut, row, k):
 
 
 @njit(cache=True, inline="always")
-def code_at(codes, row, off, bits):
-    """The code of `bits` bits at stream bit `off` of storage row `row` (codes uint32 [R, W])."""
+def code_at(codes, t, b, off, bits):
+    """The code of `bits` bits at stream bit `off` of slot (t, b)."""
     wi = off >> 5
     sh = off & 31
-    v = np.int64(codes[row, wi]) >> sh
+    v = np.int64(codes[t, b, wi]) >> sh
     if sh + bits > 32:
-        v |= np.int64(codes[row, wi + 1]) << (32 - sh)
+        v |= np.int64(codes[t, b, wi + 1]) << (32 - sh)
     return v & ((1 << bits) - 1)

@@ -43,9 +43,10 @@ from .simd import (
     ushr,
     vadd,
     vfunnel,
+    vgather16,
+    vgather16_wide,
     vhalf,
     vindex,
-    vindex16,
     vload,
     vload_first,
     vlookup,
@@ -95,21 +96,19 @@ def _steps(slot0, n_rows):
 
 
 @njit(parallel=True, cache=True)
-def key_outliers(q, codes, slot_rows, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling,
-                 pointers, entry_base, channels, values, code_under, chan_head, chan_pos, parts, scores):
+def key_outliers(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling,
+                 pointers, channels, values, code_under, chan_head, chan_pos, parts, scores):
     """scores[b, hq, t] += scaling * q[b, hq] . RoPE(exact - dequantized) for every key outlier.
 
-    q float32 [B, Hq, D]; codes uint32 [R, W], slot n's codes in row slot_rows[n] (uint32 [T*B]); klut float32
-    [C, 16]; positions uint32 [T, B]; pointers uint32 [T*B + 1]: slot n holds pointers[n + 1] - pointers[n]
-    outliers, stored from entry entry_base[n] (uint32 [T*B]) of channels uint16 and values (fp16 bits, uint16);
-    code_under: the code every outlier's element holds in `codes` (the pass then reads no codes), -1 when they
-    vary;
+    q float32 [B, Hq, D]; codes uint32 [T, B, W]; klut float32 [C, 16]; positions uint32 [T, B];
+    pointers uint32 [T*B + 1]; channels uint16 [nnz]; values fp16 bits, uint16 [nnz]; code_under: the code every
+    outlier's element holds in `codes` (the pass then reads no codes), -1 when they vary;
     chan_head, chan_pos uint32 [C]: head and offset of each channel; scores [B, Hq, T].
     Per channel c (head h, offset j) and query head g of its group, the kernel first folds the scaling and the
     pair's sign into qt [B, C, G, 2] = scaling * (q[hq, j], +-q[hq, partner]): an outlier then costs a table
     entry (and a code, when code_under is -1), four RoPE table entries and G multiply-adds.
     """
-    n_rows, n_tok, n_words = q.shape[0], scores.shape[2], codes.shape[1]
+    n_tok, n_rows, n_words = codes.shape
     hq_all, d = q.shape[1], q.shape[2]
     n_chan, g_size, half, width = chan_head.shape[0], hq_all // heads, cos_lo.shape[0], klut.shape[1]
     bounds = sparse_parts(pointers, parts)
@@ -161,12 +160,11 @@ def key_outliers(q, codes, slot_rows, klut, bits, heads, positions, cos_hi, sin_
             p = U(pos_flat[slot])
             hi_row, lo_col = (p // U(BLOCK)) * uhalf, p % U(BLOCK)
             row_out = b * U(hq_all) * ut + t  # scores[b, 0, t]
-            ea = e - U(pointers[slot]) + U(entry_base[slot])  # where the slot's entries are stored
-            c = U(channels[ea])
+            c = U(channels[e])
             if known:
-                delta = f16(values[ea]) - lut[c * uwidth + ucode]
+                delta = f16(values[e]) - lut[c * uwidth + ucode]
             else:
-                delta = f16(values[ea]) - lut[c * uwidth + _code(codes_flat, uw, U(slot_rows[slot]), c, ub)]
+                delta = f16(values[e]) - lut[c * uwidth + _code(codes_flat, uw, slot, c, ub)]
             pr = pair[c]
             if pr < uhalf:
                 ch, sh = chi[hi_row + pr], shi[hi_row + pr]
@@ -193,13 +191,13 @@ def value_outliers(probs, codes, vlut, bits, heads, scale_zero, pointers, channe
                    chan_pos, partial):
     """partial[part, b, hq, :] += probs[b, hq, t] * (exact - dequantized) over the value outliers of part's slots.
 
-    probs float32 [B, Hq, T]; codes uint32 [T*B, W] and scale_zero fp16 bits [T*B, 2], by slot (token-major
-    storage: counts that vary have no rows); vlut float32 [C, 16]; pointers uint32 [T*B + 1]; channels uint16;
-    values fp16 bits; code_under, chan_head, chan_pos: as `key_outliers`;
+    probs float32 [B, Hq, T]; codes uint32 [T, B, W]; vlut float32 [C, 16]; scale_zero fp16 bits [T, B, 2];
+    pointers uint32 [T*B + 1]; channels uint16; values fp16 bits; code_under, chan_head, chan_pos: as
+    `key_outliers`;
     partial float32 [parts, B, Hq, D], zero on entry, each part summed in its own slice (two slots may hit one
     (hq, channel)).
     """
-    n_rows, n_tok, n_words = probs.shape[0], probs.shape[2], codes.shape[1]
+    n_tok, n_rows, n_words = codes.shape
     parts, _, hq_all, d = partial.shape
     n_chan, g_size = chan_head.shape[0], hq_all // heads
     bounds = sparse_parts(pointers, parts)
@@ -230,19 +228,19 @@ def value_outliers(probs, codes, vlut, bits, heads, scale_zero, pointers, channe
 
 
 @njit(parallel=True, cache=True)
-def value_outliers_fixed(probs, codes, rows, vlut, bits, heads, sz, fixed, channels, values, code_under, chan_head,
+def value_outliers_fixed(probs, codes, vlut, bits, heads, sz, fixed, channels, values, code_under, chan_head,
                          chan_pos, lanes):
-    """`value_outliers` for fixed-count rows (every row holds `fixed` outliers: entries row * fixed + i),
+    """`value_outliers` for fixed-count rows (every slot holds `fixed` outliers: entries slot * fixed + i),
     16 tokens at a time in vector lanes.
 
-    probs float32 [B, Hq, T]; codes uint32 [R, W] and rows uint32 [B, >= T]: as `keys.key_scores`; vlut float32
-    [C, 16]; sz float32 [2, B, T] (the planar scales and zero-points `value_sums` wrote); channels, values uint16
-    [R * fixed]; code_under: as `key_outliers`;
+    probs float32 [B, Hq, T]; codes uint32 [T, B, W]; vlut float32 [C, 16]; sz float32 [2, B, T] (the planar
+    scales and zero-points `value_sums` wrote); channels, values uint16 [T * B * fixed]; code_under: as
+    `key_outliers`;
     lanes float32 [parts, B, Hq, D, 16], zero on entry: part p adds its share into lanes[p], lane i for its
     i-th token of every 16, so no two lanes of one scatter ever touch one element, whatever the channels.
     Every part takes an equal range of tokens, hence an equal number of non-zeros. The caller sums the lanes.
     """
-    n_rows, n_tok, n_words, stride = probs.shape[0], probs.shape[2], codes.shape[1], rows.shape[1]
+    n_tok, n_rows, n_words = codes.shape
     parts, _, hq_all, d, _ = lanes.shape
     n_chan, g_size = chan_head.shape[0], hq_all // heads
     c_acc, c_p = np.empty(n_chan, np.uint32), np.empty(n_chan, np.uint32)  # offsets of (h * G, j) in lanes, probs
@@ -252,7 +250,7 @@ def value_outliers_fixed(probs, codes, rows, vlut, bits, heads, sz, fixed, chann
     codes_flat, p_flat, sz_flat = codes.reshape(-1), probs.reshape(-1), sz.reshape(-1)
     table = vload(vlut, 0)  # read only where codes vary under outliers, which needs one width for all channels
     under_c = np.ascontiguousarray(vlut[:, max(code_under, 0)])  # [C]: each channel's level under its outliers
-    last_word = min(codes_flat.shape[0] - 1, 0xFFFFFFFF)  # a straddle read never leaves the array
+    last_word, nnz = codes_flat.shape[0] - 1, channels.shape[0]
     lane = ulanes()
     for part in prange(parts):
         acc = lanes[part].reshape(-1)
@@ -263,18 +261,22 @@ def value_outliers_fixed(probs, codes, rows, vlut, bits, heads, sz, fixed, chann
                 n = min(LANES, t_hi - t0)
                 s = vload_first(sz_flat, b * n_tok + t0, n)  # zero past n: those lanes add p * 0
                 z = vload_first(sz_flat, (n_rows + b) * n_tok + t0, n)
-                r = vload_first(rows, b * stride + t0, n)  # each lane's row
-                w_lane, e_lane = umul(r, n_words), umul(r, fixed)  # its word 0 and its first entry
+                w_base = (t0 * n_rows + b) * n_words  # word 0 of the first lane's slot
+                w_lane = umul(lane, n_rows * n_words)
+                hi_limit = min(last_word - w_base, 0xFFFFFFFF)  # a straddle read never leaves the array
                 for i in range(fixed):
-                    at = uadd(e_lane, i)
-                    c, raw = vindex16(channels, 0, at, n), vindex16(values, 0, at, n)
+                    e0, step = (t0 * n_rows + b) * fixed + i, n_rows * fixed
+                    if e0 + (n - 1) * step + 1 < nnz:  # 32-bit loads: the entry after each lane's exists
+                        c, raw = vgather16_wide(channels, e0, step, n), vgather16_wide(values, e0, step, n)
+                    else:
+                        c, raw = vgather16(channels, e0, step, n), vgather16(values, e0, step, n)
                     if code_under >= 0:
                         level = vindex(under_c, 0, c, n)
                     else:
                         off = umul(c, bits)
                         w = uadd(w_lane, ushr(off, 5))
-                        level = vlookup(table, vfunnel(vindex(codes_flat, 0, w, n),
-                                                       vindex(codes_flat, 0, umin(uadd(w, 1), last_word), n),
+                        level = vlookup(table, vfunnel(vindex(codes_flat, w_base, w, n),
+                                                       vindex(codes_flat, w_base, umin(uadd(w, 1), hi_limit), n),
                                                        uand(off, 31)))
                     delta = vsub(vhalf(raw), vadd(vmul(level, s), z))
                     ia = uadd(vindex(c_acc, 0, c, n), lane)
