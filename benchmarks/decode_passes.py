@@ -87,27 +87,28 @@ def passes(method: str, tokens: int, recipe, heads: int, kv_heads: int, head_dim
     m = np.empty((1, hq), np.float32)
     partial = np.empty((1, h, starts.shape[0] - 1, hq // h, d), np.float32)
     psum = np.empty(partial.shape[:-1], np.float32)
-    out["keys"] = _median_ms(lambda: key_scores(x.q, x.k_codes, x.klut, x.k_bits, x.k_offs, h, *rope_args, starts, scores),
-                             repeats)
+    out["keys"] = _median_ms(lambda: key_scores(x.q, x.k_codes, x.rows, x.geo, x.shift, x.klut, x.k_bits, x.k_offs, h,
+                                                *rope_args, starts, scores), repeats)
     if x.k_ptr.shape[0]:
         out["key outliers"] = _median_ms(lambda: key_outliers(
-            x.q, x.k_codes, x.klut, x.k_bits, h, *rope_args, x.k_ptr, x.k_chan, x.k_val, x.k_under, *chans, workers,
-            scores), repeats)
+            x.q, x.k_codes, x.k_words, x.klut, x.k_bits, h, *rope_args, x.k_ptr, x.k_base, x.k_to_value, x.k_chan,
+            x.k_val, x.k_under, *chans, workers, scores), repeats)
     out["row maxima"] = _median_ms(lambda: row_max(scores, x.bias, x.softcap, m), repeats)
     planar = np.empty((2, 1, tokens), np.float32)
     probs = scores.copy()
     out["values and softmax"] = _median_ms(lambda: value_sums(
-        probs, m, x.v_codes, x.vlut, x.v_bits, x.v_offs, h, x.scale_zero, planar, starts, partial, psum), repeats)
+        probs, m, x.v_codes, x.rows, x.geo, x.shift, x.vlut, x.v_bits, x.v_offs, h, x.scale_zero, planar, starts,
+        partial, psum), repeats)
     if x.v_fixed:  # as the call runs them: 16 slots at a time in vector lanes
         lanes = np.zeros((threads, 1, hq, d, 16), np.float32)
         out["value outliers"] = _median_ms(lambda: value_outliers_fixed(
-            probs, x.v_codes, x.vlut, x.v_bits, h, planar, x.v_fixed, x.v_chan, x.v_val, x.v_under, *chans, lanes),
-            repeats)
+            probs, x.v_codes, x.rows, x.geo, x.shift, x.vlut, x.v_bits, h, planar, x.v_fixed, x.v_chan, x.v_val,
+            x.v_under, *chans, lanes), repeats)
     elif x.v_ptr.shape[0]:
         parts = np.zeros((workers, 1, hq, d), np.float32)
         out["value outliers"] = _median_ms(lambda: value_outliers(
-            probs, x.v_codes, x.vlut, x.v_bits, h, x.scale_zero, x.v_ptr, x.v_chan, x.v_val, x.v_under, *chans,
-            parts), repeats)
+            probs, x.v_codes, x.geo[1, 1], x.vlut, x.v_bits, h, x.scale_zero, x.v_ptr, x.v_chan, x.v_val, x.v_under,
+            *chans, parts), repeats)
     qd, k, v = q.view(1, hq, 1, d), torch.randn(1, h, tokens, d), torch.randn(1, h, tokens, d)
     out["dense fp32 SDPA"] = _median_ms(
         lambda: F.scaled_dot_product_attention(qd, k, v, scale=scaling, enable_gqa=True), repeats)

@@ -358,6 +358,10 @@ def vllm(data: dict) -> str:
         f"{th['kvsqueeze_tokens_per_s']:.2f} | {th['vllm_tokens_per_s']:.2f} | {th['ratio']:.2f}x, "
         f"{th['new_tokens']} new tokens each, prefill included, {th['dtype']} |",
     ]
+    if data.get("throughput_decode"):
+        td = data["throughput_decode"]
+        rows.append(f"| the same, {td['new_tokens']} new tokens each | {td['kvsqueeze_tokens_per_s']:.2f} | "
+                    f"{td['vllm_tokens_per_s']:.2f} | {td['ratio']:.2f}x, decoding most of the time |")
     if data.get("serve"):
         sv = data["serve"]
         rows.append(f"| completion from `vllm serve`'s OpenAI server | {sv['request_seconds']:.1f} s | – | "

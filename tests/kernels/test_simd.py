@@ -17,10 +17,9 @@ from kvsqueeze.kernels.numba.simd import (  # noqa: E402
     ushr,
     vexp,
     vfunnel,
-    vgather16,
-    vgather16_wide,
     vhalf,
     vindex,
+    vindex16,
     vload,
     vlookup,
     vscatter,
@@ -99,19 +98,19 @@ def test_vfunnel_takes_a_shift_per_lane():
 
 
 @numba.njit(cache=False)
-def _gather16(arr, index, stride, valid, wide, out):
-    got = vgather16_wide(arr, index, stride, valid) if wide else vgather16(arr, index, stride, valid)
-    vstore(out, 0, got)
+def _index16(arr, base, offsets, valid, out):
+    vstore(out, 0, vindex16(arr, base, vload(offsets, 0), valid))
 
 
-@pytest.mark.parametrize("wide", [False, True])
-@pytest.mark.parametrize("stride,valid", [(1, 16), (2, 16), (3, 5), (5, 0)])
-def test_vgather16_reads_strided_halfwords_and_zeroes_the_rest(wide, stride, valid):
-    arr = np.random.default_rng(stride).integers(0, 2**16, 100, dtype=np.uint64).astype(np.uint16)
+@pytest.mark.parametrize("valid", [16, 5, 0])
+def test_vindex16_reads_halfwords_at_lane_offsets_and_zeroes_the_rest(valid):
+    rng = np.random.default_rng(valid)
+    arr = rng.integers(0, 2**16, 300, dtype=np.uint64).astype(np.uint16)
+    offsets = rng.permutation(290)[:LANES].astype(np.uint32)  # any order, as rows of pages come
     out = np.empty(LANES, np.uint32)
-    _gather16(arr, 7, stride, valid, wide, out)
+    _index16(arr, 7, offsets, valid, out)
     want = np.zeros(LANES, np.uint32)
-    want[:valid] = arr[7 + stride * np.arange(valid)]
+    want[:valid] = arr[7 + offsets[:valid]]
     assert np.array_equal(out, want)
 
 

@@ -7,10 +7,12 @@ import pytest
 import torch
 from numba import njit
 
+from kvsqueeze.kernels import decode_attention
 from kvsqueeze.kernels.numba import pages as page_kernels  # a numba that cannot load fails here, not silently
 from kvsqueeze.kernels.numba.simd import half_bits
 from kvsqueeze.kernels.reference import dequantize_view
 from kvsqueeze.paged.layout import PageLayout
+from kvsqueeze.rope import Rope
 
 from test_pages import _quantizers
 
@@ -77,38 +79,25 @@ def test_numba_reads_and_gathers_what_torch_does(case):
         ref.write(pages, slots, k, v, pos)
     lens_t = torch.tensor(lens)
     v_ref, m_ref = ref.view(pages, table, lens_t)
-    for reuse in (False, True):
-        v_fast, m_fast = fast.view(pages, table, lens_t, reuse=reuse)
-        assert torch.equal(m_ref, m_fast)
-        for name in ("k_codes", "v_codes", "v_scale_zero", "sink_k", "sink_v", "sink_slot", "positions"):
-            a, b = getattr(v_ref, name), getattr(v_fast, name)
-            if a.dtype == torch.float16:  # bit patterns: a sink slot no token filled holds whatever bytes, NaN too
-                a, b = a.view(torch.int16), b.view(torch.int16)
-            assert torch.equal(a, b), name
-        for name in ("k_outliers", "v_outliers"):
-            a, b = getattr(v_ref, name), getattr(v_fast, name)
-            assert (a is None) == (b is None)
-            if a is not None:
-                assert torch.equal(a.channels, b.channels) and torch.equal(a.values.view(torch.int16),
-                                                                           b.values.view(torch.int16))
+    v_fast, m_fast = fast.view(pages, table, lens_t)
+    assert torch.equal(m_ref, m_fast)
+    for name in ("k_codes", "v_codes", "v_scale_zero", "sink_k", "sink_v", "sink_slot", "positions"):
+        a, b = getattr(v_ref, name), getattr(v_fast, name)
+        if a.dtype == torch.float16:  # bit patterns: a sink slot no token filled holds whatever bytes, NaN too
+            a, b = a.view(torch.int16), b.view(torch.int16)
+        assert torch.equal(a, b), name
+    for name in ("k_outliers", "v_outliers"):
+        a, b = getattr(v_ref, name), getattr(v_fast, name)
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert torch.equal(a.channels, b.channels) and torch.equal(a.values.view(torch.int16),
+                                                                       b.values.view(torch.int16))
     k_all, v_all = dequantize_view(v_ref)  # [T, B, C]
     for b, n in enumerate(lens):
         for layout in (ref, fast):
             k, v = layout.read(pages, table[b], n)
             assert k.dtype == v.dtype == torch.float32
             assert torch.equal(k, k_all[:n, b]) and torch.equal(v, v_all[:n, b])
-
-
-def test_reused_gather_buffers_serve_every_shape():
-    ref, fast = _pair(64, 32, 3, 0.02, 1, 4, 8)
-    seqs, table, n_pages = _sequences(ref, [40, 9], seed=7)
-    pages = ref.allocate(n_pages)
-    for k, v, slots, pos in seqs:
-        ref.write(pages, slots, k, v, pos)
-    for rows, lens in (([0, 1], [40, 9]), ([1], [9]), ([0], [40]), ([1, 0], [3, 33])):
-        want, _ = ref.view(pages, table[rows], torch.tensor(lens))
-        got, _ = fast.view(pages, table[rows], torch.tensor(lens), reuse=True)
-        assert torch.equal(want.k_codes, got.k_codes) and torch.equal(want.v_scale_zero, got.v_scale_zero)
 
 
 @njit(cache=True)
@@ -165,3 +154,65 @@ def test_a_block_is_its_own_bytes(kernels):
     copied[1] = free[1]
     k, v = layout.read(pages, copied, lens[0])
     assert torch.equal(k, before[0][0]) and torch.equal(v, before[0][1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_decode_reads_pages_in_place(case):
+    """Attention over the pages themselves (no copy: each token's slot through the block table) equals the
+    reference over the gathered copy, on ragged batches, whatever garbage the pages hold past the sequences."""
+    ref, _ = _pair(*case, seed=8)
+    c, d, bs = case[0], case[1], case[-1]
+    lens = [3 * bs + 5, 1, bs, 2]
+    seqs, table, n_pages = _sequences(ref, lens, seed=9)
+    pages = ref.allocate(n_pages)
+    pages.random_(0, 256)  # slots no token wrote: garbage bytes, NaN and Inf patterns among them
+    for k, v, slots, pos in seqs:
+        ref.write(pages, slots, k, v, pos)
+    q = torch.randn(len(lens), 2 * (c // d), d, generator=torch.Generator().manual_seed(10))
+    rope = Rope.default(d)
+    gathered, mask = ref.view(pages, table, torch.tensor(lens))
+    paged, mask_paged = ref.view(pages, table, torch.tensor(lens), in_place=True)
+    assert paged.rows is not None and paged.k_codes.data_ptr() == pages.data_ptr()  # no copy
+    assert torch.equal(mask, mask_paged)
+    again = paged.gathered()
+    live = mask.t().reshape(-1)  # slots past a sequence's end differ: zeroed in one, its first slot in the other
+    for name in ("k_codes", "v_codes", "v_scale_zero"):
+        a, b = getattr(gathered, name), getattr(again, name)
+        assert torch.equal(a.reshape(-1, a.shape[-1])[live].view(torch.int16),
+                           b.reshape(-1, b.shape[-1])[live].view(torch.int16)), name
+    want = decode_attention(q, gathered, rope, d**-0.5, key_mask=mask, backend="reference")
+    got = decode_attention(q, paged, rope, d**-0.5, key_mask=mask, backend="numba")
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(got, want, rtol=2e-4, atol=2e-5)
+    copy = decode_attention(q, gathered, rope, d**-0.5, key_mask=mask, backend="numba")
+    torch.testing.assert_close(got, copy, rtol=0, atol=0)  # the same arithmetic, in place or on the copy
+    torch.testing.assert_close(decode_attention(q, paged, rope, d**-0.5, key_mask=mask, backend="reference"), want,
+                               rtol=1e-6, atol=1e-7)
+    if case[-1] <= 16:  # Triton (its interpreter here) reads the pages through a gathered copy
+        torch.testing.assert_close(decode_attention(q, paged, rope, d**-0.5, key_mask=mask, backend="triton"), want,
+                                   rtol=2e-4, atol=2e-5)
+
+
+def test_in_place_views_are_checked_and_odd_block_sizes_are_gathered():
+    kq, vq = _quantizers(64, 3, 0.02, seed=14, slots=4)
+    odd = PageLayout(kq, vq, 64, 32, block_size=6, sinks=1)
+    seqs, table, n_pages = _sequences(odd, [9], seed=15)
+    pages = odd.allocate(n_pages)
+    for k, v, slots, pos in seqs:
+        odd.write(pages, slots, k, v, pos)
+    view, _ = odd.view(pages, table, torch.tensor([9]), in_place=True)
+    assert view.rows is None  # 6 tokens a page: not a power of two, so a gathered copy
+    ref, _ = _pair(64, 32, 3, 0.02, 1, 4, 8)
+    seqs, table, n_pages = _sequences(ref, [5], seed=11)
+    pages = ref.allocate(n_pages)
+    for k, v, slots, pos in seqs:
+        ref.write(pages, slots, k, v, pos)
+    view, mask = ref.view(pages, table, torch.tensor([5]), in_place=True)
+    q = torch.randn(1, 4, 32)
+    bad = view._replace(rows=view.rows._replace(slots=view.rows.slots.to(torch.int64)))
+    with pytest.raises(ValueError, match="rows.slots must be a contiguous int32"):
+        decode_attention(q, bad, Rope.default(32), 1.0, key_mask=mask, backend="numba")
+    with pytest.raises(ValueError, match="need a block table"):
+        ref.view(pages, table[:, :0], torch.tensor([5]))
+    with pytest.raises(ValueError, match="sequences of"):
+        ref.view(pages, table, torch.tensor([0]))

@@ -8,6 +8,14 @@ no copy and no slicing, and between two reallocations every view of a store
 holds the very same tensors. `trim()` cuts every array to the rows in use.
 
 Slots: slot n = t * B + b is token t of batch row b.
+
+Rows (`StoreView.rows`): a view may instead point into paged storage in place
+(`kvsqueeze.paged.layout`): the arrays are then flat views of the whole page
+buffer, and `Rows` says where each slot's data lies in it (slot id s = page *
+2**shift + offset in the page; array f's data of slot s starts at element
+(s >> shift) * page[f] + (s & (2**shift - 1)) * width[f] + offset[f]). A
+backend that reads rows attends over the pages without a copy; `gathered()`
+copies them into the token-major form for the others.
 """
 
 from __future__ import annotations
@@ -51,6 +59,33 @@ class Outliers(NamedTuple):
                              values=self.values[: self.nnz])
 
 
+ARRAYS = ("k_codes", "v_codes", "v_scale_zero", "k_channels", "k_values", "v_channels", "v_values")
+
+
+class Rows(NamedTuple):
+    """Where each slot of a view lies in paged storage; see the module docstring.
+
+    Attributes:
+        slots: int32 [B, >= T], the slot id of token t of batch row b (a masked token's must hold finite data:
+            a slot of its own sequence).
+        shift: log2 of the tokens per page.
+        page, width, offset: per array of `ARRAYS`, in elements of its dtype: a page's size, a slot's, and where
+            its region starts in a page.
+    """
+
+    slots: torch.Tensor
+    shift: int
+    page: tuple[int, ...]
+    width: tuple[int, ...]
+    offset: tuple[int, ...]
+
+    def elements(self, array: int, slots: torch.Tensor) -> torch.Tensor:
+        """The first element of each slot's data in array `array` (an index into `ARRAYS`), int64."""
+        s = slots.long()
+        return ((s >> self.shift) * self.page[array] + (s & ((1 << self.shift) - 1)) * self.width[array]
+                + self.offset[array])
+
+
 class StoreView(NamedTuple):
     """One layer's compressed cache as the kernels read it; see the module docstring.
 
@@ -72,6 +107,9 @@ class StoreView(NamedTuple):
         k_offsets, v_offsets: int32 [C + 1] where channels have widths of their own (`nuq@AVG:chan`): channel c's
             code is bits [off[c], off[c + 1]) of its slot's stream (`packing.pack_mixed`); None: `k_bits` /
             `v_bits` for every channel.
+        rows: `Rows` where the arrays are flat views of paged storage (k_codes, v_codes int32; v_scale_zero fp16;
+            outliers of a fixed count, `pointers` None, channels int16 and values fp16), read through `Rows`;
+            None: token-major arrays.
     """
 
     heads: int
@@ -95,10 +133,34 @@ class StoreView(NamedTuple):
     memo: dict | None = None
     k_offsets: torch.Tensor | None = None
     v_offsets: torch.Tensor | None = None
+    rows: Rows | None = None
 
     @property
     def batch(self) -> int:
-        return self.k_codes.shape[1]
+        return self.k_codes.shape[1] if self.rows is None else self.rows.slots.shape[0]
+
+    def gathered(self) -> StoreView:
+        """This view with token-major arrays: itself when it has them, else its slots copied into slot order."""
+        if self.rows is None:
+            return self
+        t, b, rows = self.tokens, self.batch, self.rows
+        slots = rows.slots[:, :t].t().reshape(-1)  # slot n = t * B + b
+
+        def take(x: torch.Tensor, array: int) -> torch.Tensor:  # [T * B, width]
+            w = rows.width[array]
+            idx = rows.elements(array, slots).view(-1, 1) + torch.arange(w, device=x.device)
+            return x[idx]
+
+        def outliers(o: Outliers | None, ch: int, val: int) -> Outliers | None:
+            if o is None:
+                return None
+            return o._replace(pointers=None, channels=take(o.channels, ch).reshape(-1),
+                              values=take(o.values, val).reshape(-1), nnz=t * b * o.fixed)
+
+        return self._replace(k_codes=take(self.k_codes, 0).view(t, b, -1), v_codes=take(self.v_codes, 1).view(t, b, -1),
+                             v_scale_zero=take(self.v_scale_zero, 2).view(t, b, 2),
+                             k_outliers=outliers(self.k_outliers, 3, 4), v_outliers=outliers(self.v_outliers, 5, 6),
+                             rows=None, memo={})
 
     @property
     def channels(self) -> int:
@@ -109,7 +171,10 @@ class StoreView(NamedTuple):
         return self.k_codes.device
 
     def trim(self) -> StoreView:
-        """The same view with every array cut to the rows in use (a new memo: the arrays are other tensors)."""
+        """The same view with every array cut to the rows in use (a new memo: the arrays are other tensors);
+        token-major (`gathered`)."""
+        if self.rows is not None:
+            return self.gathered().trim()
         t, slots = self.tokens, self.tokens * self.batch
         return self._replace(
             k_codes=self.k_codes[:t], v_codes=self.v_codes[:t], v_scale_zero=self.v_scale_zero[:t],

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels.view import Outliers, StoreView
+from ..kernels.view import ARRAYS, Outliers, Rows, StoreView
 from ..packing import pack_codes, words_per_vector
 from ..quantizer import VectorQuantizer
 
@@ -203,15 +203,6 @@ class PageLayout:
             hit = self._np_views = (key, {name: _numpy(self.region(pages, name)) for name in self._REGION_ORDER})
         return list(hit[1].values())
 
-    def _scratch(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        """A [shape] tensor in a buffer this layout keeps for `name` (grown by half again when too small)."""
-        bufs = self.__dict__.setdefault("_buffers", {})
-        need = math.prod(shape)
-        buf = bufs.get(name)
-        if buf is None or buf.numel() < need:
-            buf = bufs[name] = torch.empty(max(need, need * 3 // 2 if buf is not None else need), dtype=dtype)
-        return buf[:need].view(shape)
-
     def region(self, pages: torch.Tensor, name: str) -> torch.Tensor:
         """One region of every page, as [num_blocks, *shape] of its dtype (a view of `pages`, no copy)."""
         r = self.regions[name]
@@ -310,14 +301,16 @@ class PageLayout:
 
     # ---- reading -------------------------------------------------------------------------
     def view(self, pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-             reuse: bool = False) -> tuple[StoreView, torch.Tensor]:
+             in_place: bool = False) -> tuple[StoreView, torch.Tensor]:
         """The cache of B sequences as one `StoreView` (T = the longest sequence) and its key mask bool [B, T].
 
         Args:
             block_table: int [B, >= pages needed], the pages of each sequence in order.
             seq_lens: int [B], tokens cached per sequence (the new ones included).
-            reuse: gather into buffers this layout keeps (numba path): the view is then valid until the next
-                `view(..., reuse=True)` of this layout; what an engine wants, attending once per layer and step.
+            in_place: with a power-of-two block size, a view of the pages themselves (`StoreView.rows`: each
+                token's slot in its page, no copy), which the numba kernel reads through the block tables and the
+                other backends gather (`StoreView.gathered`); a masked slot past a sequence's end names the
+                sequence's first slot (written, so finite). Other block sizes: the gathered copy.
         Token t of sequence b sits at position t. A shorter sequence's slots past its length are zeroed in the
         gathered copy (whatever a page held there before) and masked.
         """
@@ -326,13 +319,18 @@ class PageLayout:
         b = lens.numel()
         t = int(lens.max()) if b else 0
         nb = -(-t // self.block_size)
-        if b == 0 or t == 0:
-            raise ValueError("view: every sequence is empty; write the new tokens before attending")
+        if b == 0 or t == 0 or int(lens.min()) < 1:
+            raise ValueError(f"view: sequences of {lens.tolist()} tokens; write the new tokens before attending")
+        if block_table.dim() != 2 or block_table.shape[0] != b or block_table.shape[1] < nb:
+            raise ValueError(f"view: {b} sequences of up to {t} tokens need a block table [{b}, >= {nb}], got "
+                             f"{tuple(block_table.shape)}")
         table = block_table[:, :nb].to(device=pages.device, dtype=torch.long)
         bs = self.block_size
         dev = pages.device
         live = torch.arange(nb * bs).view(1, -1) < lens.view(-1, 1)  # [B, nb*bs]
         mask = live[:, :t].to(dev)
+        if in_place and bs & (bs - 1) == 0:
+            return self._paged_view(pages, table, lens, t, mask), mask
 
         fast = self._fast(pages)
         if fast is not None:
@@ -343,8 +341,7 @@ class PageLayout:
         def grid(name: str) -> torch.Tensor:  # [T, B, ...] token-major, dead slots zeroed
             r = self.regions[name]
             if fast is not None:
-                shape = (t, b, r.shape[1])
-                out = self._scratch(name, shape, r.dtype) if reuse else torch.empty(shape, dtype=r.dtype)
+                out = torch.empty(t, b, r.shape[1], dtype=r.dtype)
                 fast.gather_rows(regions_np[name], table_np, lens_np, bs, _numpy(out))
                 return out
             x = self.region(pages, name)[table]  # [B, nb, bs, w]
@@ -376,6 +373,47 @@ class PageLayout:
                          self.k_scale.to(dev), self.k_zero.to(dev), kq.levels.to(dev), vq.levels.to(dev), sz, k_out,
                          v_out, sink_k, sink_v, sink_slot, positions, {})
         return view, mask
+
+    def _paged_view(self, pages: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, t: int,
+                    mask: torch.Tensor) -> StoreView:
+        """`view(..., in_place=True)`: flat views of the whole buffer and where each slot's data lies in them."""
+        bs, b, dev = self.block_size, lens.numel(), pages.device
+        tok = torch.arange(t, device=dev)
+        slots = table[:, tok // bs] * bs + tok % bs  # [B, T]
+        slots = torch.where(mask, slots, table[:, :1] * bs).to(torch.int32).contiguous()
+        flat = pages.view(-1)
+        words, halves = flat.view(torch.int32), flat.view(torch.float16)
+        page, width, offset = [], [], []
+        for name in ARRAYS:  # in elements of the array's dtype: int32 codes, 16-bit everything else
+            r = self.regions[name]
+            size = r.dtype.itemsize
+            page.append(self.page_bytes // size)
+            width.append(r.shape[1])
+            offset.append(r.offset // size)
+        rows = Rows(slots, bs.bit_length() - 1, tuple(page), tuple(width), tuple(offset))
+        n_slots = pages.shape[0] * bs
+        k_out = v_out = None
+        if self.key_slots:
+            k_out = Outliers(None, flat.view(torch.int16), halves, n_slots * self.key_slots, self.key_slots,
+                             OUTLIER_CODE)
+        if self.value_slots:
+            v_out = Outliers(None, flat.view(torch.int16), halves, n_slots * self.value_slots, self.value_slots,
+                             OUTLIER_CODE)
+        first = table[:, 0]
+        rank = torch.arange(self.sinks).view(1, -1)
+        sink_slot = torch.where(rank < lens.view(-1, 1), rank, -1).to(torch.int32).to(dev)
+        positions = torch.arange(t, dtype=torch.int32, device=dev).view(-1, 1).expand(t, b).contiguous()
+        kq, vq = self.k_quant, self.v_quant
+        return StoreView(self.heads, self.head_dim, self.k_bits, self.v_bits, t, words, words, self.k_scale.to(dev),
+                         self.k_zero.to(dev), kq.levels.to(dev), vq.levels.to(dev), halves, k_out, v_out,
+                         self.region(pages, "sink_k")[first], self.region(pages, "sink_v")[first], sink_slot,
+                         positions, self._memo, rows=rows)
+
+    @functools.cached_property
+    def _memo(self) -> dict:
+        """The memo of this layout's in-place views: what a backend derives from the layout's own tensors (its
+        lookup tables) is kept between steps; what it derives from a step's arrays it checks and rebuilds."""
+        return {}
 
     def read(self, pages: torch.Tensor, table: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's first `length` tokens, dequantized: pre-RoPE keys and values, float32 [T, C] each,

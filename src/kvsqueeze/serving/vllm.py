@@ -283,7 +283,7 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         decode = (qlens == 1).nonzero().flatten()
         if decode.numel():
             rows = qsl[decode]
-            view, mask = layout.view(pages, md.block_table[decode], lens[decode], reuse=True)
+            view, mask = layout.view(pages, md.block_table[decode], lens[decode], in_place=True)
             o = decode_attention(q[rows].contiguous(), view, self.rope, self.scale, key_mask=mask,
                                  backend=self.config.decode, softcap=self.softcap)
             out[rows] = o.to(out.dtype)

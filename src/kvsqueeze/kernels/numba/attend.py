@@ -83,15 +83,20 @@ def decode_attention(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
 class KernelInputs(NamedTuple):
     """Everything the passes read, as numpy arrays of the rows in use (16-bit floats as their uint16 bits).
 
-    q float32 [B, Hq, D]; k_codes, v_codes uint32 [T, B, W]; klut float32 [C, 16] (LUT[c] = level * scale[c] +
+    q float32 [B, Hq, D]; k_codes, v_codes uint32, flat; rows uint32 [B, >= T]: the slot of token t of batch row b
+    (t * B + b for a store's token-major arrays, the page slot for a paged cache); geo int64 [7, 3] and shift:
+    where a slot's data lies in each array (`common.at`); k_words uint32 [T * B]: the first key word of every
+    slot (read where key outliers are); klut float32 [C, 16] (LUT[c] = level * scale[c] +
     zero[c], repeated to 16 entries); vlut float32 [C, 16] (channel c's levels, repeated); k_bits, v_bits: every
     channel's code width (0: channels have their own); k_offs, v_offs int32 [C + 1]: each channel's first bit in
     its slot's stream; positions int32 [T, B]; cos_hi .. sin_lo: the
-    `tables.RopeTables`; k_ptr / v_ptr uint32 [slots + 1] (empty: none, or fixed counts), k_chan / v_chan uint16
+    `tables.RopeTables`; k_ptr / v_ptr uint32 [slots + 1] (empty: none, or fixed counts), k_base uint32 [slots]: the
+    first entry of each slot's key outlier channels, k_to_value: how much further its values are, k_chan / v_chan
+    uint16
     [nnz], k_val / v_val fp16 bits [nnz]; k_under, v_under: the code under every outlier (-1: codes vary);
     v_fixed: value outliers per slot when every slot holds that many (0: counts vary); chan_head, chan_pos
     uint32 [C]: the head and offset of every channel; sink_k, sink_v fp16 bits [B, S, C], sink_slot int32 [B, S];
-    scale_zero fp16 bits [T, B, 2]; bias float32 [B, T] of 0 / -inf ([0, 0]: no mask); softcap: the logit cap
+    scale_zero fp16 bits, flat; bias float32 [B, T] of 0 / -inf ([0, 0]: no mask); softcap: the logit cap
     (0: none); sink_logit float32 [Hq]: a learned logit per query head that joins the softmax without a value
     (empty: none); threads: numba's; scores float32 [B, Hq, T] and sz float32 [2, B, T]: scratch space.
     """
@@ -99,6 +104,10 @@ class KernelInputs(NamedTuple):
     q: np.ndarray
     k_codes: np.ndarray
     v_codes: np.ndarray
+    rows: np.ndarray
+    geo: np.ndarray
+    shift: int
+    k_words: np.ndarray
     klut: np.ndarray
     vlut: np.ndarray
     k_bits: int
@@ -113,6 +122,8 @@ class KernelInputs(NamedTuple):
     sin_lo: np.ndarray
     scaling: np.float32
     k_ptr: np.ndarray
+    k_base: np.ndarray
+    k_to_value: int
     k_chan: np.ndarray
     k_val: np.ndarray
     k_under: int
@@ -152,29 +163,111 @@ def kernel_inputs(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
     if lo < 0:
         raise ValueError(f"RoPE positions must be >= 0, got {lo}")
     tab = _tables(rope, int(hi))
-    v_fixed = _fixed(kv.v_outliers, slots)
-    k_sparse = _sparse(kv.k_outliers, a.k_out, slots, False) or _NO_OUTLIERS
-    v_sparse = _sparse(kv.v_outliers, a.v_out, slots, v_fixed > 0) or _NO_OUTLIERS
+    if kv.rows is None:  # token-major: slot n = t * B + b, its data at n * width of each array seen flat
+        k_codes, v_codes, scale_zero = a.k_codes[:t].reshape(-1), a.v_codes[:t].reshape(-1), a.scale_zero[:t].reshape(-1)
+        v_fixed = _fixed(kv.v_outliers, slots)
+        k_sparse = _sparse(kv.k_outliers, a.k_out, slots, False) or _NO_OUTLIERS
+        v_sparse = _sparse(kv.v_outliers, a.v_out, slots, v_fixed > 0) or _NO_OUTLIERS
+        wk, wv = a.k_codes.shape[2], a.v_codes.shape[2]
+        geo = _token_major_geometry(wk, wv, v_fixed)
+        rows, shift = _identity_rows(bsz, t), 0
+        k_words = _identity_slots(slots) * np.uint32(wk) if k_sparse[1].size and k_sparse[3] < 0 else _POINTERLESS
+        k_base, k_to_value = k_sparse[0][:slots], 0  # a slot's entries are where its pointer says
+    else:
+        k_codes, v_codes, scale_zero = a.k_codes, a.v_codes, a.scale_zero
+        rows, geo, shift, k_words, k_sparse, k_base, k_to_value, v_sparse, v_fixed = _paged_inputs(kv, a, t)
+    if max(k_codes.size, v_codes.size, scale_zero.size, k_sparse[1].size, v_sparse[1].size) >= 1 << 31:
+        raise ValueError("a cache of 2**31 elements or more in one array: the numba backend addresses them with "
+                         "32-bit offsets; use backend='reference' or a shorter cache")
     bias = _NO_BIAS if key_mask is None else np.where(_np(key_mask), np.float32(0), np.float32(-np.inf))
     k_bits, k_offs = _widths(kv.k_bits, kv.k_offsets, kv.channels, k_sparse[3] if k_sparse[1].size else 0)
     v_bits, v_offs = _widths(kv.v_bits, kv.v_offsets, kv.channels, v_sparse[3] if v_sparse[1].size else 0)
-    return KernelInputs(_np(q), a.k_codes[:t], a.v_codes[:t], klut, vlut, k_bits, v_bits, k_offs, v_offs, kv.heads,
-                        positions,
-                        tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling), *k_sparse, *v_sparse,
-                        v_fixed, *_channel_maps(kv.heads, d), a.sink_k, a.sink_v, a.sink_slot, a.scale_zero[:t],
+    k_ptr, k_chan, k_val, k_under = k_sparse
+    return KernelInputs(_np(q), k_codes, v_codes, rows, geo, shift, k_words, klut, vlut, k_bits, v_bits, k_offs,
+                        v_offs, kv.heads, positions,
+                        tab.cos_hi, tab.sin_hi, tab.cos_lo, tab.sin_lo, np.float32(scaling), k_ptr, k_base, k_to_value,
+                        k_chan, k_val, k_under, *v_sparse,
+                        v_fixed, *_channel_maps(kv.heads, d), a.sink_k, a.sink_v, a.sink_slot, scale_zero,
                         bias, np.float32(softcap or 0.0), _NO_SINK_LOGITS if sink_logits is None else
                         np.ascontiguousarray(sink_logits.detach().float().cpu().numpy().reshape(hq)),
                         numba.get_num_threads(), _scratch("scores", bsz * hq * t).reshape(bsz, hq, t),
                         _scratch("sz", 2 * bsz * t).reshape(2, bsz, t))
 
 
+@functools.cache
+def _token_major_geometry(wk: int, wv: int, v_fixed: int) -> np.ndarray:
+    """`geo` of a store's token-major arrays: slot n's data at n * width of each (page = width, shift 0)."""
+    widths = (wk, wv, 2, 0, 0, v_fixed, v_fixed)  # key outliers go by pointers there
+    geo = np.array([(w, w, 0) for w in widths], np.int64)
+    geo.flags.writeable = False
+    return geo
+
+
+_ROWS: dict[tuple[int, int], np.ndarray] = {}  # (B, capacity) -> uint32 [B, capacity], rows[b, t] = t * B + b
+_SLOTS: list[np.ndarray] = [np.zeros(0, np.uint32)]  # uint32 0, 1, 2, ..., grown by doubling
+
+
+def _identity_rows(batch: int, t: int) -> np.ndarray:
+    """The slots of a token-major store: rows[b, t] = t * B + b, uint32 [B, >= t] (kept, grown by doubling)."""
+    cap = 1 << max(t - 1, 1).bit_length()
+    hit = _ROWS.get((batch, cap))
+    if hit is None:
+        if len(_ROWS) > 16:
+            _ROWS.clear()
+        hit = _ROWS[(batch, cap)] = (np.arange(cap, dtype=np.uint32)[None, :] * np.uint32(batch)
+                                     + np.arange(batch, dtype=np.uint32)[:, None])
+    return hit
+
+
+def _identity_slots(slots: int) -> np.ndarray:
+    if _SLOTS[0].size < slots:
+        _SLOTS[0] = np.arange(1 << max(slots - 1, 1).bit_length(), dtype=np.uint32)
+    return _SLOTS[0][:slots]
+
+
+def _paged_inputs(kv: StoreView, a: "_Arrays", t: int):
+    """(rows, geo, shift, k_words, key outliers, their entry bases, to_value, value outliers, value outliers per
+    slot) of a view into paged storage (`StoreView.rows`): outliers there are a fixed count per slot."""
+    from ..view import ARRAYS
+
+    r = kv.rows
+    slots = r.slots
+    if slots.dtype != torch.int32 or slots.dim() != 2 or slots.shape[1] < t or not slots.is_contiguous():
+        raise ValueError(f"rows.slots must be a contiguous int32 [B, >= {t}] tensor, got {slots.dtype} "
+                         f"{tuple(slots.shape)}")
+    if not (len(r.page) == len(r.width) == len(r.offset) == len(ARRAYS)) or not 0 <= r.shift < 31:
+        raise ValueError(f"rows: page, width and offset must give one entry per array of {ARRAYS}, and shift a "
+                         f"power of two's exponent, got {r}")
+    geo = np.array(list(zip(r.page, r.width, r.offset)), np.int64)
+    rows = slots.numpy().view(np.uint32)
+    by_slot = rows[:, :t].T.reshape(-1).astype(np.int64)  # slot n = t * B + b
+    first = lambda f: ((by_slot >> r.shift) * geo[f, 0] + (by_slot & ((1 << r.shift) - 1)) * geo[f, 1]  # noqa: E731
+                       + geo[f, 2]).astype(np.uint32)
+    k, v = kv.k_outliers, kv.v_outliers
+    for o in (k, v):
+        if o is not None and (not o.fixed or o.pointers is not None):
+            raise ValueError("a view into pages holds a fixed count of outliers per slot (`Outliers.fixed`, no "
+                             "pointers)")
+    k_sparse, k_base, k_words, to_value = _NO_OUTLIERS, _POINTERLESS, _POINTERLESS, 0
+    if k is not None:
+        pointers = np.arange(by_slot.size + 1, dtype=np.uint32) * np.uint32(k.fixed)
+        k_sparse = (pointers, a.k_out[1], a.k_out[2], -1 if k.code is None else k.code)
+        k_base, to_value = first(3), int(geo[4, 2] - geo[3, 2])
+        if k.code is None:
+            k_words = first(0)
+    v_sparse, v_fixed = _NO_OUTLIERS, 0
+    if v is not None:
+        v_sparse, v_fixed = (_POINTERLESS, a.v_out[1], a.v_out[2], -1 if v.code is None else v.code), v.fixed
+    return rows, geo, r.shift, k_words, k_sparse, k_base, to_value, v_sparse, v_fixed
+
+
 class _Arrays(NamedTuple):
     """numpy views of a `StoreView`'s allocations, as the kernels read them (16-bit floats as uint16 bits)."""
 
     sources: tuple  # the tensors viewed
-    k_codes: np.ndarray  # uint32 [>= T, B, W]
+    k_codes: np.ndarray  # uint32 [>= T, B, W], or [R, W] rows
     v_codes: np.ndarray
-    scale_zero: np.ndarray  # uint16 [>= T, B, 2]
+    scale_zero: np.ndarray  # uint16 [>= T, B, 2], or [R, 2] rows
     positions: np.ndarray  # int32 [>= T, B]
     sink_k: np.ndarray  # uint16 [B, S, C]
     sink_v: np.ndarray
@@ -345,17 +438,19 @@ def _position_range(positions):
 
 
 @njit(cache=True)
-def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, k_offs, v_offs, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo,
-            scaling, k_ptr, k_chan, k_val, k_under, v_ptr, v_chan, v_val, v_under, v_fixed, chan_head,
-            chan_pos, sink_k, sink_v, sink_slot, scale_zero, bias, softcap, sink_logit, threads, scores, sz):
+def _attend(q, k_codes, v_codes, rows, geo, shift, k_words, klut, vlut, k_bits, v_bits, k_offs, v_offs, heads, positions,
+            cos_hi, sin_hi, cos_lo, sin_lo, scaling, k_ptr, k_base, k_to_value, k_chan, k_val, k_under, v_ptr, v_chan,
+            v_val, v_under, v_fixed, chan_head, chan_pos, sink_k, sink_v, sink_slot, scale_zero, bias, softcap,
+            sink_logit, threads, scores, sz):
     """All passes in order, one dispatch from Python; returns float32 [B, Hq, D]. The arguments are the fields of
     `KernelInputs`, one by one: passed as one tuple, its arrays compile to code about a third slower."""
     bsz, hq, d = q.shape
-    starts = work_ranges(k_codes.shape[0], bsz, threads)
-    key_scores(q, k_codes, klut, k_bits, k_offs, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, starts, scores)
+    starts = work_ranges(positions.shape[0], bsz, threads)
+    key_scores(q, k_codes, rows, geo, shift, klut, k_bits, k_offs, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo,
+               scaling, starts, scores)
     if k_ptr.shape[0]:
-        key_outliers(q, k_codes, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling,
-                     k_ptr, k_chan, k_val, k_under, chan_head, chan_pos, 4 * threads, scores)
+        key_outliers(q, k_codes, k_words, klut, k_bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling,
+                     k_ptr, k_base, k_to_value, k_chan, k_val, k_under, chan_head, chan_pos, 4 * threads, scores)
     has_sinks = (sink_slot >= 0).any()
     if has_sinks:
         sink_scores(q, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, sink_k, sink_slot, scores)
@@ -368,7 +463,8 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, k_offs, v_offs, hea
     items = starts.shape[0] - 1
     partial = np.empty((bsz, heads, items, hq // heads, d), np.float32)
     psum = np.empty((bsz, heads, items, hq // heads), np.float32)
-    value_sums(scores, m, v_codes, vlut, v_bits, v_offs, heads, scale_zero, sz, starts, partial, psum)  # scores: exp
+    value_sums(scores, m, v_codes, rows, geo, shift, vlut, v_bits, v_offs, heads, scale_zero, sz, starts, partial,
+               psum)  # scores: exp
     out = np.zeros((bsz, hq, d), np.float32)
     total = np.zeros((bsz, hq), np.float32)
     for b in range(bsz):
@@ -378,8 +474,8 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, k_offs, v_offs, hea
                 total[b, h * (hq // heads):(h + 1) * (hq // heads)] += psum[b, h, i]
     if v_fixed > 0:
         lanes = np.zeros((threads, bsz, hq, d, LANES), np.float32)
-        value_outliers_fixed(scores, v_codes, vlut, v_bits, heads, sz, v_fixed, v_chan, v_val, v_under, chan_head,
-                             chan_pos, lanes)
+        value_outliers_fixed(scores, v_codes, rows, geo, shift, vlut, v_bits, heads, sz, v_fixed, v_chan, v_val,
+                             v_under, chan_head, chan_pos, lanes)
         for b in range(bsz):  # parts added lane-wise, then the lanes, in a fixed order
             for hh in range(hq):
                 for c in range(d):
@@ -389,13 +485,13 @@ def _attend(q, k_codes, v_codes, klut, vlut, k_bits, v_bits, k_offs, v_offs, hea
                     out[b, hh, c] += vhsum(v)
     elif v_ptr.shape[0]:
         parts = np.zeros((4 * threads, bsz, hq, d), np.float32)
-        value_outliers(scores, v_codes, vlut, v_bits, heads, scale_zero, v_ptr, v_chan, v_val, v_under, chan_head,
-                       chan_pos, parts)
+        value_outliers(scores, v_codes, geo[1, 1], vlut, v_bits, heads, scale_zero, v_ptr, v_chan, v_val, v_under,
+                       chan_head, chan_pos, parts)
         for w in range(4 * threads):
             out += parts[w]
     if has_sinks:
-        sink_values(scores, v_codes, vlut, v_offs, heads, scale_zero, v_ptr, v_fixed, v_chan, v_val, sink_v, sink_slot,
-                    out)
+        sink_values(scores, v_codes, rows, geo, shift, vlut, v_offs, heads, scale_zero, v_ptr, v_fixed, v_chan, v_val,
+                    sink_v, sink_slot, out)
     for b in range(bsz):
         for hh in range(hq):
             if sink_logit.shape[0]:

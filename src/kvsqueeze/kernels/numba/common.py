@@ -4,8 +4,12 @@ Layout conventions (see `attend.py` for the passes):
 
 * work runs over blocks of `BLOCK` consecutive tokens of one batch row; vector
   lanes are 16 consecutive tokens (`simd.LANES`);
-* a block's packed words are transposed into wb [words, width] (uint32) so that
-  one channel's codes of 16 tokens are a vector shift away;
+* token t of batch row b is slot rows[b, t]; each array is flat, and a slot's
+  data starts at `at(slot, geo, array, shift)` (a store's token-major arrays:
+  slot t * B + b, its row of the [T * B, W] array; a paged cache: the slot of
+  its page, read in place); a block's words are gathered by slot and
+  transposed into wb [words, width] (uint32) so that one channel's codes of 16
+  tokens are a vector shift away;
 * lookup tables are rows of 16 float32 (the 2**bits levels repeated to fill 16 lanes), one row per
   channel: keys with their scale and zero-point folded in, values the channel's levels;
 * a channel's code starts at stream bit offs[c] of its slot (`offs` int32 [C + 1]; c * bits when every
@@ -23,10 +27,14 @@ from numba import njit
 from .tables import BLOCK
 from .simd import (
     LANES,
+    uadd,
+    uand,
+    umul,
     ushr,
     vadd,
     vfunnel,
     vgather,
+    vindex,
     vload,
     vload_first,
     vlookup,
@@ -102,19 +110,38 @@ def max_head_words(offs, heads, d):
     return most + 2
 
 
-@njit(cache=True, inline="always")
-def gather_words(codes, b, t0, n, w0, nw, wb, width):
-    """wb[i, t] = word w0 + i of token t0 + t in row b, for i < nw and t < n; zero for n <= t < width.
+# the arrays a view's storage geometry `geo` (int64 [7, 3]: page, width, offset per array) describes, in the order
+# of `kernels.view.ARRAYS`
+K_CODES, V_CODES, SCALE_ZERO, K_CHANNELS, K_VALUES, V_CHANNELS, V_VALUES = 0, 1, 2, 3, 4, 5, 6
 
-    codes uint32 [T, B, W] (token-major) -> wb uint32 [*, width] (token-contiguous rows, for 16-token lanes).
+
+@njit(cache=True, inline="always")
+def at(s, geo, f, shift):
+    """The first element of slot s's data in array f: (s >> shift) * page + (s & (2**shift - 1)) * width + offset
+    (a store's token-major arrays: shift 0 and page = width, so s * width)."""
+    s = np.int64(s)
+    return (s >> shift) * geo[f, 0] + (s & ((1 << shift) - 1)) * geo[f, 1] + geo[f, 2]
+
+
+@njit(cache=True, inline="always")
+def vat(s, geo, f, shift):
+    """`at` for 16 slots in uint32 lanes (elements below 2**31)."""
+    return uadd(uadd(umul(ushr(s, shift), geo[f, 0]), umul(uand(s, (1 << shift) - 1), geo[f, 1])), geo[f, 2])
+
+
+@njit(cache=True, inline="always")
+def gather_words(codes, rows, geo, f, shift, b, t0, n, w0, nw, wb, width):
+    """wb[i, t] = word w0 + i of token t0 + t in batch row b, for i < nw and t < n; zero for n <= t < width.
+
+    codes uint32, flat; token t of row b is slot rows[b, t] (rows uint32 [B, >= T]), whose words start at
+    `at(slot, geo, f, shift)` -> wb uint32 [*, width] (token-contiguous rows, for 16-token lanes).
     """
-    n_rows, n_words = codes.shape[1], codes.shape[2]
-    stride = n_rows * n_words
+    stride = rows.shape[1]
     for k in range(0, width, LANES):
-        base = ((t0 + k) * n_rows + b) * n_words + w0
         valid = max(0, min(LANES, n - k))
+        first = vat(vload_first(rows, b * stride + t0 + k, valid), geo, f, shift)  # each lane's word 0
         for i in range(nw):
-            vstore(wb, i * width + k, vgather(codes, base + i, stride, valid))
+            vstore(wb, i * width + k, vindex(codes, w0 + i, first, valid))
 
 
 @njit(cache=True, inline="always")
@@ -137,11 +164,12 @@ def decode(wb, width, w0, off, bits, lut, row, k):
 
 
 @njit(cache=True, inline="always")
-def code_at(codes, t, b, off, bits):
-    """The code of `bits` bits at stream bit `off` of slot (t, b)."""
-    wi = off >> 5
+def code_at(codes, first, off, bits):
+    """The code of `bits` bits at stream bit `off` of the slot whose words start at element `first` of the flat
+    uint32 codes."""
+    wi = first + (off >> 5)
     sh = off & 31
-    v = np.int64(codes[t, b, wi]) >> sh
+    v = np.int64(codes[wi]) >> sh
     if sh + bits > 32:
-        v |= np.int64(codes[t, b, wi + 1]) << (32 - sh)
+        v |= np.int64(codes[wi + 1]) << (32 - sh)
     return v & ((1 << bits) - 1)

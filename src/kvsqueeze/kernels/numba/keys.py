@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .common import ZERO, block_rotation, cos_sin_at, decode, gather_words, head_words, max_head_words
+from .common import K_CODES, ZERO, block_rotation, cos_sin_at, decode, gather_words, head_words, max_head_words
 from .tables import BLOCK
 from .simd import (
     LANES,
@@ -29,21 +29,23 @@ if BLOCK != 4 * LANES:  # `_dot_group` covers a block with four vectors
 
 
 @njit(parallel=True, cache=True)
-def key_scores(q, codes, klut, bits, offs, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, starts, scores):
+def key_scores(q, codes, rows, geo, shift, klut, bits, offs, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling,
+               starts, scores):
     """scores[b, hq, t] = scaling * q[b, hq] . RoPE(LUT-dequantized key of token t, KV head hq // G).
 
     RoPE turns the first R = 2 * len(inv_freq) channels of a head in pairs (j, j + R/2) (the tables' width:
     R = D unless the model rotates part of each head) and leaves the others as they are.
 
     Args:
-        q: float32 [B, Hq, D]; codes: uint32 [T, B, W]; klut: float32 [C, 16] per-channel tables.
+        q: float32 [B, Hq, D]; codes: uint32, flat; rows uint32 [B, >= T], geo int64 [7, 3], shift: where each
+            token's codes lie (`common.at`); klut: float32 [C, 16] per-channel tables.
         bits: every channel's code width (0: channels have their own); offs: int32 [C + 1], each channel's
             first stream bit (`common.py`).
         positions: int32 [T, B]; cos_hi .. sin_lo: `rope.RopeTables`.
         starts: int64 [items + 1], the token ranges of the work items of every row.
         scores: float32 [B, Hq, T], written.
     """
-    n_tok, n_rows, _ = codes.shape
+    n_rows, n_tok = scores.shape[0], scores.shape[2]
     hq_all, d = q.shape[1], q.shape[2]
     g_size = hq_all // heads
     rot = cos_lo.shape[0]  # rotary pairs
@@ -65,7 +67,7 @@ def key_scores(q, codes, klut, bits, offs, heads, positions, cos_hi, sin_hi, cos
                 qs, qb, ct, st = q, b, cs, sn  # tables at each token's position
             for h in range(heads):
                 w0, nw = head_words(offs, h, d)
-                gather_words(codes, b, t0, n, w0, nw, wb, BLOCK)
+                gather_words(codes, rows, geo, K_CODES, shift, b, t0, n, w0, nw, wb, BLOCK)
                 for gt in range(0, g_size, KEY_TILE):
                     _dot_group(qs, qb, h * g_size + gt, min(KEY_TILE, g_size - gt), wb, w0, h * d, rot, d, bits,
                                offs, klut, ct, st, n, vscale, scores, ((b * hq_all) + h * g_size + gt) * n_tok + t0,

@@ -171,31 +171,17 @@ def _gather(builder, ptrs, vecty, align, valid):
 
 
 @intrinsic
-def vgather16(typingctx, arr, index, stride, valid):
-    """Lanes arr.flat[index + i * stride] of a uint16 array, zero-extended, for i < valid (zero for the others)."""
-    if not _is_c_array(arr) or arr.dtype != types.uint16:
+def vindex16(typingctx, arr, base, offsets, valid):
+    """Lanes arr.flat[base + offsets[i]] of a uint16 array, zero-extended, for i < valid (zero for the others;
+    offsets: uint32 lanes below 2**31)."""
+    if not _is_c_array(arr) or arr.dtype != types.uint16 or offsets != u32x16:
         return None
 
     def codegen(context, builder, sig, args):
-        ptrs = _strided_pointers(context, builder, sig.args[0], args[0], args[1], args[2], sig.args[2], 2)
+        ptrs = _lane_pointers(context, builder, sig.args[0], args[0], args[1], args[2], 2)
         return builder.zext(_gather(builder, ptrs, ir.VectorType(ir.IntType(16), LANES), 2, args[3]), _VI)
 
-    return u32x16(arr, index, stride, valid), codegen
-
-
-@intrinsic
-def vgather16_wide(typingctx, arr, index, stride, valid):
-    """`vgather16` by 32-bit loads: each valid lane reads its element and the next one, so element
-    index + i * stride + 1 must exist for every i < valid (callers take their last lanes through `vgather16`)."""
-    if not _is_c_array(arr) or arr.dtype != types.uint16:
-        return None
-
-    def codegen(context, builder, sig, args):
-        ptrs = _strided_pointers(context, builder, sig.args[0], args[0], args[1], args[2], sig.args[2], 2)
-        ptrs = builder.bitcast(ptrs, ir.VectorType(_I32.as_pointer(), LANES))
-        return builder.and_(_gather(builder, ptrs, _VI, 2, args[3]), ir.Constant(_VI, [0xFFFF] * LANES))
-
-    return u32x16(arr, index, stride, valid), codegen
+    return u32x16(arr, base, offsets, valid), codegen
 
 
 @intrinsic

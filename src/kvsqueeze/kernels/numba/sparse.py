@@ -31,6 +31,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .common import V_CHANNELS, V_CODES, V_VALUES, vat
 from .tables import BLOCK
 from .simd import (
     LANES,
@@ -43,10 +44,9 @@ from .simd import (
     ushr,
     vadd,
     vfunnel,
-    vgather16,
-    vgather16_wide,
     vhalf,
     vindex,
+    vindex16,
     vload,
     vload_first,
     vlookup,
@@ -80,10 +80,11 @@ U = np.uint64  # inner-loop indices are unsigned: numba adds no negative-index w
 
 
 @njit(cache=True, inline="always")
-def _code(codes_flat, n_words, slot, c, bits):
-    """The code of channel c of a slot, branch-free: two adjacent words cover a straddling code (uint64)."""
+def _code(codes_flat, first, c, bits):
+    """The code of channel c of the slot whose words start at element `first`, branch-free: two adjacent words
+    cover a straddling code (uint64)."""
     off = c * bits
-    w = slot * n_words + (off >> U(5))
+    w = first + (off >> U(5))
     hi = codes_flat[min(w + U(1), U(codes_flat.shape[0] - 1))]  # clipped index: only read when a code straddles
     pair = U(codes_flat[w]) | (U(hi) << U(32))
     return (pair >> (off & U(31))) & ((U(1) << bits) - U(1))
@@ -96,19 +97,21 @@ def _steps(slot0, n_rows):
 
 
 @njit(parallel=True, cache=True)
-def key_outliers(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling,
-                 pointers, channels, values, code_under, chan_head, chan_pos, parts, scores):
+def key_outliers(q, codes, slot_words, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling,
+                 pointers, entry_base, to_value, channels, values, code_under, chan_head, chan_pos, parts, scores):
     """scores[b, hq, t] += scaling * q[b, hq] . RoPE(exact - dequantized) for every key outlier.
 
-    q float32 [B, Hq, D]; codes uint32 [T, B, W]; klut float32 [C, 16]; positions uint32 [T, B];
-    pointers uint32 [T*B + 1]; channels uint16 [nnz]; values fp16 bits, uint16 [nnz]; code_under: the code every
-    outlier's element holds in `codes` (the pass then reads no codes), -1 when they vary;
+    q float32 [B, Hq, D]; codes uint32, flat, slot n's words from element slot_words[n] (uint32 [T*B]); klut
+    float32 [C, 16]; positions uint32 [T, B]; pointers uint32 [T*B + 1]: slot n holds pointers[n + 1] -
+    pointers[n] outliers, their channels from element entry_base[n] (uint32 [T*B]) of channels (uint16), their
+    values `to_value` elements further on in values (fp16 bits, uint16); code_under: the code every outlier's
+    element holds in `codes` (the pass then reads no codes), -1 when they vary;
     chan_head, chan_pos uint32 [C]: head and offset of each channel; scores [B, Hq, T].
     Per channel c (head h, offset j) and query head g of its group, the kernel first folds the scaling and the
     pair's sign into qt [B, C, G, 2] = scaling * (q[hq, j], +-q[hq, partner]): an outlier then costs a table
     entry (and a code, when code_under is -1), four RoPE table entries and G multiply-adds.
     """
-    n_tok, n_rows, n_words = codes.shape
+    n_rows, n_tok = q.shape[0], scores.shape[2]
     hq_all, d = q.shape[1], q.shape[2]
     n_chan, g_size, half, width = chan_head.shape[0], hq_all // heads, cos_lo.shape[0], klut.shape[1]
     bounds = sparse_parts(pointers, parts)
@@ -133,7 +136,7 @@ def key_outliers(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo,
     codes_flat, lut, qt_flat, out = codes.reshape(-1), klut.reshape(-1), qt.reshape(-1), scores.reshape(-1)
     pos_flat = positions.reshape(-1)
     chi, shi, clo, slo = cos_hi.reshape(-1), sin_hi.reshape(-1), cos_lo.reshape(-1), sin_lo.reshape(-1)
-    ub, uw, ug, ut, uwidth, uhalf, un_rows = U(bits), U(n_words), U(g_size), U(n_tok), U(width), U(half), U(n_rows)
+    ub, ug, ut, uwidth, uhalf, un_rows, uv = U(bits), U(g_size), U(n_tok), U(width), U(half), U(n_rows), U(to_value)
     known, ucode = code_under >= 0, U(max(code_under, 0))
     for part in prange(parts):
         s_lo, s_hi = U(bounds[part]), U(bounds[part + 1])
@@ -160,11 +163,12 @@ def key_outliers(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo,
             p = U(pos_flat[slot])
             hi_row, lo_col = (p // U(BLOCK)) * uhalf, p % U(BLOCK)
             row_out = b * U(hq_all) * ut + t  # scores[b, 0, t]
-            c = U(channels[e])
+            ea = e - U(pointers[slot]) + U(entry_base[slot])  # where the slot's entries are stored
+            c = U(channels[ea])
             if known:
-                delta = f16(values[e]) - lut[c * uwidth + ucode]
+                delta = f16(values[ea + uv]) - lut[c * uwidth + ucode]
             else:
-                delta = f16(values[e]) - lut[c * uwidth + _code(codes_flat, uw, slot, c, ub)]
+                delta = f16(values[ea + uv]) - lut[c * uwidth + _code(codes_flat, U(slot_words[slot]), c, ub)]
             pr = pair[c]
             if pr < uhalf:
                 ch, sh = chi[hi_row + pr], shi[hi_row + pr]
@@ -187,17 +191,18 @@ def key_outliers(q, codes, klut, bits, heads, positions, cos_hi, sin_hi, cos_lo,
 
 
 @njit(parallel=True, cache=True)
-def value_outliers(probs, codes, vlut, bits, heads, scale_zero, pointers, channels, values, code_under, chan_head,
-                   chan_pos, partial):
+def value_outliers(probs, codes, n_words, vlut, bits, heads, scale_zero, pointers, channels, values, code_under,
+                   chan_head, chan_pos, partial):
     """partial[part, b, hq, :] += probs[b, hq, t] * (exact - dequantized) over the value outliers of part's slots.
 
-    probs float32 [B, Hq, T]; codes uint32 [T, B, W]; vlut float32 [C, 16]; scale_zero fp16 bits [T, B, 2];
-    pointers uint32 [T*B + 1]; channels uint16; values fp16 bits; code_under, chan_head, chan_pos: as
+    probs float32 [B, Hq, T]; codes uint32 and scale_zero fp16 bits, flat, token-major: slot n's words from
+    element n * n_words, its scale and zero-point at 2n and 2n + 1 (counts that vary have no pages); vlut float32
+    [C, 16]; pointers uint32 [T*B + 1]; channels uint16; values fp16 bits; code_under, chan_head, chan_pos: as
     `key_outliers`;
     partial float32 [parts, B, Hq, D], zero on entry, each part summed in its own slice (two slots may hit one
     (hq, channel)).
     """
-    n_tok, n_rows, n_words = codes.shape
+    n_rows, n_tok = probs.shape[0], probs.shape[2]
     parts, _, hq_all, d = partial.shape
     n_chan, g_size = chan_head.shape[0], hq_all // heads
     bounds = sparse_parts(pointers, parts)
@@ -220,7 +225,7 @@ def value_outliers(probs, codes, vlut, bits, heads, scale_zero, pointers, channe
             row_acc, row_p = b * U(hq_all) * ud, b * U(hq_all) * ut + t  # acc[b, 0, 0], probs[b, 0, t]
             for e in range(U(pointers[slot]), U(pointers[slot + U(1)])):
                 c = U(channels[e])
-                level = levels[c * uwidth + (under if known else _code(codes_flat, uw, slot, c, ub))]
+                level = levels[c * uwidth + (under if known else _code(codes_flat, slot * uw, c, ub))]
                 delta = f16(values[e]) - (level * s + z)
                 ia, ip = row_acc + c_acc[c], row_p + c_p[c]
                 for g in range(ug):
@@ -228,19 +233,19 @@ def value_outliers(probs, codes, vlut, bits, heads, scale_zero, pointers, channe
 
 
 @njit(parallel=True, cache=True)
-def value_outliers_fixed(probs, codes, vlut, bits, heads, sz, fixed, channels, values, code_under, chan_head,
-                         chan_pos, lanes):
-    """`value_outliers` for fixed-count rows (every slot holds `fixed` outliers: entries slot * fixed + i),
+def value_outliers_fixed(probs, codes, rows, geo, shift, vlut, bits, heads, sz, fixed, channels, values, code_under,
+                         chan_head, chan_pos, lanes):
+    """`value_outliers` for fixed-count rows (every row holds `fixed` outliers: entries row * fixed + i),
     16 tokens at a time in vector lanes.
 
-    probs float32 [B, Hq, T]; codes uint32 [T, B, W]; vlut float32 [C, 16]; sz float32 [2, B, T] (the planar
-    scales and zero-points `value_sums` wrote); channels, values uint16 [T * B * fixed]; code_under: as
-    `key_outliers`;
+    probs float32 [B, Hq, T]; codes (uint32, flat), rows, geo, shift: as `keys.key_scores`; vlut float32
+    [C, 16]; sz float32 [2, B, T] (the planar scales and zero-points `value_sums` wrote); channels, values uint16,
+    flat, where `geo` puts each slot's; code_under: as `key_outliers`;
     lanes float32 [parts, B, Hq, D, 16], zero on entry: part p adds its share into lanes[p], lane i for its
     i-th token of every 16, so no two lanes of one scatter ever touch one element, whatever the channels.
     Every part takes an equal range of tokens, hence an equal number of non-zeros. The caller sums the lanes.
     """
-    n_tok, n_rows, n_words = codes.shape
+    n_rows, n_tok, stride = probs.shape[0], probs.shape[2], rows.shape[1]
     parts, _, hq_all, d, _ = lanes.shape
     n_chan, g_size = chan_head.shape[0], hq_all // heads
     c_acc, c_p = np.empty(n_chan, np.uint32), np.empty(n_chan, np.uint32)  # offsets of (h * G, j) in lanes, probs
@@ -250,7 +255,7 @@ def value_outliers_fixed(probs, codes, vlut, bits, heads, sz, fixed, channels, v
     codes_flat, p_flat, sz_flat = codes.reshape(-1), probs.reshape(-1), sz.reshape(-1)
     table = vload(vlut, 0)  # read only where codes vary under outliers, which needs one width for all channels
     under_c = np.ascontiguousarray(vlut[:, max(code_under, 0)])  # [C]: each channel's level under its outliers
-    last_word, nnz = codes_flat.shape[0] - 1, channels.shape[0]
+    last_word = min(codes_flat.shape[0] - 1, 0xFFFFFFFF)  # a straddle read never leaves the array
     lane = ulanes()
     for part in prange(parts):
         acc = lanes[part].reshape(-1)
@@ -261,22 +266,18 @@ def value_outliers_fixed(probs, codes, vlut, bits, heads, sz, fixed, channels, v
                 n = min(LANES, t_hi - t0)
                 s = vload_first(sz_flat, b * n_tok + t0, n)  # zero past n: those lanes add p * 0
                 z = vload_first(sz_flat, (n_rows + b) * n_tok + t0, n)
-                w_base = (t0 * n_rows + b) * n_words  # word 0 of the first lane's slot
-                w_lane = umul(lane, n_rows * n_words)
-                hi_limit = min(last_word - w_base, 0xFFFFFFFF)  # a straddle read never leaves the array
+                r = vload_first(rows, b * stride + t0, n)  # each lane's slot
+                w_lane = vat(r, geo, V_CODES, shift)  # its word 0, its first channel and its first value
+                c_lane, v_lane = vat(r, geo, V_CHANNELS, shift), vat(r, geo, V_VALUES, shift)
                 for i in range(fixed):
-                    e0, step = (t0 * n_rows + b) * fixed + i, n_rows * fixed
-                    if e0 + (n - 1) * step + 1 < nnz:  # 32-bit loads: the entry after each lane's exists
-                        c, raw = vgather16_wide(channels, e0, step, n), vgather16_wide(values, e0, step, n)
-                    else:
-                        c, raw = vgather16(channels, e0, step, n), vgather16(values, e0, step, n)
+                    c, raw = vindex16(channels, i, c_lane, n), vindex16(values, i, v_lane, n)
                     if code_under >= 0:
                         level = vindex(under_c, 0, c, n)
                     else:
                         off = umul(c, bits)
                         w = uadd(w_lane, ushr(off, 5))
-                        level = vlookup(table, vfunnel(vindex(codes_flat, w_base, w, n),
-                                                       vindex(codes_flat, w_base, umin(uadd(w, 1), hi_limit), n),
+                        level = vlookup(table, vfunnel(vindex(codes_flat, 0, w, n),
+                                                       vindex(codes_flat, 0, umin(uadd(w, 1), last_word), n),
                                                        uand(off, 31)))
                     delta = vsub(vhalf(raw), vadd(vmul(level, s), z))
                     ia = uadd(vindex(c_acc, 0, c, n), lane)

@@ -8,7 +8,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .common import SPAN, TILE, ZERO, code_at, decode, gather_words, head_words, max_head_words
+from .common import (SCALE_ZERO, SPAN, TILE, V_CHANNELS, V_CODES, V_VALUES, ZERO, at, code_at, decode, gather_words,
+                     head_words, max_head_words)
 from .simd import (
     LANES,
     f16,
@@ -30,7 +31,7 @@ ONE = np.float32(1.0)
 
 # ---- values ------------------------------------------------------------------------------------
 @njit(parallel=True, cache=True)
-def value_sums(scores, m, codes, vlut, bits, offs, heads, scale_zero, sz, starts, partial, psum):
+def value_sums(scores, m, codes, rows, geo, shift, vlut, bits, offs, heads, scale_zero, sz, starts, partial, psum):
     """partial[b, h, item, g, :] = sum over the item's tokens of p_t * dequantized value, values read packed,
     with the unnormalized softmax weights p_t = exp(score_t - m[b, hq]); psum[b, h, item, g] = sum of p_t.
 
@@ -42,16 +43,16 @@ def value_sums(scores, m, codes, vlut, bits, offs, heads, scale_zero, sz, starts
 
     Args:
         scores: float32 [B, Hq, T], scaled and masked (-inf) scores; read, then overwritten with p_t.
-        m: float32 [B, Hq], the row maxima; codes: uint32 [T, B, W]; vlut: float32 [C, 16] (each channel's
-            levels, repeated); bits, offs: as `keys.key_scores`.
-        scale_zero: fp16 bits, uint16 [T, B, 2], the per-token scales and zero-points; sz: float32 [2, B, T],
+        m: float32 [B, Hq], the row maxima; codes (uint32, flat), rows, geo, shift: as `keys.key_scores`;
+            vlut: float32 [C, 16] (each channel's levels, repeated); bits, offs: as `keys.key_scores`.
+        scale_zero: fp16 bits, uint16, flat, the per-token scales and zero-points; sz: float32 [2, B, T],
             written: the same in float32 and planar (contiguous over tokens), each item converting its own
             tokens once for all KV heads (the value outlier pass reads them after); starts: int64 [items + 1],
             the token ranges of the work items.
         partial: float32 [B, H, items, G, D], psum: float32 [B, H, items, G], written.
     """
     probs = scores
-    n_tok, n_rows, _ = codes.shape
+    n_rows, n_tok = scores.shape[0], scores.shape[2]
     hq_all = probs.shape[1]
     g_size = hq_all // heads
     d, n_items = partial.shape[4], partial.shape[2]
@@ -72,11 +73,12 @@ def value_sums(scores, m, codes, vlut, bits, offs, heads, scale_zero, sz, starts
             live[:n] = ONE  # lanes past the end get weight 0 (vload_first reads their scales as 0 too)
             live[n:width] = ZERO
             for t in range(t0, t0 + n):
-                sz[0, b, t] = f16(scale_zero[t, b, 0])
-                sz[1, b, t] = f16(scale_zero[t, b, 1])
+                e = at(rows[b, t], geo, SCALE_ZERO, shift)
+                sz[0, b, t] = f16(scale_zero[e])
+                sz[1, b, t] = f16(scale_zero[e + 1])
             for h in range(heads):
                 w0, nw = head_words(offs, h, d)
-                gather_words(codes, b, t0, n, w0, nw, wb, SPAN)
+                gather_words(codes, rows, geo, V_CODES, shift, b, t0, n, w0, nw, wb, SPAN)
                 for g in range(g_size):
                     row = (b * hq_all + h * g_size + g) * n_tok + t0
                     mv = vsplat(m[b, h * g_size + g])
@@ -145,19 +147,21 @@ def _accumulate(wb, w0, c0, d, bits, offs, vlut, weights, gt, ng, width, acc, fr
 
 
 @njit(cache=True, inline="always")
-def _dense_value(codes, t, b, c, offs, vlut, scale_zero):
-    s = f16(scale_zero[t, b, 0])
-    z = f16(scale_zero[t, b, 1])
-    return vlut[c, code_at(codes, t, b, offs[c], offs[c + 1] - offs[c])] * s + z
+def _dense_value(codes, first, c, offs, vlut, scale_zero, e_sz):
+    s = f16(scale_zero[e_sz])
+    z = f16(scale_zero[e_sz + 1])
+    return vlut[c, code_at(codes, first, offs[c], offs[c + 1] - offs[c])] * s + z
 
 
 @njit(cache=True)
-def sink_values(probs, codes, vlut, offs, heads, scale_zero, pointers, fixed, channels, values, sink_v, sink_slot,
-                 out):
+def sink_values(probs, codes, rows, geo, shift, vlut, offs, heads, scale_zero, pointers, fixed, channels, values,
+                sink_v, sink_slot, out):
     """out += probs * (exact - stored) over every channel of every sink, where stored is what the value pass
     and the outlier pass summed for that slot (its dequantized element or an outlier stored there).
-    fixed > 0: every slot holds that many outliers (`pointers` is not read); else pointers [T*B + 1] or empty."""
-    n_rows = codes.shape[1]
+    codes, rows, geo, shift, scale_zero: as `value_sums`. fixed > 0: every slot holds that many outliers, where
+    `geo` puts them (`pointers` is not read); else pointers [T*B + 1] by slot (a store's token-major arrays) or
+    empty."""
+    n_rows = rows.shape[0]
     hq_all, d = out.shape[1], out.shape[2]
     g_size = hq_all // heads
     for b in range(sink_slot.shape[0]):
@@ -165,18 +169,21 @@ def sink_values(probs, codes, vlut, offs, heads, scale_zero, pointers, fixed, ch
             t = sink_slot[b, s]
             if t < 0:
                 continue
-            e, e_end = 0, 0
+            e, e_end, to_value = 0, 0, 0
+            slot = rows[b, t]
             if fixed > 0:
-                e, e_end = (t * n_rows + b) * fixed, (t * n_rows + b + 1) * fixed
+                e = at(slot, geo, V_CHANNELS, shift)
+                e_end, to_value = e + fixed, at(slot, geo, V_VALUES, shift) - e
             elif pointers.shape[0] > 0:
                 e, e_end = pointers[t * n_rows + b], pointers[t * n_rows + b + 1]
+            first, e_sz = at(slot, geo, V_CODES, shift), at(slot, geo, SCALE_ZERO, shift)
             for c in range(heads * d):
                 h, j = c // d, c % d
                 if e < e_end and np.int64(channels[e]) == c:  # entries of a slot are in channel order
-                    stored = f16(values[e])
+                    stored = f16(values[e + to_value])
                     e += 1
                 else:
-                    stored = _dense_value(codes, t, b, c, offs, vlut, scale_zero)
+                    stored = _dense_value(codes, first, c, offs, vlut, scale_zero, e_sz)
                 delta = f16(sink_v[b, s, c]) - stored
                 for g in range(g_size):
                     out[b, h * g_size + g, j] += probs[b, h * g_size + g, t] * delta

@@ -142,7 +142,8 @@ def decode_attention(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
                      sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """See `kvsqueeze.kernels.decode_attention`; q float32 [B, Hq, D] on a CUDA device (or on the CPU under
     Triton's interpreter) -> float32 [B, Hq, D]. The first call of each compiled variant on a GPU is checked
-    against the reference backend."""
+    against the reference backend. A view of physical rows (a paged cache) is read through a token-major copy."""
+    kv = kv.gathered()
     out = _decode(q, kv, rope, scaling, key_mask, softcap, sink_logits)
     if q.device.type == "cuda" or os.environ.get("KVSQUEEZE_CHECK_TRITON") == "1":
         variant = _variant(q, kv, rope, key_mask, softcap, sink_logits)
