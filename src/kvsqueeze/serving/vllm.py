@@ -254,8 +254,10 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             if m is None:
                 raise ServingError(f"cannot tell the decoder layer of attention {getattr(layer, 'layer_name', '?')!r}: "
                                    "its recipe statistics are per layer")
-            self.layout = self.config.layout(int(m[1]), self.num_kv_heads * self.head_size, self.head_size,
-                                             self.block_size)
+            with torch.inference_mode(False):  # tensors with version counters: the kernels keep tables built from
+                # them between steps (checking the versions), where inference tensors would have them rebuilt
+                self.layout = self.config.layout(int(m[1]), self.num_kv_heads * self.head_size, self.head_size,
+                                                 self.block_size)
         return self.layout
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
