@@ -265,9 +265,9 @@ class _Arrays(NamedTuple):
     """numpy views of a `StoreView`'s allocations, as the kernels read them (16-bit floats as uint16 bits)."""
 
     sources: tuple  # the tensors viewed
-    k_codes: np.ndarray  # uint32 [>= T, B, W], or [R, W] rows
+    k_codes: np.ndarray  # uint32 [>= T, B, W], or flat (a view into pages)
     v_codes: np.ndarray
-    scale_zero: np.ndarray  # uint16 [>= T, B, 2], or [R, 2] rows
+    scale_zero: np.ndarray  # uint16 [>= T, B, 2], or flat (a view into pages)
     positions: np.ndarray  # int32 [>= T, B]
     sink_k: np.ndarray  # uint16 [B, S, C]
     sink_v: np.ndarray
