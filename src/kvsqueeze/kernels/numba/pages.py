@@ -43,16 +43,23 @@ def _rounded(x):
 
 @njit(cache=True, inline="always")
 def _pack(codes, bits, words):
-    """codes uint8 [C] -> words uint32 [W], the stream `packing.pack_codes` writes (code c at bit c * bits)."""
-    for i in range(words.shape[0]):
-        words[i] = 0
+    """codes uint8 [C] -> words uint32 [W], the stream `packing.pack_codes` writes (code c at bit c * bits): the
+    codes enter a 64-bit accumulator, whose low word is stored each time 32 bits are full."""
+    acc = np.uint64(0)
+    filled = 0
+    w = 0
     for c in range(codes.shape[0]):
-        off = c * bits
-        wi, sh = off >> 5, off & 31
-        code = np.uint32(codes[c])
-        words[wi] |= np.uint32(code << sh)
-        if sh + bits > 32:
-            words[wi + 1] |= np.uint32(code >> (32 - sh))
+        acc |= np.uint64(codes[c]) << np.uint64(filled)
+        filled += bits
+        if filled >= 32:
+            words[w] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+            w += 1
+            acc >>= np.uint64(32)
+            filled -= 32
+    while w < words.shape[0]:  # the last partial word, then zero padding
+        words[w] = np.uint32(acc & np.uint64(0xFFFFFFFF))
+        acc = np.uint64(0)
+        w += 1
 
 
 @njit(cache=True, inline="always")
