@@ -190,8 +190,7 @@ class PageLayout:
                 "k_zero": f(k_zero), "k_lo": f(kq.lo), "k_hi": f(kq.hi), "v_mids": mids(vq.levels.float()),
                 "v_levels": f(vq.levels), "k_scale_read": f(self.k_scale), "k_zero_read": f(self.k_zero)}
 
-    _REGION_ORDER = ("k_codes", "v_codes", "v_scale_zero", "k_channels", "k_values", "v_channels", "v_values",
-                     "sink_k", "sink_v")
+    _REGION_ORDER = (*ARRAYS, "sink_k", "sink_v")  # what the numba page kernels take, in this order
 
     def _regions_np(self, pages: torch.Tensor) -> list[np.ndarray]:
         """numpy views of every region of the buffer, in `_REGION_ORDER`; kept for the buffer an engine hands every

@@ -51,6 +51,7 @@ from numba import njit
 
 from ...rope import Rope
 from ..view import Outliers, StoreView
+from .common import K_CHANNELS, K_CODES, K_VALUES
 from .keys import key_scores, row_max, sink_scores
 from .simd import LANES, vadd, vhsum, vload
 from .sparse import key_outliers, value_outliers, value_outliers_fixed
@@ -164,7 +165,7 @@ def kernel_inputs(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
         raise ValueError(f"RoPE positions must be >= 0, got {lo}")
     tab = _tables(rope, int(hi))
     if kv.rows is None:  # token-major: slot n = t * B + b, its data at n * width of each array seen flat
-        k_codes, v_codes, scale_zero = a.k_codes[:t].reshape(-1), a.v_codes[:t].reshape(-1), a.scale_zero[:t].reshape(-1)
+        k_codes, v_codes, scale_zero = (x[:t].reshape(-1) for x in (a.k_codes, a.v_codes, a.scale_zero))
         v_fixed = _fixed(kv.v_outliers, slots)
         k_sparse = _sparse(kv.k_outliers, a.k_out, slots, False) or _NO_OUTLIERS
         v_sparse = _sparse(kv.v_outliers, a.v_out, slots, v_fixed > 0) or _NO_OUTLIERS
@@ -198,9 +199,7 @@ def kernel_inputs(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
 def _token_major_geometry(wk: int, wv: int, v_fixed: int) -> np.ndarray:
     """`geo` of a store's token-major arrays: slot n's data at n * width of each (page = width, shift 0)."""
     widths = (wk, wv, 2, 0, 0, v_fixed, v_fixed)  # key outliers go by pointers there
-    geo = np.array([(w, w, 0) for w in widths], np.int64)
-    geo.flags.writeable = False
-    return geo
+    return np.array([(w, w, 0) for w in widths], np.int64)  # writable, as a paged view's: one compiled variant
 
 
 _ROWS: dict[tuple[int, int], np.ndarray] = {}  # (B, capacity) -> uint32 [B, capacity], rows[b, t] = t * B + b
@@ -240,9 +239,8 @@ def _paged_inputs(kv: StoreView, a: "_Arrays", t: int):
                          f"power of two's exponent, got {r}")
     geo = np.array(list(zip(r.page, r.width, r.offset)), np.int64)
     rows = slots.numpy().view(np.uint32)
-    by_slot = rows[:, :t].T.reshape(-1).astype(np.int64)  # slot n = t * B + b
-    first = lambda f: ((by_slot >> r.shift) * geo[f, 0] + (by_slot & ((1 << r.shift) - 1)) * geo[f, 1]  # noqa: E731
-                       + geo[f, 2]).astype(np.uint32)
+    by_slot = slots[:, :t].t().reshape(-1)  # slot n = t * B + b
+    first = lambda f: r.elements(f, by_slot).numpy().astype(np.uint32)  # noqa: E731  each slot's first element
     k, v = kv.k_outliers, kv.v_outliers
     for o in (k, v):
         if o is not None and (not o.fixed or o.pointers is not None):
@@ -250,11 +248,11 @@ def _paged_inputs(kv: StoreView, a: "_Arrays", t: int):
                              "pointers)")
     k_sparse, k_base, k_words, to_value = _NO_OUTLIERS, _POINTERLESS, _POINTERLESS, 0
     if k is not None:
-        pointers = np.arange(by_slot.size + 1, dtype=np.uint32) * np.uint32(k.fixed)
+        pointers = np.arange(by_slot.numel() + 1, dtype=np.uint32) * np.uint32(k.fixed)
         k_sparse = (pointers, a.k_out[1], a.k_out[2], -1 if k.code is None else k.code)
-        k_base, to_value = first(3), int(geo[4, 2] - geo[3, 2])
+        k_base, to_value = first(K_CHANNELS), int(geo[K_VALUES, 2] - geo[K_CHANNELS, 2])
         if k.code is None:
-            k_words = first(0)
+            k_words = first(K_CODES)
     v_sparse, v_fixed = _NO_OUTLIERS, 0
     if v is not None:
         v_sparse, v_fixed = (_POINTERLESS, a.v_out[1], a.v_out[2], -1 if v.code is None else v.code), v.fixed
@@ -438,10 +436,10 @@ def _position_range(positions):
 
 
 @njit(cache=True)
-def _attend(q, k_codes, v_codes, rows, geo, shift, k_words, klut, vlut, k_bits, v_bits, k_offs, v_offs, heads, positions,
-            cos_hi, sin_hi, cos_lo, sin_lo, scaling, k_ptr, k_base, k_to_value, k_chan, k_val, k_under, v_ptr, v_chan,
-            v_val, v_under, v_fixed, chan_head, chan_pos, sink_k, sink_v, sink_slot, scale_zero, bias, softcap,
-            sink_logit, threads, scores, sz):
+def _attend(q, k_codes, v_codes, rows, geo, shift, k_words, klut, vlut, k_bits, v_bits, k_offs, v_offs, heads,
+            positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, k_ptr, k_base, k_to_value, k_chan, k_val, k_under,
+            v_ptr, v_chan, v_val, v_under, v_fixed, chan_head, chan_pos, sink_k, sink_v, sink_slot, scale_zero, bias,
+            softcap, sink_logit, threads, scores, sz):
     """All passes in order, one dispatch from Python; returns float32 [B, Hq, D]. The arguments are the fields of
     `KernelInputs`, one by one: passed as one tuple, its arrays compile to code about a third slower."""
     bsz, hq, d = q.shape

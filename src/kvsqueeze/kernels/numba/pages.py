@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .common import code_at
 from .simd import f16, half_bits
 
 _HALF = np.float32(0.5)
@@ -60,16 +61,6 @@ def _pack(codes, bits, words):
         words[w] = np.uint32(acc & np.uint64(0xFFFFFFFF))
         acc = np.uint64(0)
         w += 1
-
-
-@njit(cache=True, inline="always")
-def _code(words, c, bits):
-    off = c * bits
-    wi, sh = off >> 5, off & 31
-    v = np.uint64(words[wi]) >> np.uint64(sh)
-    if sh + bits > 32:
-        v |= np.uint64(words[wi + 1]) << np.uint64(32 - sh)
-    return np.int64(v & np.uint64((1 << bits) - 1))
 
 
 @njit(cache=True, inline="always")
@@ -218,18 +209,18 @@ def write_tokens(xk, xv, block, offset, positions, sinks, k_mids, k_levels, k_sc
 def read_sequence(table, length, bs, sinks, k_bits, v_bits, k_lut_levels, k_scale, k_zero, v_levels, r_kcodes,
                   r_vcodes, r_sz, r_kch, r_kval, r_vch, r_vval, r_sink_k, r_sink_v, keys, values):
     """Keys (pre-RoPE) and values float32 [T, C] of one sequence's first T = `length` tokens, read from its pages
-    (`table` int32 [>= pages]) as `kernels.reference.dequantize_view` reconstructs them: level * scale + zero,
+    (`table` int [>= pages]) as `kernels.reference.dequantize_view` reconstructs them: level * scale + zero,
     each exact element in place, the sinks whole."""
     c = keys.shape[1]
     for t in prange(length):
         p, o = table[t // bs], t % bs
         for j in range(c):
-            keys[t, j] = k_lut_levels[_code(r_kcodes[p, o], j, k_bits)] * k_scale[j] + k_zero[j]
+            keys[t, j] = k_lut_levels[code_at(r_kcodes[p, o], 0, j * k_bits, k_bits)] * k_scale[j] + k_zero[j]
         for s in range(r_kch.shape[2]):
             keys[t, np.int64(r_kch[p, o, s])] = f16(r_kval[p, o, s])
         scale, zero = f16(r_sz[p, o, 0]), f16(r_sz[p, o, 1])
         for j in range(c):
-            values[t, j] = v_levels[_code(r_vcodes[p, o], j, v_bits)] * scale + zero
+            values[t, j] = v_levels[code_at(r_vcodes[p, o], 0, j * v_bits, v_bits)] * scale + zero
         for s in range(r_vch.shape[2]):
             values[t, np.int64(r_vch[p, o, s])] = f16(r_vval[p, o, s])
         if t < sinks:
