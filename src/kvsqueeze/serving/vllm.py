@@ -19,10 +19,11 @@ What the backend does, per layer and step:
   it was handed must give them), and otherwise turns the keys back by their positions (the layer's RoPE, from the
   model config). Either way the pre-RoPE keys are quantized with the values into their slots of the pages.
 * every query then attends over its sequence's pages: decode tokens of the whole batch in one call of the fused
-  kernel (numba on CPU, Triton on GPU) over the pages gathered by their block tables; prefill chunks (prompts,
-  later chunks of a chunked prefill, and prompts whose prefix vLLM found cached) over the pages dequantized
-  through the sequence's block table (`PageLayout.read`) with a causal mask. Pages in CPU memory are written,
-  read and gathered by numba kernels (`kvsqueeze.kernels.numba.pages`), compiled or loaded at start-up. That is what kvsqueeze's own HF path computes: its prefill also attends the quantized cache.
+  kernel (numba on CPU, reading each token's slot in its page through the block tables; Triton on GPU, over a
+  gathered copy); prefill chunks (prompts, later chunks of a chunked prefill, and prompts whose prefix vLLM found
+  cached) over the pages dequantized through the sequence's block table (`PageLayout.read`) with a causal mask.
+  That is what kvsqueeze's own HF path computes: its prefill also attends the quantized cache. Pages in CPU
+  memory are written and read by numba kernels (`kvsqueeze.kernels.numba.pages`), loaded at start-up.
 
 Refused at start-up with the reason: sliding windows, ALiBi, learned attention sinks, encoder attention, KV
 sharing across layers, interleaved (GPT-J) RoPE, RoPE scalings whose frequencies change with the length.
@@ -299,7 +300,8 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
 
     def _warm_up(self) -> None:
         """Once per process, as the model is built: write, read and attend a few tokens of scratch pages (the first
-        layer's layout), so the compiled kernels are loaded, or compiled, before the first request, not in it."""
+        layer's layout) as `forward` does, so the compiled kernels are loaded, or compiled, before the first
+        request, not in it."""
         if KVSqueezeImpl._warm:
             return
         KVSqueezeImpl._warm = True
@@ -313,7 +315,7 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         layout.write(pages, torch.arange(n), k, v, torch.arange(n))
         table = torch.arange(2, dtype=torch.int32).view(1, 2)
         layout.read(pages, table[0], n)
-        view, mask = layout.view(pages, table, torch.tensor([n]))
+        view, mask = layout.view(pages, table, torch.tensor([n]), in_place=True)
         decode_attention(torch.randn(1, hq, d, generator=g, dtype=f32), view, self.rope, self.scale, key_mask=mask,
                          backend=self.config.decode, softcap=self.softcap)
 
@@ -341,7 +343,7 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
 
     def _angles(self, t: int, dtype: torch.dtype, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE's cos and sin [t, R/2] at positions 0 .. t - 1 in `dtype`, as `Rope.apply` computes and casts them;
-        kept (grown by doubling) so that a prefill does not evaluate them again in every layer."""
+        kept by this layer (grown by doubling), not evaluated again for every prefill chunk."""
         memo = self.__dict__.setdefault("_angle_memo", {})
         hit = memo.get((dtype, device))
         if hit is None or hit[0].shape[0] < t:
