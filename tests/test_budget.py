@@ -201,7 +201,9 @@ def test_channel_budgets_fit_and_predict_no_more_loss_than_layer_budgets(tiny_re
     chan = allocate_channels(tiny_recipe, avg)
     assert chan.bits <= avg + 1e-9 and chan.bits >= avg - 0.05  # the budget spent, not left over
     assert chan.predicted == pytest.approx(_table_loss(tiny_recipe, chan))
-    assert all(set(c.widths) <= set(CHANNEL_BITS) and c.bits == max(c.widths) for c in chan.keys + chan.values)
+    assert all(c.widths is None or (set(c.widths) <= set(CHANNEL_BITS) and c.bits == max(c.widths))
+               for c in chan.keys + chan.values)
+    assert any(c.widths is not None for c in chan.keys + chan.values) or avg >= 4.0  # widths per channel below 4 bits
     if avg >= 2.6:  # the per-layer choice has nothing under 2 bits
         layer = allocate(tiny_recipe, avg)
         assert chan.predicted <= _table_loss(tiny_recipe, layer) * (1 + 1e-9)
@@ -210,6 +212,40 @@ def test_channel_budgets_fit_and_predict_no_more_loss_than_layer_budgets(tiny_re
     spent = sum(tensor_bits(kv, ch, 2048, c, 1)["total"] for k, v in zip(chan.keys, chan.values)
                 for kv, ch in (("k", k), ("v", v)))
     assert spent / (2 * 2048 * c * fp["layers"]) == pytest.approx(chan.bits)
+
+
+@pytest.mark.parametrize("plain", ["nuq2-1%", "nuq3-1%", "nuq4-1%", "nuq3"])
+def test_channel_budgets_at_a_plain_methods_bits_afford_it_and_predict_no_more_loss(tiny_recipe, plain):
+    """A layer may take one width for all its channels, stored as a plain method stores it (no width table): at the
+    bits a plain nuq method stores, the per-channel budget can afford that method in every layer and predicts no
+    more loss. Where nothing wider is left to buy (4 bits), every layer keeps one width of 4 bits (with the
+    outliers that pay), and its quantizers are the plain method's."""
+    import math
+
+    from kvsqueeze.budget import Allocation, allocate_channels
+    from kvsqueeze.quantizer import build_quantizers
+
+    spec = parse_method(plain)
+    fp = tiny_recipe.meta["model"]["fingerprint"]
+    c = fp["kv_heads"] * fp["head_dim"]
+    choice = Choice(spec.k_bits, spec.outlier_fraction)
+    avg = math.ceil(sum(tensor_bits(kv, choice, 2048, c, 1)["total"] for kv in "kv") / (2 * 2048 * c) * 1e4) / 1e4
+    chan = allocate_channels(tiny_recipe, avg)
+    assert chan.bits <= avg + 1e-9
+    everywhere = (choice,) * fp["layers"]
+    plain_loss = _table_loss(tiny_recipe, Allocation(avg, 2048, everywhere, everywhere, 0.0, avg))
+    assert chan.predicted <= plain_loss * (1 + 1e-9)
+    if spec.k_bits < 4:
+        return
+    assert all(ch.widths is None and ch.bits == 4 for ch in chan.keys + chan.values)
+    x = torch.randn(50, c) * torch.linspace(0.2, 3.0, c)
+    for layer in range(fp["layers"]):
+        got = build_quantizers(parse_method(f"nuq@{avg:g}:chan"), tiny_recipe, layer, c, fp["head_dim"])
+        for side, ch in ((0, chan.keys[layer]), (1, chan.values[layer])):
+            same = parse_method("nuq4" + (f"-{100 * ch.fraction:g}%" if ch.fraction else ""))
+            want = build_quantizers(same, tiny_recipe, layer, c, fp["head_dim"])[side]
+            assert got[side].widths is None
+            torch.testing.assert_close(got[side].fake(x)[0], want.fake(x)[0], atol=0, rtol=0)
 
 
 def test_channel_budgets_round_trip_and_refuse_what_they_cannot_do(tiny_recipe):

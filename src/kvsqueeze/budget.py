@@ -18,7 +18,10 @@ budget are then spent greedily on the upgrade with the best loss saved per bit.
 `CHANNEL_BITS` (one outlier fraction per layer and tensor, as above), from the recipe's per-channel split of
 the same Fisher-weighted objective (`calibrate.fit`: sum over tokens of F (x - x^)^2 for each channel and
 width). Channels of one layer differ in sensitivity (F s^2) by orders of magnitude, so by reverse
-water-filling the widths follow them. The multiple-choice knapsack is solved the same way, per channel.
+water-filling the widths follow them. The multiple-choice knapsack is solved the same way, per channel. A layer's
+keys (or values) may instead take one width for all their channels, stored as a plain method stores them (no
+width table, one codebook): at a plain method's bits the budget can always afford that method, and keeps it
+wherever widths per channel predict no gain.
 
 Everything here reads calibration data only (the recipe); evaluation text never shapes the choice. The
 choice depends on the cached length through the per-channel and per-layer metadata, so it is made for
@@ -255,6 +258,11 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
     """Each channel's width (`CHANNEL_BITS`) and each layer's key / value outlier fraction minimising the summed
     per-channel Fisher-weighted error at `avg_bits` (see the module docstring).
 
+    A layer's keys (or values) may also take one width for all their channels, as a plain method stores them:
+    no width table and only that width's codebook, so it costs less metadata than the same widths given one
+    by one. The per-channel choice is therefore never forced below a plain method's choice at that method's
+    bits, and where it predicts no gain it keeps it (an equal loss goes to the cheaper choice).
+
     Raises:
         MethodError: a budget below what the cheapest choice everywhere stores.
         RecipeError: a recipe without per-channel errors (calibrated before they were recorded).
@@ -264,7 +272,9 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
     fractions = sorted(float(f) for f in recipe.meta.get("settings", {}).get("fractions", (0.0,)))
     q = tokens - min(sinks, tokens)  # quantized tokens: a channel one bit wider costs q bits
     widths = np.array(CHANNEL_BITS)
+    whole = [i for i, w in enumerate(CHANNEL_BITS) if w in SUPPORTED_BITS]  # widths a whole layer may take
     units = [(layer, kv) for layer in range(layers) for kv in ("k", "v")]
+    rows = np.arange(len(units))
     # err [U, F, C, W]; fixed [U, F]: what a unit stores besides its codes
     err = np.stack([np.stack([recipe.channel_errors(layer, kv, f).double().numpy() for f in fractions])
                     for layer, kv in units])
@@ -275,38 +285,55 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
         raise RecipeError("the recipe's per-channel errors hold NaN, Inf or negative values: recalibrate it")
     fixed = np.array([[tensor_bits(kv, Choice(max(CHANNEL_BITS), f, (0,) * channels), tokens, channels, sinks)["total"]
                        for f in fractions] for _, kv in units])
+    # one width for the whole unit [U, F, P]: its loss and everything it stores
+    uniform_loss = np.stack([np.ascontiguousarray(err[..., i]).sum(-1) for i in whole], -1)
+    uniform_cost = np.array([[[tensor_bits(kv, Choice(int(widths[i]), f), tokens, channels, sinks)["total"]
+                               for i in whole] for f in fractions] for _, kv in units])
     budget = avg_bits * 2 * tokens * channels * layers
-    cheapest = float((fixed + q * channels * widths[0]).min(1).sum())
+    cheapest = float(np.minimum((fixed + q * channels * widths[0]).min(1), uniform_cost.min((1, 2))).sum())
     if cheapest > budget:
         raise MethodError(f"nuq@{avg_bits:g}:chan: below what this recipe can store ({cheapest / budget * avg_bits:.3f} "
                           f"bits with every channel at {widths[0]} bit); give a larger average")
 
-    def pick(lam: float) -> tuple[np.ndarray, np.ndarray]:
+    def pick(lam: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per unit: its fraction [U], its channels' widths [U, C] and whether it takes one width for all [U]."""
         w_idx = np.argmin(err + lam * q * widths, axis=-1)  # [U, F, C]
-        loss = np.take_along_axis(err, w_idx[..., None], -1)[..., 0].sum(-1) + lam * (
+        per_channel = np.take_along_axis(err, w_idx[..., None], -1)[..., 0].sum(-1) + lam * (
             q * widths[w_idx].sum(-1) + fixed)  # [U, F]
-        f_idx = loss.argmin(1)
-        return f_idx, w_idx[np.arange(len(units)), f_idx]  # [U], [U, C]
+        f_idx = per_channel.argmin(1)
+        best = per_channel[rows, f_idx]
+        flat = (uniform_loss + lam * uniform_cost).reshape(len(units), -1)  # [U, F * P]
+        u_idx = flat.argmin(1)
+        uniform = flat[rows, u_idx] <= best * (1 + 1e-12)  # an equal loss: the cheaper, plain, choice
+        w_idx = w_idx[rows, f_idx]
+        u_f, u_w = np.divmod(u_idx, len(whole))
+        f_idx = np.where(uniform, u_f, f_idx)
+        w_idx = np.where(uniform[:, None], np.array(whole)[u_w][:, None], w_idx)
+        return f_idx, w_idx, uniform
 
-    def cost(f_idx: np.ndarray, w_idx: np.ndarray) -> float:
-        return float(fixed[np.arange(len(units)), f_idx].sum() + q * widths[w_idx].sum())
+    def cost(f_idx: np.ndarray, w_idx: np.ndarray, uniform: np.ndarray) -> float:
+        u_w = np.searchsorted(np.array(whole), w_idx[:, 0])
+        per_unit = np.where(uniform, uniform_cost[rows, f_idx, np.minimum(u_w, len(whole) - 1)],
+                            fixed[rows, f_idx] + q * widths[w_idx].sum(-1))
+        return float(per_unit.sum())
 
     # errors are sums of F (x - x^)^2, small numbers: the multiplier search starts low
-    f_idx, w_idx = pick(_fitting_multiplier(lambda lam: cost(*pick(lam)) <= budget, start=1e-12))
-    chosen = err[np.arange(len(units)), f_idx]  # [U, C, W] at each unit's fraction
-    spent = cost(f_idx, w_idx)
-    while spent + q <= budget:  # what is left: the one-bit upgrades that save the most
+    f_idx, w_idx, uniform = pick(_fitting_multiplier(lambda lam: cost(*pick(lam)) <= budget, start=1e-12))
+    chosen = err[rows, f_idx]  # [U, C, W] at each unit's fraction
+    spent = cost(f_idx, w_idx, uniform)
+    while spent + q <= budget:  # what is left: the one-bit upgrades that save the most (in per-channel units)
         now = np.take_along_axis(chosen, w_idx[..., None], -1)[..., 0]
         up = np.take_along_axis(chosen, np.minimum(w_idx + 1, len(widths) - 1)[..., None], -1)[..., 0]
-        gain = np.where(w_idx + 1 < len(widths), now - up, -np.inf)
+        gain = np.where((w_idx + 1 < len(widths)) & ~uniform[:, None], now - up, -np.inf)
         u, c = np.unravel_index(int(gain.argmax()), gain.shape)
         if not gain[u, c] > 0:
             break
         w_idx[u, c] += 1
         spent += q
     predicted = float(np.take_along_axis(chosen, w_idx[..., None], -1).sum())
-    picks = [Choice(int(widths[w].max()), fractions[f], tuple(int(x) for x in widths[w]))
-             for f, w in zip(f_idx, w_idx)]
+    picks = [Choice(int(widths[w[0]]), fractions[f]) if one else
+             Choice(int(widths[w].max()), fractions[f], tuple(int(x) for x in widths[w]))
+             for f, w, one in zip(f_idx, w_idx, uniform)]
     return Allocation(float(avg_bits), tokens, tuple(picks[0::2]), tuple(picks[1::2]), predicted,
                       spent / (2 * tokens * channels * layers))
 

@@ -117,7 +117,7 @@ def plot_budget(alloc, path: str) -> str:
     and a second panel with every channel's width (layers down, channels across; keys left, values right)."""
     plt = _plt()
     layers = range(len(alloc.keys))
-    chan = alloc.keys[0].widths is not None
+    chan = any(c.widths is not None for c in alloc.keys + alloc.values)
     width = max(6.0, 0.28 * len(alloc.keys))
     if chan:
         fig, (ax, grid) = plt.subplots(2, 1, figsize=(width, 3.2 + 0.12 * len(alloc.keys)),
@@ -140,9 +140,14 @@ def plot_budget(alloc, path: str) -> str:
     if chan:
         import numpy as np
 
-        widths = np.array([list(k.widths) + list(v.widths) for k, v in zip(alloc.keys, alloc.values)])
+        channels = len(next(c.widths for c in alloc.keys + alloc.values if c.widths is not None))
+
+        def row(c) -> list[int]:  # a layer given one width for all its channels shows it in every channel
+            return list(c.widths) if c.widths is not None else [c.bits] * channels
+
+        widths = np.array([row(k) + row(v) for k, v in zip(alloc.keys, alloc.values)])
         shown = grid.imshow(widths, aspect="auto", cmap="viridis", vmin=1, vmax=4, interpolation="nearest")
-        grid.axvline(len(alloc.keys[0].widths) - 0.5, color="white", lw=1.5)
+        grid.axvline(channels - 0.5, color="white", lw=1.5)
         grid.set_xlabel("channel (keys | values)")
         grid.set_ylabel("layer")
         fig.colorbar(shown, ax=grid, ticks=[1, 2, 3, 4], label="bits")
