@@ -60,13 +60,16 @@ BUDGETS = [  # quality per bit: each layer's K / V bits and outliers chosen from
     ("nuq@2.6:kl", "bit budget 2.6 from measured sensitivities (`kvsqueeze budget`)"),
     ("nuq@3.5:kl", "bit budget 3.5 from measured sensitivities"),
     ("nuq@4.5:kl", "bit budget 4.5 from measured sensitivities"),
-    ("nuq@2.5:chan", "bit budget 2.5, a width (1-4 bits) per channel from the per-channel Fisher errors"),
+    ("nuq@2.5:chan", "bit budget 2.5, a width (1-6 bits) per channel from the per-channel Fisher errors"),
     ("nuq@2.6:chan", "bit budget 2.6, a width per channel"),
     ("nuq@3:chan", "bit budget 3.0, a width per channel"),
     ("nuq@3.45:chan", "bit budget 3.45, a width per channel"),
     ("nuq@3.49:chan", "bit budget 3.49, a width per channel (evaluation text's key outliers stay under 3.5)"),
     ("nuq@3.5:chan", "bit budget 3.5, a width per channel"),
+    ("nuq@4:chan", "bit budget 4.0, a width per channel"),
     ("nuq@4.5:chan", "bit budget 4.5, a width per channel"),
+    ("nuq@4.58:chan", "bit budget 4.58, a width per channel (evaluation text's key outliers stay under 4.6)"),
+    ("nuq@4.6:chan", "bit budget 4.6, a width per channel"),
 ]
 PAGED = [  # a fixed count of exact key elements per token, as the paged cache of a serving engine stores them
     ("nuq3-1%:kslots4", "nuq3-1%, 4 exact key elements per token (outliers first)"),

@@ -23,7 +23,8 @@ DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "results.md")
 HEADLINE = tuple(EvalConfig().methods.split(","))  # the methods `make demo` evaluates
 BUDGET_ROWS = ("fp16", "nuq2-1%", "nuq@2.5", "nuq@2.5:chan", "nuq@2.6", "nuq@2.6:kl", "nuq@2.6:chan", "nuq@3",
                "nuq@3:chan", "nuq3-1%", "nuq@3.5", "nuq@3.5:kl", "nuq@3.45:chan", "nuq@3.49:chan", "nuq@3.5:chan",
-               "nuq3-1%:sink16", "nuq4-1%", "nuq@4.5", "nuq@4.5:kl", "nuq@4.5:chan")
+               "nuq3-1%:sink16", "nuq@4:chan", "nuq4-1%", "nuq@4.5", "nuq@4.5:kl", "nuq@4.5:chan", "nuq@4.58:chan",
+               "nuq@4.6:chan")
 
 
 def _load(d: Path, name: str) -> dict | None:
@@ -37,7 +38,7 @@ def describe(name: str) -> str:
 
     spec = parse_method(name)
     if spec.budget is not None and spec.budget_unit == "channel":
-        return (f"bit budget {spec.budget:g}: each channel's K / V width (1-4 bits) and each layer's outliers "
+        return (f"bit budget {spec.budget:g}: each channel's K / V width (1-6 bits) and each layer's outliers "
                 "from the per-channel Fisher errors")
     if spec.budget is not None:
         proxy = "measured sensitivities" if spec.budget_proxy == "kl" else "the Fisher objectives"

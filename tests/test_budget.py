@@ -218,8 +218,10 @@ def test_channel_budgets_fit_and_predict_no_more_loss_than_layer_budgets(tiny_re
 def test_channel_budgets_at_a_plain_methods_bits_afford_it_and_predict_no_more_loss(tiny_recipe, plain):
     """A layer may take one width for all its channels, stored as a plain method stores it (no width table): at the
     bits a plain nuq method stores, the per-channel budget can afford that method in every layer and predicts no
-    more loss. Where nothing wider is left to buy (4 bits), every layer keeps one width of 4 bits (with the
-    outliers that pay), and its quantizers are the plain method's."""
+    more loss. Where nothing wider is left to buy (a recipe whose widths stop at 4 bits, as those calibrated before
+    the 5- and 6-bit codebooks, at 4 bits), every layer keeps one width of 4 bits (with the outliers that pay), and
+    its quantizers are the plain method's."""
+    import copy
     import math
 
     from kvsqueeze.budget import Allocation, allocate_channels
@@ -230,17 +232,21 @@ def test_channel_budgets_at_a_plain_methods_bits_afford_it_and_predict_no_more_l
     c = fp["kv_heads"] * fp["head_dim"]
     choice = Choice(spec.k_bits, spec.outlier_fraction)
     avg = math.ceil(sum(tensor_bits(kv, choice, 2048, c, 1)["total"] for kv in "kv") / (2 * 2048 * c) * 1e4) / 1e4
-    chan = allocate_channels(tiny_recipe, avg)
-    assert chan.bits <= avg + 1e-9
     everywhere = (choice,) * fp["layers"]
     plain_loss = _table_loss(tiny_recipe, Allocation(avg, 2048, everywhere, everywhere, 0.0, avg))
-    assert chan.predicted <= plain_loss * (1 + 1e-9)
+    narrow = copy.deepcopy(tiny_recipe)
+    narrow.tensors = {k: v[:, :4] if ".chanerr." in k else v for k, v in narrow.tensors.items()}
+    for recipe in (tiny_recipe, narrow):
+        chan = allocate_channels(recipe, avg)
+        assert chan.bits <= avg + 1e-9
+        assert chan.predicted <= plain_loss * (1 + 1e-9)
+    assert max(c.bits for c in chan.keys + chan.values) <= 4
     if spec.k_bits < 4:
         return
     assert all(ch.widths is None and ch.bits == 4 for ch in chan.keys + chan.values)
     x = torch.randn(50, c) * torch.linspace(0.2, 3.0, c)
     for layer in range(fp["layers"]):
-        got = build_quantizers(parse_method(f"nuq@{avg:g}:chan"), tiny_recipe, layer, c, fp["head_dim"])
+        got = build_quantizers(parse_method(f"nuq@{avg:g}:chan"), narrow, layer, c, fp["head_dim"])
         for side, ch in ((0, chan.keys[layer]), (1, chan.values[layer])):
             same = parse_method("nuq4" + (f"-{100 * ch.fraction:g}%" if ch.fraction else ""))
             want = build_quantizers(same, tiny_recipe, layer, c, fp["head_dim"])[side]
@@ -273,9 +279,13 @@ def test_channel_widths_quantize_each_channel_with_its_own_codebook(tiny_recipe)
     spec = parse_method("nuq@3:chan")
     alloc = recipe_allocation(tiny_recipe, 3.0, unit="channel")
     x = torch.randn(50, 32) * torch.linspace(0.2, 3.0, 32)
+    checked = 0
     for layer in (0, 1):
         kq, vq = build_quantizers(spec, tiny_recipe, layer, 32, 8)
         for q, choice, side in ((kq, alloc.keys[layer], 0), (vq, alloc.values[layer], 1)):
+            if choice.widths is None:  # one width for the layer: a plain quantizer (the test above)
+                continue
+            checked += 1
             assert tuple(q.widths.tolist()) == choice.widths
             got, kept = q.fake(x)
             for w in set(choice.widths):
@@ -289,12 +299,14 @@ def test_channel_widths_quantize_each_channel_with_its_own_codebook(tiny_recipe)
                 torch.testing.assert_close(got[:, sel], want[:, sel], atol=0, rtol=0)
                 assert kept == want_kept  # the outliers do not depend on the widths
             assert ((got - x).abs() > 0).any()
+    assert checked
 
 
 def test_channel_budgets_reach_the_simulated_path_the_compressed_cache_and_the_fused_kernels(tiny_llama, tiny_recipe):
     """The simulated path counts each layer's widths as `tensor_bits` does; the compressed cache stores every
     channel in its own width and gives the simulated path's logits; fused decode through the numba and the
-    Triton kernels generates what the dense path does."""
+    Triton kernels generates what the dense path does. At 4 bits on average the tiny recipe's choice mixes
+    layers of one width with channels of their own widths up to 5 bits (the kernels' 64-level tables)."""
     from conftest import random_ids
 
     import kvsqueeze
@@ -302,8 +314,10 @@ def test_channel_budgets_reach_the_simulated_path_the_compressed_cache_and_the_f
     from kvsqueeze.integrations.prefill import compressed
     from kvsqueeze.integrations.simulate import SimulatedQuantization
 
-    spec = parse_method("nuq@3:chan")
-    alloc = recipe_allocation(tiny_recipe, 3.0, unit="channel")
+    spec = parse_method("nuq@4:chan")
+    alloc = recipe_allocation(tiny_recipe, 4.0, unit="channel")
+    choices = alloc.keys + alloc.values
+    assert any(c.widths is None for c in choices) and max(max(c.widths or (0,)) for c in choices) > 4
     ids = random_ids(1, 30, seed=4)
     with torch.no_grad():
         exact = tiny_llama(ids).logits
@@ -315,8 +329,9 @@ def test_channel_budgets_reach_the_simulated_path_the_compressed_cache_and_the_f
         cache = kvsqueeze.cache_for(tiny_llama, tiny_recipe, spec)
         got = torch.cat([tiny_llama(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(30)], 1)
         for i, layer in enumerate(cache.layers):
-            assert tuple(layer.store.key_quantizer.widths.tolist()) == alloc.keys[i].widths
-            assert tuple(layer.store.value_quantizer.widths.tolist()) == alloc.values[i].widths
+            for q, choice in ((layer.store.key_quantizer, alloc.keys[i]), (layer.store.value_quantizer, alloc.values[i])):
+                assert (None if q.widths is None else tuple(q.widths.tolist())) == choice.widths
+                assert q.bits == choice.bits
         cache2 = kvsqueeze.cache_for(tiny_llama, tiny_recipe, spec)
         with fused_decode(tiny_llama, cache2):
             fused = tiny_llama.generate(ids[:, :20], cache=cache2, max_new_tokens=5, min_new_tokens=5,
@@ -324,7 +339,7 @@ def test_channel_budgets_reach_the_simulated_path_the_compressed_cache_and_the_f
         dense = tiny_llama.generate(ids[:, :20], cache=kvsqueeze.cache_for(tiny_llama, tiny_recipe, spec),
                                     max_new_tokens=5, min_new_tokens=5, do_sample=False, pad_token_id=0)
     assert not torch.equal(ref, exact)
-    assert (ref - exact).abs().mean() < (two - exact).abs().mean()  # 3 bits on average beat 2 everywhere
+    assert (ref - exact).abs().mean() < (two - exact).abs().mean()  # 4 bits on average beat 2 everywhere
     torch.testing.assert_close(got, ref, atol=1e-4, rtol=1e-4)
     assert torch.equal(fused, dense)
     per_layer = [layer_storage_bits(spec, tiny_recipe, i, 30, 32, sim.counter.k[i], sim.counter.v[i])["total"]
@@ -339,7 +354,7 @@ def test_channel_budgets_reach_the_simulated_path_the_compressed_cache_and_the_f
 
 
 def test_channel_widths_the_kernels_cannot_read_and_broken_tables_are_refused(tiny_recipe):
-    """A width past the kernels' 16-level tables, a store or a page layout handed channel widths they cannot hold,
+    """A width past the kernels' 64-level tables, a store or a page layout handed channel widths they cannot hold,
     and per-channel errors that are not finite all raise before any token is stored."""
     import copy
     import dataclasses
@@ -350,8 +365,8 @@ def test_channel_widths_the_kernels_cannot_read_and_broken_tables_are_refused(ti
     from kvsqueeze.quantizer import build_quantizers
 
     kq, vq = build_quantizers(parse_method("nuq@3:chan"), tiny_recipe, 0, 32, 8)
-    wide = dataclasses.replace(kq, widths=torch.full((32,), 5))
-    with pytest.raises(MethodError, match=r"widths \[5\] are not supported"):
+    wide = dataclasses.replace(kq, widths=torch.full((32,), 7))
+    with pytest.raises(MethodError, match=r"widths \[7\] are not supported"):
         KVStore(wide, vq, 32, 1, head_dim=8)
     with pytest.raises(ValueError, match="widths of their own"):
         PageLayout(kq, vq, 32, 8, block_size=16, sinks=1)

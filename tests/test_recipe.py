@@ -86,9 +86,9 @@ def test_saved_recipe_drives_the_same_quantization(tiny_llama, tiny_recipe, tiny
 # ---- contents ----------------------------------------------------------------------------------
 def test_codebooks_sorted_inside_unit_interval(tiny_recipe):
     keys = [k for k in tiny_recipe.tensors if ".codebook." in k]
-    # 2 layers x (K, V) x 3 bit widths x (p0 vector + 2 fractions x (vector, matrix)) x fits, and the 1-bit
-    # codebooks of per-channel budgets (Fisher*s^2, per vector, every fraction)
-    assert len(keys) == LAYERS * 2 * (3 * (3 + 2 * 3 + 2 * 1) + 3)
+    # 2 layers x (K, V) x 3 bit widths x (p0 vector + 2 fractions x (vector, matrix)) x fits, and the 1-, 5- and
+    # 6-bit codebooks of per-channel budgets (Fisher*s^2, per vector, every fraction)
+    assert len(keys) == LAYERS * 2 * (3 * (3 + 2 * 3 + 2 * 1) + 3 * 3)
     for k in keys:
         cb = tiny_recipe.tensors[k]
         bits = int(k.split(".b")[1].split(".")[0])
@@ -111,8 +111,8 @@ def test_fit_variants_give_different_codebooks(tiny_recipe):
 def test_kmeans_objectives_nuq_never_worse_than_fixed_levels(tiny_recipe_dir):
     meta = json.loads((tiny_recipe_dir / META_FILE).read_text())
     objs = meta["kmeans_objective"]
-    # fs2 only: p0 vector, 2 fractions x (vector, matrix); and 1 bit per vector (per-channel budgets)
-    assert len(objs) == LAYERS * 2 * (3 * 5 + 3)
+    # fs2 only: p0 vector, 2 fractions x (vector, matrix); and 1, 5 and 6 bits per vector (per-channel budgets)
+    assert len(objs) == LAYERS * 2 * (3 * 5 + 3 * 3)
     for k, o in objs.items():
         assert o["nuq"] >= 0
         assert o["nuq"] <= o["uniform"] * (1 + 1e-9) + 1e-300, k

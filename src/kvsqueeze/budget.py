@@ -43,7 +43,7 @@ from .recipe import Recipe, RecipeError, codebook_key
 
 TOKENS = 2048  # cached tokens the choice is made for
 INDEX_BITS = 16  # an outlier's channel index
-CHANNEL_BITS = (1, 2, 3, 4)  # widths a ':chan' budget gives channels (the kernels' tables hold 16 levels)
+CHANNEL_BITS = (1, 2, 3, 4, 5, 6)  # widths a ':chan' budget gives channels (the kernels' tables hold 64 levels)
 WIDTH_BITS = 8  # a channel's width, stored once per layer with its codebooks
 
 
@@ -271,16 +271,16 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
     layers, channels = int(fp["layers"]), int(fp["kv_heads"]) * int(fp["head_dim"])
     fractions = sorted(float(f) for f in recipe.meta.get("settings", {}).get("fractions", (0.0,)))
     q = tokens - min(sinks, tokens)  # quantized tokens: a channel one bit wider costs q bits
-    widths = np.array(CHANNEL_BITS)
-    whole = [i for i, w in enumerate(CHANNEL_BITS) if w in SUPPORTED_BITS]  # widths a whole layer may take
     units = [(layer, kv) for layer in range(layers) for kv in ("k", "v")]
     rows = np.arange(len(units))
     # err [U, F, C, W]; fixed [U, F]: what a unit stores besides its codes
     err = np.stack([np.stack([recipe.channel_errors(layer, kv, f).double().numpy() for f in fractions])
                     for layer, kv in units])
-    if err.shape[2:] != (channels, len(CHANNEL_BITS)):
+    if err.shape[2] != channels or not 4 <= err.shape[3] <= len(CHANNEL_BITS):
         raise RecipeError(f"the recipe's per-channel errors have shape {err.shape[2:]}, expected "
                           f"({channels}, {len(CHANNEL_BITS)}): recalibrate it with this version of kvsqueeze")
+    widths = np.array(CHANNEL_BITS[:err.shape[3]])  # a recipe from before the 5- and 6-bit codebooks: up to 4
+    whole = [i for i, w in enumerate(widths) if w in SUPPORTED_BITS]  # widths a whole layer may take
     if not np.isfinite(err).all() or (err < 0).any():
         raise RecipeError("the recipe's per-channel errors hold NaN, Inf or negative values: recalibrate it")
     fixed = np.array([[tensor_bits(kv, Choice(max(CHANNEL_BITS), f, (0,) * channels), tokens, channels, sinks)["total"]

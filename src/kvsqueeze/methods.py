@@ -16,7 +16,7 @@ Grammar::
     AVG     a bit budget, e.g. 3.5: average stored bits per K/V element, every byte counted; each
             layer's key and value bit width and outlier fraction come from the recipe (`kvsqueeze.budget`):
             from its Fisher objectives, or with `:kl` from measured sensitivities (`kvsqueeze budget`);
-            with `:chan` every channel of every layer's keys and values gets its own width (1 to 4 bits)
+            with `:chan` every channel of every layer's keys and values gets its own width (1 to 6 bits)
             from the recipe's per-channel Fisher-weighted errors
     BITS    2 | 3 | 4 (both K and V)  or  k3v2 (keys 3 bits, values 2 bits)
     PCT     outlier percentage, e.g. 1 or 0.1 (kept exactly in fp16)

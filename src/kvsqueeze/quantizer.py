@@ -225,8 +225,8 @@ def build_quantizers(
     if spec.budget is not None:  # this layer's own key and value choice
         k, v = layer_choices(spec, recipe, layer)
         plain = dict(budget=None, outlier_scope="vector")
-        # a ':chan' choice is built at the widest supported width, then given its channels' own codebooks
-        kb, vb = (max(c.bits, min(SUPPORTED_BITS)) for c in (k, v))
+        # a ':chan' choice is built at a supported width, then given its channels' own codebooks (up to 6 bits)
+        kb, vb = (min(max(c.bits, min(SUPPORTED_BITS)), max(SUPPORTED_BITS)) for c in (k, v))
         ks = dataclasses.replace(spec, k_bits=kb, v_bits=kb, outlier_fraction=k.fraction, **plain)
         vs = dataclasses.replace(spec, k_bits=vb, v_bits=vb, outlier_fraction=v.fraction, **plain)
         kq = build_quantizers(ks, recipe, layer, channels, head_dim)[0]

@@ -115,6 +115,8 @@ def plot_budget(alloc, path: str) -> str:
     """Bits per layer of a bit budget (`kvsqueeze.budget.Allocation`): keys and values side by side, the
     layers that keep 1% (or 0.1%) outliers hatched; with a width per channel (':chan'), each layer's mean width,
     and a second panel with every channel's width (layers down, channels across; keys left, values right)."""
+    from ..budget import CHANNEL_BITS
+
     plt = _plt()
     layers = range(len(alloc.keys))
     chan = any(c.widths is not None for c in alloc.keys + alloc.values)
@@ -133,8 +135,8 @@ def plot_budget(alloc, path: str) -> str:
                 bar.set_hatch("//" if c.fraction >= 0.01 else ".")
     ax.set_xlabel("layer")
     ax.set_ylabel("mean bits" if chan else "bits")
-    ax.set_yticks([1, 2, 3, 4] if chan else [2, 3, 4])
-    ax.set_ylim(0, 4.6)
+    ax.set_yticks(list(range(1, max(CHANNEL_BITS) + 1)) if chan else [2, 3, 4])
+    ax.set_ylim(0, (max(CHANNEL_BITS) if chan else 4) + 0.6)
     ax.set_title(f"nuq@{alloc.avg_bits:g}{':chan' if chan else ''}: {alloc.bits:.3f} bits per element at "
                  f"{alloc.tokens} tokens (hatched: outliers kept)")
     if chan:
@@ -146,11 +148,11 @@ def plot_budget(alloc, path: str) -> str:
             return list(c.widths) if c.widths is not None else [c.bits] * channels
 
         widths = np.array([row(k) + row(v) for k, v in zip(alloc.keys, alloc.values)])
-        shown = grid.imshow(widths, aspect="auto", cmap="viridis", vmin=1, vmax=4, interpolation="nearest")
+        shown = grid.imshow(widths, aspect="auto", cmap="viridis", vmin=1, vmax=max(CHANNEL_BITS), interpolation="nearest")
         grid.axvline(channels - 0.5, color="white", lw=1.5)
         grid.set_xlabel("channel (keys | values)")
         grid.set_ylabel("layer")
-        fig.colorbar(shown, ax=grid, ticks=[1, 2, 3, 4], label="bits")
+        fig.colorbar(shown, ax=grid, ticks=list(range(1, max(CHANNEL_BITS) + 1)), label="bits")
     ax.legend(loc="lower right", fontsize=8)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)

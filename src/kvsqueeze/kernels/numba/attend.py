@@ -87,8 +87,9 @@ class KernelInputs(NamedTuple):
     q float32 [B, Hq, D]; k_codes, v_codes uint32, flat; rows uint32 [B, >= T]: the slot of token t of batch row b
     (t * B + b for a store's token-major arrays, the page slot for a paged cache); geo int64 [7, 3] and shift:
     where a slot's data lies in each array (`common.at`); k_words uint32 [T * B]: the first key word of every
-    slot (read where key outliers are); klut float32 [C, 16] (LUT[c] = level * scale[c] +
-    zero[c], repeated to 16 entries); vlut float32 [C, 16] (channel c's levels, repeated); k_bits, v_bits: every
+    slot (read where key outliers are); klut float32 [C, R] (LUT[c] = level * scale[c] +
+    zero[c], repeated to R = 16 entries, 64 where channels of their own widths reach 5 or 6 bits); vlut float32
+    [C, R] (channel c's levels, repeated); k_bits, v_bits: every
     channel's code width (0: channels have their own); k_offs, v_offs int32 [C + 1]: each channel's first bit in
     its slot's stream; positions int32 [T, B]; cos_hi .. sin_lo: the
     `tables.RopeTables`; k_ptr / v_ptr uint32 [slots + 1] (empty: none, or fixed counts), k_base uint32 [slots]: the
@@ -374,9 +375,9 @@ def _build_luts(k_levels: torch.Tensor, k_scale: torch.Tensor, k_zero: torch.Ten
 
 
 def _padded(table: torch.Tensor) -> np.ndarray:
-    """[rows, 2**bits] -> [rows, 16] float32, the levels repeated: one vector per row, and entry
-    (code + 2**bits * anything) == entry code, so a lookup may ignore the bits above the code."""
-    return np.tile(_np(table.float()), (1, LANES // table.shape[1]))
+    """[rows, 2**bits] -> [rows, max(16, 2**bits)] float32, the levels repeated: a row is at least one vector,
+    and entry (code + 2**bits * anything) == entry code, so a lookup may ignore the bits above the code."""
+    return np.tile(_np(table.float()), (1, max(1, LANES // table.shape[1])))
 
 
 def _np(x: torch.Tensor) -> np.ndarray:

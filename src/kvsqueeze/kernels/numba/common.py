@@ -11,7 +11,8 @@ Layout conventions (see `attend.py` for the passes):
   transposed into wb [words, width] (uint32) so that one channel's codes of 16
   tokens are a vector shift away;
 * lookup tables are rows of 16 float32 (the 2**bits levels repeated to fill 16 lanes), one row per
-  channel: keys with their scale and zero-point folded in, values the channel's levels;
+  channel: keys with their scale and zero-point folded in, values the channel's levels; rows of 64 where
+  channels of their own widths reach 5 or 6 bits;
 * a channel's code starts at stream bit offs[c] of its slot (`offs` int32 [C + 1]; c * bits when every
   channel has the same width, the running sum of the widths when each has its own).
 
@@ -145,22 +146,28 @@ def gather_words(codes, rows, geo, f, shift, b, t0, n, w0, nw, wb, width):
 
 
 @njit(cache=True, inline="always")
-def decode(wb, width, w0, off, bits, lut, row, k):
-    """Lanes k..k+15 (tokens) of the code at stream bit `off` (a channel's `offs` entry): lut[row, code], codes
-    from the transposed words wb [*, width].
+def decode(wb, width, w0, offs, c, bits, lut, k):
+    """Lanes k..k+15 (tokens) of channel c's code (stream bits offs[c] ..): lut[c, code], codes from the
+    transposed words wb [*, width].
 
     Branch-free: one funnel shift of the code's word and the next brings the code to the low bits whether or
     not it straddles them, and the lookup reads only the low four bits; the table repeats with period
     2**width of the code, so the bits above the code select the same level. wb needs one row past the last
     word read. 2- and 4-bit codes of equal widths never straddle a word: they take one word and a shift instead
-    (`bits` 0: channels of their own widths, every code funnel-shifted).
+    (`bits` 0: channels of their own widths, every code funnel-shifted). Channels of their own widths may be 5
+    or 6 bits wide (lut rows of 64 levels): such a code gathers its level from the row instead of permuting
+    the row's first 16.
     """
+    off = offs[c]
     wi = (off >> 5) - w0
     if bits == 4 or bits == 2:  # such codes never straddle a word: one word, one shift
         words = ushr(vload(wb, wi * width + k), off & 31)
     else:
         words = vfunnel(vload(wb, wi * width + k), vload(wb, (wi + 1) * width + k), off & 31)
-    return vlookup(vload(lut, row * LANES), words)
+    row = lut.shape[1]
+    if bits == 0 and offs[c + 1] - off > 4:
+        return vindex(lut, c * row, uand(words, row - 1), LANES)
+    return vlookup(vload(lut, c * row), words)
 
 
 @njit(cache=True, inline="always")

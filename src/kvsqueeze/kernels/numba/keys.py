@@ -38,7 +38,7 @@ def key_scores(q, codes, rows, geo, shift, klut, bits, offs, heads, positions, c
 
     Args:
         q: float32 [B, Hq, D]; codes: uint32, flat; rows uint32 [B, >= T], geo int64 [7, 3], shift: where each
-            token's codes lie (`common.at`); klut: float32 [C, 16] per-channel tables.
+            token's codes lie (`common.at`); klut: float32 [C, R] per-channel tables (R = 16, or 64 for 5- and 6-bit channels).
         bits: every channel's code width (0: channels have their own); offs: int32 [C + 1], each channel's
             first stream bit (`common.py`).
         positions: int32 [T, B]; cos_hi .. sin_lo: `rope.RopeTables`.
@@ -90,10 +90,10 @@ def _dot_group(q, b, qh, ng, wb, w0, c0, half, d, bits, offs, klut, cs, sn, n, v
     for k in range(0, n, 4 * LANES):
         a0 = a1 = a2 = a3 = e0 = e1 = e2 = e3 = f0 = f1 = f2 = f3 = vsplat(ZERO)
         for j in range(2 * half, d):  # channels RoPE leaves alone
-            x0 = decode(wb, BLOCK, w0, offs[c0 + j], bits, klut, c0 + j, k)
-            x1 = decode(wb, BLOCK, w0, offs[c0 + j], bits, klut, c0 + j, k + LANES)
-            x2 = decode(wb, BLOCK, w0, offs[c0 + j], bits, klut, c0 + j, k + 2 * LANES)
-            x3 = decode(wb, BLOCK, w0, offs[c0 + j], bits, klut, c0 + j, k + 3 * LANES)
+            x0 = decode(wb, BLOCK, w0, offs, c0 + j, bits, klut, k)
+            x1 = decode(wb, BLOCK, w0, offs, c0 + j, bits, klut, k + LANES)
+            x2 = decode(wb, BLOCK, w0, offs, c0 + j, bits, klut, k + 2 * LANES)
+            x3 = decode(wb, BLOCK, w0, offs, c0 + j, bits, klut, k + 3 * LANES)
             qx = vsplat(q[b, qh, j])
             a0, a1, a2, a3 = vfma(qx, x0, a0), vfma(qx, x1, a1), vfma(qx, x2, a2), vfma(qx, x3, a3)
             if ng > 1:
@@ -103,17 +103,17 @@ def _dot_group(q, b, qh, ng, wb, w0, c0, half, d, bits, offs, klut, cs, sn, n, v
                 qx = vsplat(q[b, qh + 2, j])
                 f0, f1, f2, f3 = vfma(qx, x0, f0), vfma(qx, x1, f1), vfma(qx, x2, f2), vfma(qx, x3, f3)
         for j in range(half):
-            xr0, yr0 = _rot(decode(wb, BLOCK, w0, offs[c0 + j], bits, klut, c0 + j, k),
-                            decode(wb, BLOCK, w0, offs[c0 + j + half], bits, klut, c0 + j + half, k),
+            xr0, yr0 = _rot(decode(wb, BLOCK, w0, offs, c0 + j, bits, klut, k),
+                            decode(wb, BLOCK, w0, offs, c0 + j + half, bits, klut, k),
                             vload(cs, j * BLOCK + k), vload(sn, j * BLOCK + k))
-            xr1, yr1 = _rot(decode(wb, BLOCK, w0, offs[c0 + j], bits, klut, c0 + j, k + LANES),
-                            decode(wb, BLOCK, w0, offs[c0 + j + half], bits, klut, c0 + j + half, k + LANES),
+            xr1, yr1 = _rot(decode(wb, BLOCK, w0, offs, c0 + j, bits, klut, k + LANES),
+                            decode(wb, BLOCK, w0, offs, c0 + j + half, bits, klut, k + LANES),
                             vload(cs, j * BLOCK + k + LANES), vload(sn, j * BLOCK + k + LANES))
-            xr2, yr2 = _rot(decode(wb, BLOCK, w0, offs[c0 + j], bits, klut, c0 + j, k + 2 * LANES),
-                            decode(wb, BLOCK, w0, offs[c0 + j + half], bits, klut, c0 + j + half, k + 2 * LANES),
+            xr2, yr2 = _rot(decode(wb, BLOCK, w0, offs, c0 + j, bits, klut, k + 2 * LANES),
+                            decode(wb, BLOCK, w0, offs, c0 + j + half, bits, klut, k + 2 * LANES),
                             vload(cs, j * BLOCK + k + 2 * LANES), vload(sn, j * BLOCK + k + 2 * LANES))
-            xr3, yr3 = _rot(decode(wb, BLOCK, w0, offs[c0 + j], bits, klut, c0 + j, k + 3 * LANES),
-                            decode(wb, BLOCK, w0, offs[c0 + j + half], bits, klut, c0 + j + half, k + 3 * LANES),
+            xr3, yr3 = _rot(decode(wb, BLOCK, w0, offs, c0 + j, bits, klut, k + 3 * LANES),
+                            decode(wb, BLOCK, w0, offs, c0 + j + half, bits, klut, k + 3 * LANES),
                             vload(cs, j * BLOCK + k + 3 * LANES), vload(sn, j * BLOCK + k + 3 * LANES))
             qx, qy = vsplat(q[b, qh, j]), vsplat(q[b, qh, j + half])
             a0 = vfma(qy, yr0, vfma(qx, xr0, a0))

@@ -102,7 +102,7 @@ def key_outliers(q, codes, slot_words, klut, bits, heads, positions, cos_hi, sin
     """scores[b, hq, t] += scaling * q[b, hq] . RoPE(exact - dequantized) for every key outlier.
 
     q float32 [B, Hq, D]; codes uint32, flat, slot n's words from element slot_words[n] (uint32 [T*B]); klut
-    float32 [C, 16]; positions uint32 [T, B]; pointers uint32 [T*B + 1]: slot n holds pointers[n + 1] -
+    float32 [C, R]; positions uint32 [T, B]; pointers uint32 [T*B + 1]: slot n holds pointers[n + 1] -
     pointers[n] outliers, their channels from element entry_base[n] (uint32 [T*B]) of channels (uint16), their
     values `to_value` elements further on in values (fp16 bits, uint16); code_under: the code every outlier's
     element holds in `codes` (the pass then reads no codes), -1 when they vary;
@@ -197,7 +197,7 @@ def value_outliers(probs, codes, n_words, vlut, bits, heads, scale_zero, pointer
 
     probs float32 [B, Hq, T]; codes uint32 and scale_zero fp16 bits, flat, token-major: slot n's words from
     element n * n_words, its scale and zero-point at 2n and 2n + 1 (counts that vary have no pages); vlut float32
-    [C, 16]; pointers uint32 [T*B + 1]; channels uint16; values fp16 bits; code_under, chan_head, chan_pos: as
+    [C, R]; pointers uint32 [T*B + 1]; channels uint16; values fp16 bits; code_under, chan_head, chan_pos: as
     `key_outliers`;
     partial float32 [parts, B, Hq, D], zero on entry, each part summed in its own slice (two slots may hit one
     (hq, channel)).
@@ -239,7 +239,7 @@ def value_outliers_fixed(probs, codes, rows, geo, shift, vlut, bits, heads, sz, 
     16 tokens at a time in vector lanes.
 
     probs float32 [B, Hq, T]; codes (uint32, flat), rows, geo, shift: as `keys.key_scores`; vlut float32
-    [C, 16]; sz float32 [2, B, T] (the planar scales and zero-points `value_sums` wrote); channels, values uint16,
+    [C, R]; sz float32 [2, B, T] (the planar scales and zero-points `value_sums` wrote); channels, values uint16,
     flat, where `geo` puts each slot's; code_under: as `key_outliers`;
     lanes float32 [parts, B, Hq, D, 16], zero on entry: part p adds its share into lanes[p], lane i for its
     i-th token of every 16, so no two lanes of one scatter ever touch one element, whatever the channels.

@@ -44,7 +44,7 @@ def value_sums(scores, m, codes, rows, geo, shift, vlut, bits, offs, heads, scal
     Args:
         scores: float32 [B, Hq, T], scaled and masked (-inf) scores; read, then overwritten with p_t.
         m: float32 [B, Hq], the row maxima; codes (uint32, flat), rows, geo, shift: as `keys.key_scores`;
-            vlut: float32 [C, 16] (each channel's levels, repeated); bits, offs: as `keys.key_scores`.
+            vlut: float32 [C, R] (each channel's levels, repeated); bits, offs: as `keys.key_scores`.
         scale_zero: fp16 bits, uint16, flat, the per-token scales and zero-points; sz: float32 [2, B, T],
             written: the same in float32 and planar (contiguous over tokens), each item converting its own
             tokens once for all KV heads (the value outlier pass reads them after); starts: int64 [items + 1],
@@ -120,8 +120,8 @@ def _accumulate(wb, w0, c0, d, bits, offs, vlut, weights, gt, ng, width, acc, fr
             a2, e2 = (vload(acc, i0 + 2 * d * LANES), vload(acc, i1 + 2 * d * LANES)) if ng > 2 else (a0, e0)
             a3, e3 = (vload(acc, i0 + 3 * d * LANES), vload(acc, i1 + 3 * d * LANES)) if ng > 3 else (a0, e0)
         for k in range(0, width, LANES):
-            v = decode(wb, SPAN, w0, offs[c0 + c], bits, vlut, c0 + c, k)
-            u = decode(wb, SPAN, w0, offs[c0 + c + 1], bits, vlut, c0 + c + 1, k)
+            v = decode(wb, SPAN, w0, offs, c0 + c, bits, vlut, k)
+            u = decode(wb, SPAN, w0, offs, c0 + c + 1, bits, vlut, k)
             w = vload(weights, gt * SPAN + k)
             a0, e0 = vfma(w, v, a0), vfma(w, u, e0)
             if ng > 1:
