@@ -307,8 +307,8 @@ class PageLayout:
             block_table: int [B, >= pages needed], the pages of each sequence in order.
             seq_lens: int [B], tokens cached per sequence (the new ones included).
             in_place: with a power-of-two block size, a view of the pages themselves (`StoreView.rows`: each
-                token's slot in its page, no copy), which the numba kernel reads through the block tables and the
-                other backends gather (`StoreView.gathered`); a masked slot past a sequence's end names the
+                token's slot in its page, no copy), which the numba and Triton kernels read through the block
+                tables and the reference gathers (`StoreView.gathered`); a masked slot past a sequence's end names the
                 sequence's first slot (written, so finite). Other block sizes: the gathered copy.
         Token t of sequence b sits at position t. A shorter sequence's slots past its length are zeroed in the
         gathered copy (whatever a page held there before) and masked.

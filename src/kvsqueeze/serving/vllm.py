@@ -19,8 +19,8 @@ What the backend does, per layer and step:
   it was handed must give them), and otherwise turns the keys back by their positions (the layer's RoPE, from the
   model config). Either way the pre-RoPE keys are quantized with the values into their slots of the pages.
 * every query then attends over its sequence's pages: decode tokens of the whole batch in one call of the fused
-  kernel (numba on CPU, reading each token's slot in its page through the block tables; Triton on GPU, over a
-  gathered copy); prefill chunks (prompts, later chunks of a chunked prefill, and prompts whose prefix vLLM found
+  kernel (numba on CPU, Triton on GPU, each reading every token's slot in its page through the block tables);
+  prefill chunks (prompts, later chunks of a chunked prefill, and prompts whose prefix vLLM found
   cached) over the pages dequantized through the sequence's block table (`PageLayout.read`) with a causal mask.
   That is what kvsqueeze's own HF path computes: its prefill also attends the quantized cache. Pages in CPU
   memory are written and read by numba kernels (`kvsqueeze.kernels.numba.pages`), loaded at start-up.

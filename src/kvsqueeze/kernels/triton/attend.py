@@ -104,6 +104,11 @@ def _multiprocessors(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def _entries_in_use(sparse: Outliers, slots: int) -> int:
+    """Entries the sparse passes walk: every slot's fixed count (in pages, wherever the slots lie), or nnz."""
+    return slots * int(sparse.fixed) if sparse.fixed is not None else int(sparse.nnz)
+
+
 def _pointers(sparse: Outliers, slots: int) -> tuple[torch.Tensor | None, int, int]:
     """(pointers or None, fixed count or 0, binary-search steps) of one sparse array."""
     if sparse.fixed is not None:
@@ -130,11 +135,23 @@ def _unread(device: str) -> torch.Tensor:
 def _check_sizes(q: torch.Tensor, kv: StoreView) -> None:
     bsz, hq, _ = q.shape
     t = kv.tokens
-    words = max(kv.k_codes.shape[-1], kv.v_codes.shape[-1])
-    if bsz * hq * t >= 1 << 31 or t * bsz * words >= 1 << 31:
-        raise ValueError(f"{bsz} rows x {hq} query heads x {t} tokens is 2**31 scores or more (or as many code "
-                         "words), past what the triton backend addresses in one call; use backend='reference' or "
-                         "a shorter cache")
+    if bsz * hq * t >= 1 << 31:
+        raise ValueError(f"{bsz} rows x {hq} query heads x {t} tokens is 2**31 scores or more, past what the "
+                         "triton backend addresses in one call; use backend='reference' or a shorter cache")
+
+
+def _bases(kv: StoreView) -> list[torch.Tensor]:
+    """Per array of `view.ARRAYS`, the element where each slot n = t * B + b's data starts, int64 [T * B]: n
+    times the slot's width in token-major arrays (outliers: in those of a fixed count), or its place in its
+    page (`Rows.elements`), which the programs read in place."""
+    t, b = kv.tokens, kv.batch
+    if kv.rows is not None:
+        slots = kv.rows.slots[:, :t].t().reshape(-1)
+        return [kv.rows.elements(f, slots).contiguous() for f in range(7)]
+    n = torch.arange(t * b, dtype=torch.int64, device=kv.device)
+    fk = kv.k_outliers.fixed if kv.k_outliers is not None and kv.k_outliers.fixed else 0
+    fv = kv.v_outliers.fixed if kv.v_outliers is not None and kv.v_outliers.fixed else 0
+    return [n * kv.k_codes.shape[-1], n * kv.v_codes.shape[-1], n * 2, n * fk, n * fk, n * fv, n * fv]
 
 
 def decode_attention(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
@@ -142,8 +159,7 @@ def decode_attention(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
                      sink_logits: torch.Tensor | None = None) -> torch.Tensor:
     """See `kvsqueeze.kernels.decode_attention`; q float32 [B, Hq, D] on a CUDA device (or on the CPU under
     Triton's interpreter) -> float32 [B, Hq, D]. The first call of each compiled variant on a GPU is checked
-    against the reference backend. A view of physical rows (a paged cache) is read through a token-major copy."""
-    kv = kv.gathered()
+    against the reference backend. A view of physical rows (a paged cache) is read in place, through its rows."""
     out = _decode(q, kv, rope, scaling, key_mask, softcap, sink_logits)
     if q.device.type == "cuda" or os.environ.get("KVSQUEEZE_CHECK_TRITON") == "1":
         variant = _variant(q, kv, rope, key_mask, softcap, sink_logits)
@@ -179,7 +195,7 @@ def _decode(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float, key_mask
     k_codes, v_codes = kv.k_codes, kv.v_codes
     positions, sz = kv.positions, kv.v_scale_zero
     sinks = kv.sink_slot.shape[1]
-    wk, wv = k_codes.shape[-1], v_codes.shape[-1]
+    kbase, vbase, szbase, kcbase, kxbase, vcbase, vxbase = _bases(kv)
     block_t, sparse_block = BLOCK_T, SPARSE_BLOCK
     if interpreting():
         block_t, sparse_block = INTERPRETED_BLOCK_T, INTERPRETED_SPARSE_BLOCK
@@ -187,14 +203,16 @@ def _decode(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float, key_mask
 
     scores = torch.empty(bsz, hq, t, dtype=torch.float32, device=dev)
     passes.key_scores[(bsz * h, triton.cdiv(t, block_t))](
-        q, k_codes, k_offs, klut, positions, cos_hi, sin_hi, cos_lo, sin_lo, scores, t, bsz, wk, h, hq,
+        q, k_codes, k_offs, klut, positions, cos_hi, sin_hi, cos_lo, sin_lo, scores, kbase, t, bsz, h, hq,
         BITS=k_bits, KROW=klut.shape[1], BLOCK_T=block_t, **shape)
     k_out = kv.k_outliers
-    if k_out is not None and k_out.nnz:
+    k_nnz = 0 if k_out is None else _entries_in_use(k_out, slots)
+    if k_nnz:
         ptr, fixed, steps = _pointers(k_out, slots)
-        passes.key_outliers[(triton.cdiv(k_out.nnz, sparse_block),)](
+        passes.key_outliers[(triton.cdiv(k_nnz, sparse_block),)](
             q, k_codes, k_offs, klut, positions, cos_hi, sin_hi, cos_lo, sin_lo, scores,
-            k_out.values if ptr is None else ptr, k_out.channels, k_out.values, k_out.nnz, slots, t, bsz, wk, hq,
+            k_out.values if ptr is None else ptr, k_out.channels, k_out.values, kbase, kcbase, kxbase,
+            k_nnz, slots, t, bsz, hq,
             -1 if k_out.code is None else int(k_out.code),
             D=d, G=g, HALF=half, BITS=k_bits, KROW=klut.shape[1], FIXED=fixed, STEPS=steps, BLOCK=sparse_block)
     if sinks:
@@ -209,8 +227,8 @@ def _decode(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float, key_mask
     acc_part = torch.empty(bsz * hq * nsplit, d, dtype=torch.float32, device=dev)
     mask = scores if key_mask is None else key_mask.to(dev).contiguous().view(torch.uint8)
     passes.value_partial[(bsz * h, nsplit)](
-        scores, mask, v_codes, v_offs, vlut, sz, kv.sink_v, kv.sink_slot, m_part, l_part, acc_part,
-        float(scaling), float(softcap or 1.0), t, bsz, wv, h, hq, split_t, nsplit,
+        scores, mask, v_codes, v_offs, vlut, sz, vbase, szbase, kv.sink_v, kv.sink_slot, m_part, l_part, acc_part,
+        float(scaling), float(softcap or 1.0), t, bsz, h, hq, split_t, nsplit,
         S=sinks, D=d, D_P=_p2(d), G=g, G_P=_p2(g), BITS=v_bits, VROW=vrow, HAS_MASK=key_mask is not None,
         SOFTCAP=bool(softcap), BLOCK_T=block_t)
     out = torch.empty(bsz, hq, d, dtype=torch.float32, device=dev)
@@ -220,11 +238,13 @@ def _decode(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float, key_mask
     passes.combine[(bsz * hq,)](m_part, l_part, acc_part, logit, out, stats, hq, nsplit,
                                 D=d, D_P=_p2(d), NS_P=_p2(nsplit), HAS_SINK_LOGIT=has_sink_logit)
     v_out = kv.v_outliers
-    if v_out is not None and v_out.nnz:
+    v_nnz = 0 if v_out is None else _entries_in_use(v_out, slots)
+    if v_nnz:
         ptr, fixed, steps = _pointers(v_out, slots)
-        passes.value_outliers[(triton.cdiv(v_out.nnz, sparse_block),)](
-            v_codes, v_offs, vlut, sz, kv.sink_slot, scores, stats, out,
-            v_out.values if ptr is None else ptr, v_out.channels, v_out.values, v_out.nnz, slots, t, bsz, wv, hq,
+        passes.value_outliers[(triton.cdiv(v_nnz, sparse_block),)](
+            v_codes, v_offs, vlut, sz, vbase, szbase, kv.sink_slot, scores, stats, out,
+            v_out.values if ptr is None else ptr, v_out.channels, v_out.values, vcbase, vxbase,
+            v_nnz, slots, t, bsz, hq,
             -1 if v_out.code is None else int(v_out.code),
             S=sinks, D=d, G=g, BITS=v_bits, VROW=vrow, FIXED=fixed, STEPS=steps, BLOCK=sparse_block)
     return out

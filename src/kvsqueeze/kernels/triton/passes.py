@@ -1,9 +1,10 @@
 """Triton programs of the GPU backend: the key pass, the sparse passes, the value pass and its combine.
 
 Every program reads the store's own arrays (`StoreView`): packed codes int32
-[T, B, W] (one bit stream per slot, `kvsqueeze.packing`), fp16 scales and
-outliers, int32 positions [T, B]. Offsets are 32-bit (the host checks that
-every array fits). Shapes that change the code (head width, GQA group, bits,
+(one bit stream per slot, `kvsqueeze.packing`), fp16 scales and outliers,
+int32 positions [T, B]. Each slot n = t * B + b's data starts where int64
+bases say (`attend._bases`): n times its width in a store's token-major
+arrays, its place in its page in a paged cache, read in place. Shapes that change the code (head width, GQA group, bits,
 block sizes) are `tl.constexpr`, so each combination compiles once.
 
 RoPE is applied in registers: a channel pair (j, j + R/2) of a key at position
@@ -55,18 +56,19 @@ def _cos_sin(pos, j, mask, cos_hi, sin_hi, cos_lo, sin_lo, HALF: tl.constexpr):
 
 @triton.jit
 def key_scores(q_ptr, codes_ptr, offs_ptr, klut_ptr, pos_ptr, cos_hi, sin_hi, cos_lo, sin_lo, scores_ptr,
-               T, B, W, H, HQ,
+               kbase_ptr, T, B, H, HQ,
                D: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
                PASS: tl.constexpr, PASS_P: tl.constexpr, BITS: tl.constexpr, KROW: tl.constexpr,
                BLOCK_T: tl.constexpr):
     """Raw scores q . RoPE(k) [B, Hq, T] of one block of BLOCK_T tokens and one KV head (all G query heads of
-    its group), the keys dequantized from their codes by each channel's lookup table."""
+    its group), the keys dequantized from their codes by each channel's lookup table. Slot n = t * B + b's
+    codes start at element kbase[n] of the flat codes."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
     t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < T
-    row = ((t * B + b) * W)[:, None]
+    row = tl.load(kbase_ptr + t * B + b, mask=tmask, other=0)[:, None]
     pos = tl.load(pos_ptr + t * B + b, mask=tmask, other=0)[:, None]
     g = tl.arange(0, G_P)
     gmask = g < G
@@ -111,6 +113,17 @@ def _slot_of(ptr_ptr, e, emask, SLOTS, FIXED: tl.constexpr, STEPS: tl.constexpr)
 
 
 @triton.jit
+def _entries(cbase_ptr, xbase_ptr, e, n, mask, FIXED: tl.constexpr):
+    """Where entry e (of slot n) lies in the channels and in the values array: with a fixed count per slot,
+    cbase[n] / xbase[n] plus its place among the slot's entries (slots may lie anywhere, as in pages); with
+    pointers, at e in both."""
+    if FIXED > 0:
+        i = e - n * FIXED
+        return (tl.load(cbase_ptr + n, mask=mask, other=0) + i, tl.load(xbase_ptr + n, mask=mask, other=0) + i)
+    return e, e
+
+
+@triton.jit
 def _is_sink(sink_slot, b, t, mask, S: tl.constexpr):
     hit = t < 0
     for s in tl.static_range(S):
@@ -120,22 +133,24 @@ def _is_sink(sink_slot, b, t, mask, S: tl.constexpr):
 
 @triton.jit
 def key_outliers(q_ptr, codes_ptr, offs_ptr, klut_ptr, pos_ptr, cos_hi, sin_hi, cos_lo, sin_lo, scores_ptr,
-                 ptr_ptr, chan_ptr, val_ptr, NNZ, SLOTS, T, B, W, HQ, UNDER,
+                 ptr_ptr, chan_ptr, val_ptr, kbase_ptr, cbase_ptr, xbase_ptr, NNZ, SLOTS, T, B, HQ, UNDER,
                  D: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr, BITS: tl.constexpr, KROW: tl.constexpr,
                  FIXED: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr):
     """Key outliers (CSC over slots), BLOCK entries a program whatever their slots: each replaces its element
-    before RoPE, so it adds q . RoPE(exact - dequantized), which touches the element's channel and its pair."""
+    before RoPE, so it adds q . RoPE(exact - dequantized), which touches the element's channel and its pair.
+    Entries of a fixed count per slot lie where the bases say (`_entries`)."""
     e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     emask = e < NNZ
     n = _slot_of(ptr_ptr, e, emask, SLOTS, FIXED, STEPS)
     t = n // B
     b = n - t * B
-    c = tl.load(chan_ptr + e, mask=emask, other=0).to(tl.int32) & 0xFFFF
+    ce, xe = _entries(cbase_ptr, xbase_ptr, e, n, emask, FIXED)
+    c = tl.load(chan_ptr + ce, mask=emask, other=0).to(tl.int32) & 0xFFFF
     if UNDER >= 0:
         code = tl.zeros_like(c) + UNDER
     else:
-        code = _codes(codes_ptr, offs_ptr, (t * B + b) * W, c, emask, BITS)
-    delta = tl.load(val_ptr + e, mask=emask, other=0.0).to(tl.float32) - tl.load(
+        code = _codes(codes_ptr, offs_ptr, tl.load(kbase_ptr + n, mask=emask, other=0), c, emask, BITS)
+    delta = tl.load(val_ptr + xe, mask=emask, other=0.0).to(tl.float32) - tl.load(
         klut_ptr + c * KROW + code, mask=emask, other=0.0)
     h = c // D
     d = c - h * D
@@ -197,8 +212,8 @@ def _tanh(x):
 
 
 @triton.jit
-def value_partial(scores_ptr, mask_ptr, codes_ptr, offs_ptr, vlut_ptr, sz_ptr, sink_v, sink_slot,
-                  m_ptr, l_ptr, acc_ptr, scaling, softcap, T, B, W, H, HQ, SPLIT_T, NSPLIT,
+def value_partial(scores_ptr, mask_ptr, codes_ptr, offs_ptr, vlut_ptr, sz_ptr, vbase_ptr, szbase_ptr, sink_v,
+                  sink_slot, m_ptr, l_ptr, acc_ptr, scaling, softcap, T, B, H, HQ, SPLIT_T, NSPLIT,
                   S: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr,
                   BITS: tl.constexpr, VROW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
                   BLOCK_T: tl.constexpr):
@@ -238,10 +253,12 @@ def value_partial(scores_ptr, mask_ptr, codes_ptr, offs_ptr, vlut_ptr, sz_ptr, s
         alpha = tl.where(alive, tl.exp(m_run - m_new), 1.0)
         p = tl.where(alive[:, None], tl.exp(s - m_new[:, None]), 0.0)
         vm = tm[:, None] & dm[None, :]
-        code = _codes(codes_ptr, offs_ptr, ((t * B + b) * W)[:, None], c[None, :], vm, BITS)
+        vrow = tl.load(vbase_ptr + t * B + b, mask=tm, other=0)
+        code = _codes(codes_ptr, offs_ptr, vrow[:, None], c[None, :], vm, BITS)
         level = tl.load(vlut_ptr + c[None, :] * VROW + code, mask=vm, other=0.0)
-        scale = tl.load(sz_ptr + (t * B + b) * 2, mask=tm, other=0.0).to(tl.float32)
-        zero = tl.load(sz_ptr + (t * B + b) * 2 + 1, mask=tm, other=0.0).to(tl.float32)
+        szrow = tl.load(szbase_ptr + t * B + b, mask=tm, other=0)
+        scale = tl.load(sz_ptr + szrow, mask=tm, other=0.0).to(tl.float32)
+        zero = tl.load(sz_ptr + szrow + 1, mask=tm, other=0.0).to(tl.float32)
         v = level * scale[:, None] + zero[:, None]
         for i in tl.static_range(S):
             slot = tl.load(sink_slot + b * S + i)
@@ -283,8 +300,8 @@ def combine(m_ptr, l_ptr, acc_ptr, sink_logit_ptr, out_ptr, stats_ptr, HQ, NSPLI
 
 
 @triton.jit
-def value_outliers(codes_ptr, offs_ptr, vlut_ptr, sz_ptr, sink_slot, scores_ptr, stats_ptr, out_ptr,
-                   ptr_ptr, chan_ptr, val_ptr, NNZ, SLOTS, T, B, W, HQ, UNDER,
+def value_outliers(codes_ptr, offs_ptr, vlut_ptr, sz_ptr, vbase_ptr, szbase_ptr, sink_slot, scores_ptr, stats_ptr,
+                   out_ptr, ptr_ptr, chan_ptr, val_ptr, cbase_ptr, xbase_ptr, NNZ, SLOTS, T, B, HQ, UNDER,
                    S: tl.constexpr, D: tl.constexpr, G: tl.constexpr, BITS: tl.constexpr, VROW: tl.constexpr,
                    FIXED: tl.constexpr, STEPS: tl.constexpr, BLOCK: tl.constexpr):
     """Value outliers (CSR over slots), BLOCK entries a program: each adds p_t (exact - dequantized) to its
@@ -296,15 +313,17 @@ def value_outliers(codes_ptr, offs_ptr, vlut_ptr, sz_ptr, sink_slot, scores_ptr,
     t = n // B
     b = n - t * B
     emask = emask & ~_is_sink(sink_slot, b, t, emask, S)
-    c = tl.load(chan_ptr + e, mask=emask, other=0).to(tl.int32) & 0xFFFF
+    ce, xe = _entries(cbase_ptr, xbase_ptr, e, n, emask, FIXED)
+    c = tl.load(chan_ptr + ce, mask=emask, other=0).to(tl.int32) & 0xFFFF
     if UNDER >= 0:
         code = tl.zeros_like(c) + UNDER
     else:
-        code = _codes(codes_ptr, offs_ptr, (t * B + b) * W, c, emask, BITS)
-    scale = tl.load(sz_ptr + n * 2, mask=emask, other=0.0).to(tl.float32)
-    zero = tl.load(sz_ptr + n * 2 + 1, mask=emask, other=0.0).to(tl.float32)
+        code = _codes(codes_ptr, offs_ptr, tl.load(vbase_ptr + n, mask=emask, other=0), c, emask, BITS)
+    szrow = tl.load(szbase_ptr + n, mask=emask, other=0)
+    scale = tl.load(sz_ptr + szrow, mask=emask, other=0.0).to(tl.float32)
+    zero = tl.load(sz_ptr + szrow + 1, mask=emask, other=0.0).to(tl.float32)
     stored = tl.load(vlut_ptr + c * VROW + code, mask=emask, other=0.0) * scale + zero
-    delta = tl.load(val_ptr + e, mask=emask, other=0.0).to(tl.float32) - stored
+    delta = tl.load(val_ptr + xe, mask=emask, other=0.0).to(tl.float32) - stored
     h = c // D
     d = c - h * D
     for g in tl.static_range(G):
