@@ -8,7 +8,9 @@ Quality: for each model and each plain method (nuq2-1%, nuq3-1%, nuq4-1%), the b
 1e-4, so the budget could choose the plain method in every layer and spends no more than it), both
 evaluated on the same spread windows of the BBC evaluation part with the model's own recipe
 (`out/models/<model>/recipe`, from `benchmarks/models.py`; `out/recipe` for the default model): PPL, its
-change against fp16 with a paired 95% interval, KLD and top-1.
+change against fp16 with a paired 95% interval, KLD and top-1; and each budgeted method against its plain
+method directly (`vs_plain`: the PPL change, its paired 95% interval over the same windows, the ratio of
+their mean KL divergences from fp16).
 
 Decode: one decode step of fused attention (the numba backend) over every layer of the default model at
 `--decode-context` tokens, each layer's store built with its own quantizers (a budget's layers differ in
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from kvsqueeze.eval.perplexity import evaluate
+from kvsqueeze.eval.perplexity import evaluate, paired_interval
 from kvsqueeze.eval.texts import evaluation_windows, load_text
 from kvsqueeze.integrations.loading import load_model
 from kvsqueeze.budget import Choice, tensor_bits
@@ -67,9 +69,19 @@ def quality_rows(model_name: str, windows: int, seqlen: int) -> dict:
     rows = evaluate(model, ew.ids, specs, recipe)
     base = rows[0].ppl
     out = [{**r.as_dict(), "change_pct": round(100 * (r.ppl / base - 1), 3)} for r in rows]
+    by_name = {r.method: r for r in rows}
+    tokens = torch.full((ew.ids.shape[0],), ew.ids.shape[1] - 1)
+    for r in out:  # each budgeted method against its plain method, paired over the same windows
+        plain = next((p for p, *budgets in pairs if r["method"] in budgets), None)
+        if plain is not None:
+            mine, theirs = by_name[r["method"]], by_name[plain]
+            ci = paired_interval(torch.tensor(mine.window_nll), torch.tensor(theirs.window_nll), tokens)
+            r["vs_plain"] = {"method": plain, "change_pct": round(100 * (mine.ppl / theirs.ppl - 1), 3),
+                             "ci95": None if ci is None else [round(x, 3) for x in ci],
+                             "kld_ratio": round(mine.kld_mean / theirs.kld_mean, 4) if theirs.kld_mean else None}
     for r in out:
         print(f"{model_name:>20} {r['method']:>12} {r['avg_bits']:.3f} {r['ppl']:.3f} {r['change_pct']:+.2f}% "
-              f"{r['ci95']} kld {r['kld_mean']:.4f}", flush=True)
+              f"{r['ci95']} kld {r['kld_mean']:.4f} {r.get('vs_plain', '')}", flush=True)
     return {"model": model_name, "recipe": recipe_path(model_name), "windows": int(ew.ids.shape[0]),
             "window_sources": ew.describe(), "seconds": round(time.perf_counter() - t0, 1), "pairs": pairs,
             "rows": out}

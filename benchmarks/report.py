@@ -238,8 +238,8 @@ def budget_models(data: dict) -> str:
     """Each model's bit budget against plain nuq at the bits the plain method stores (`benchmarks/budget.py`)."""
     out = [f"BBC evaluation part, {data['models'][0]['windows']} spread windows of 2048 tokens, each model's own "
            f"recipe ({data['machine']})\n",
-           "| model | method | what | bits | vs fp16 | 95% CI | KLD |",
-           "|---|---|---|---:|---:|---:|---:|"]
+           "| model | method | what | bits | vs fp16 | 95% CI | KLD | vs plain | 95% CI |",
+           "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     what = ("plain", "width per layer", "width per channel")
     for m in data["models"]:
         at = {r["method"]: r for r in m["rows"]}
@@ -247,8 +247,11 @@ def budget_models(data: dict) -> str:
             for kind, name in zip(what, names):
                 r = at[name]
                 ci = f"{r['ci95'][0]:+.2f} … {r['ci95'][1]:+.2f}"
+                vs = r.get("vs_plain")
+                against = (f"{vs['change_pct']:+.2f}% | {vs['ci95'][0]:+.2f} … {vs['ci95'][1]:+.2f}"
+                           if vs and vs.get("ci95") else "– | –")
                 out.append(f"| `{m['model']}` | `{name}` | {kind} | {r['avg_bits']:.2f} | {r['change_pct']:+.2f}% | "
-                           f"{ci} | {r['kld_mean']:.4f} |")
+                           f"{ci} | {r['kld_mean']:.4f} | {against} |")
     if data.get("decode"):
         d = {r["method"]: r for r in data["decode"]}
         out.append(f"\nOne fused decode step over all {data['decode'][0]['layers']} layers at "
@@ -382,6 +385,7 @@ BLOCKS = {
     "ladder-headline": ("ladder.json", lambda d: ladder(d, HEADLINE)),
     "ladder-budget": ("ladder.json", lambda d: ladder(d, BUDGET_ROWS)),
     "budget-models": ("budget.json", budget_models),
+    "budget-gemma8": ("budget_gemma8.json", budget_models),
     "demo": ("demo_amd_epyc.json", demo),
     "mixed-bits": ("eval_mixed_bits.json", ladder),
     "memory": ("memory.json", memory),
