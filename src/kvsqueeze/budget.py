@@ -280,17 +280,18 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
         raise RecipeError(f"the recipe's per-channel errors have shape {err.shape[2:]}, expected "
                           f"({channels}, {len(CHANNEL_BITS)}): recalibrate it with this version of kvsqueeze")
     widths = np.array(CHANNEL_BITS[:err.shape[3]])  # a recipe from before the 5- and 6-bit codebooks: up to 4
-    whole = [i for i, w in enumerate(widths) if w in SUPPORTED_BITS]  # widths a whole layer may take
+    whole = np.isin(widths, SUPPORTED_BITS)  # [W]: widths a whole layer may take
     if not np.isfinite(err).all() or (err < 0).any():
         raise RecipeError("the recipe's per-channel errors hold NaN, Inf or negative values: recalibrate it")
     fixed = np.array([[tensor_bits(kv, Choice(max(CHANNEL_BITS), f, (0,) * channels), tokens, channels, sinks)["total"]
                        for f in fractions] for _, kv in units])
-    # one width for the whole unit [U, F, P]: its loss and everything it stores
-    uniform_loss = np.stack([np.ascontiguousarray(err[..., i]).sum(-1) for i in whole], -1)
-    uniform_cost = np.array([[[tensor_bits(kv, Choice(int(widths[i]), f), tokens, channels, sinks)["total"]
-                               for i in whole] for f in fractions] for _, kv in units])
+    # one width for the whole unit [U, F, W]: its loss and everything it stores (read where `whole` allows it)
+    uniform_loss = err.sum(2)
+    uniform_cost = np.array([[[tensor_bits(kv, Choice(int(w), f), tokens, channels, sinks)["total"] for w in widths]
+                              for f in fractions] for _, kv in units])
     budget = avg_bits * 2 * tokens * channels * layers
-    cheapest = float(np.minimum((fixed + q * channels * widths[0]).min(1), uniform_cost.min((1, 2))).sum())
+    cheapest = float(np.minimum((fixed + q * channels * widths[0]).min(1),
+                                uniform_cost[..., whole].min((1, 2))).sum())
     if cheapest > budget:
         raise MethodError(f"nuq@{avg_bits:g}:chan: below what this recipe can store ({cheapest / budget * avg_bits:.3f} "
                           f"bits with every channel at {widths[0]} bit); give a larger average")
@@ -302,18 +303,15 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
             q * widths[w_idx].sum(-1) + fixed)  # [U, F]
         f_idx = per_channel.argmin(1)
         best = per_channel[rows, f_idx]
-        flat = (uniform_loss + lam * uniform_cost).reshape(len(units), -1)  # [U, F * P]
+        flat = np.where(whole, uniform_loss + lam * uniform_cost, np.inf).reshape(len(units), -1)  # [U, F * W]
         u_idx = flat.argmin(1)
         uniform = flat[rows, u_idx] <= best * (1 + 1e-12)  # an equal loss: the cheaper, plain, choice
-        w_idx = w_idx[rows, f_idx]
-        u_f, u_w = np.divmod(u_idx, len(whole))
-        f_idx = np.where(uniform, u_f, f_idx)
-        w_idx = np.where(uniform[:, None], np.array(whole)[u_w][:, None], w_idx)
-        return f_idx, w_idx, uniform
+        u_f, u_w = np.divmod(u_idx, len(widths))
+        w_idx = np.where(uniform[:, None], u_w[:, None], w_idx[rows, f_idx])
+        return np.where(uniform, u_f, f_idx), w_idx, uniform
 
     def cost(f_idx: np.ndarray, w_idx: np.ndarray, uniform: np.ndarray) -> float:
-        u_w = np.searchsorted(np.array(whole), w_idx[:, 0])
-        per_unit = np.where(uniform, uniform_cost[rows, f_idx, np.minimum(u_w, len(whole) - 1)],
+        per_unit = np.where(uniform, uniform_cost[rows, f_idx, w_idx[:, 0]],
                             fixed[rows, f_idx] + q * widths[w_idx].sum(-1))
         return float(per_unit.sum())
 

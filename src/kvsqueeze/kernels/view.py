@@ -85,6 +85,10 @@ class Rows(NamedTuple):
         return ((s >> self.shift) * self.page[array] + (s & ((1 << self.shift) - 1)) * self.width[array]
                 + self.offset[array])
 
+    def starts(self, array: int, tokens: int) -> torch.Tensor:
+        """`elements` of the first `tokens` tokens of every row, in slot order n = t * B + b: int64 [T * B]."""
+        return self.elements(array, self.slots[:, :tokens].t().reshape(-1))
+
 
 class StoreView(NamedTuple):
     """One layer's compressed cache as the kernels read it; see the module docstring.
@@ -144,11 +148,10 @@ class StoreView(NamedTuple):
         if self.rows is None:
             return self
         t, b, rows = self.tokens, self.batch, self.rows
-        slots = rows.slots[:, :t].t().reshape(-1)  # slot n = t * B + b
 
-        def take(x: torch.Tensor, array: int) -> torch.Tensor:  # [T * B, width]
+        def take(x: torch.Tensor, array: int) -> torch.Tensor:  # [T * B, width], slot n = t * B + b
             w = rows.width[array]
-            idx = rows.elements(array, slots).view(-1, 1) + torch.arange(w, device=x.device)
+            idx = rows.starts(array, t).view(-1, 1) + torch.arange(w, device=x.device)
             return x[idx]
 
         def outliers(o: Outliers | None, ch: int, val: int) -> Outliers | None:

@@ -240,8 +240,7 @@ def _paged_inputs(kv: StoreView, a: "_Arrays", t: int):
                          f"power of two's exponent, got {r}")
     geo = np.array(list(zip(r.page, r.width, r.offset)), np.int64)
     rows = slots.numpy().view(np.uint32)
-    by_slot = slots[:, :t].t().reshape(-1)  # slot n = t * B + b
-    first = lambda f: r.elements(f, by_slot).numpy().astype(np.uint32)  # noqa: E731  each slot's first element
+    first = lambda f: r.starts(f, t).numpy().astype(np.uint32)  # noqa: E731  each slot's first element
     k, v = kv.k_outliers, kv.v_outliers
     for o in (k, v):
         if o is not None and (not o.fixed or o.pointers is not None):
@@ -249,7 +248,7 @@ def _paged_inputs(kv: StoreView, a: "_Arrays", t: int):
                              "pointers)")
     k_sparse, k_base, k_words, to_value = _NO_OUTLIERS, _POINTERLESS, _POINTERLESS, 0
     if k is not None:
-        pointers = np.arange(by_slot.numel() + 1, dtype=np.uint32) * np.uint32(k.fixed)
+        pointers = np.arange(t * slots.shape[0] + 1, dtype=np.uint32) * np.uint32(k.fixed)
         k_sparse = (pointers, a.k_out[1], a.k_out[2], -1 if k.code is None else k.code)
         k_base, to_value = first(K_CHANNELS), int(geo[K_VALUES, 2] - geo[K_CHANNELS, 2])
         if k.code is None:

@@ -30,7 +30,7 @@ import torch
 import triton
 
 from ...rope import Rope
-from ..view import Outliers, StoreView
+from ..view import ARRAYS, Outliers, StoreView
 from . import passes
 
 BLOCK_T = 64  # tokens a key / value program takes at a time
@@ -146,8 +146,7 @@ def _bases(kv: StoreView) -> list[torch.Tensor]:
     page (`Rows.elements`), which the programs read in place."""
     t, b = kv.tokens, kv.batch
     if kv.rows is not None:
-        slots = kv.rows.slots[:, :t].t().reshape(-1)
-        return [kv.rows.elements(f, slots).contiguous() for f in range(7)]
+        return [kv.rows.starts(f, t) for f in range(len(ARRAYS))]
     n = torch.arange(t * b, dtype=torch.int64, device=kv.device)
     fk = kv.k_outliers.fixed if kv.k_outliers is not None and kv.k_outliers.fixed else 0
     fv = kv.v_outliers.fixed if kv.v_outliers is not None and kv.v_outliers.fixed else 0
