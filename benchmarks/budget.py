@@ -1,12 +1,15 @@
 """Bit budgets against plain nuq at the same average bits, on every bundled model, and their decode speed.
 
     python benchmarks/budget.py [--models smollm2-135m,qwen2.5-coder-0.5b,gemma3-270m] [--windows 3]
-        [--decode-context 32768] [--json benchmarks/results/budget.json]
+        [--plain nuq2-1%,nuq3-1%,nuq4-1%] [--decode-context 32768] [--keep-models]
+        [--json benchmarks/results/budget.json]
 
 Quality: for each model and each plain method (nuq2-1%, nuq3-1%, nuq4-1%), the budgeted methods `nuq@B`
-(a width per layer) and `nuq@B:chan` (a width per channel) with B = the average bits the plain method stores at 2,048 tokens by the budget's accounting (rounded up to
-1e-4, so the budget could choose the plain method in every layer and spends no more than it), both
-evaluated on the same spread windows of the BBC evaluation part with the model's own recipe
+(a width per layer), `nuq@B:chan` (a width per channel) and, where the recipe holds the sensitivities
+`kvsqueeze budget` measures, `nuq@B:kl:chan` (a width per channel, each layer's keys and values weighed by
+their measured loss) with B = the average bits the plain method stores at 2,048 tokens by the budget's
+accounting (rounded up to 1e-4, so the budget could choose the plain method in every layer and spends no
+more than it), all evaluated on the same spread windows of the BBC evaluation part with the model's own recipe
 (`out/models/<model>/recipe`, from `benchmarks/models.py`; `out/recipe` for the default model): PPL, its
 change against fp16 with a paired 95% interval, KLD and top-1; and each budgeted method against its plain
 method directly (`vs_plain`: the PPL change, its paired 95% interval over the same windows, the ratio of
@@ -32,7 +35,7 @@ import torch
 from kvsqueeze.eval.perplexity import evaluate, paired_interval
 from kvsqueeze.eval.texts import evaluation_windows, load_text
 from kvsqueeze.integrations.loading import load_model
-from kvsqueeze.budget import Choice, tensor_bits
+from kvsqueeze.budget import Choice, sensitivity_key, tensor_bits
 from kvsqueeze.methods import parse_method
 from kvsqueeze.recipe import Recipe
 
@@ -46,14 +49,14 @@ def recipe_path(model: str) -> str:
     return "out/recipe" if model == "smollm2-135m" else f"out/models/{model}/recipe"
 
 
-def quality_rows(model_name: str, windows: int, seqlen: int) -> dict:
+def quality_rows(model_name: str, windows: int, seqlen: int, plains: list[str]) -> dict:
     model, tok = load_model(model_name)
     recipe = Recipe.load(recipe_path(model_name))
     fp = recipe.meta["model"]["fingerprint"]
     channels = fp["kv_heads"] * fp["head_dim"]
     specs = [parse_method("fp16")]
     pairs = []
-    for plain in PLAIN:
+    for plain in plains:
         spec = parse_method(plain)
         # what the plain method stores by the budget's own accounting (values keep exactly their top-k
         # outliers per token), rounded up: the budget can afford the plain method's choice in every layer
@@ -62,8 +65,12 @@ def quality_rows(model_name: str, windows: int, seqlen: int) -> dict:
         bits = held / (2 * seqlen * channels)
         budget = parse_method(f"nuq@{math.ceil(bits * 1e4) / 1e4:g}")
         chan = parse_method(f"{budget.name}:chan")
-        specs += [spec, budget, chan]
-        pairs.append((plain, budget.name, chan.name))
+        # with the sensitivities `kvsqueeze budget` measures in the recipe: the per-channel widths, each layer's
+        # keys and values scaled by their measured loss
+        scaled = [parse_method(f"{budget.name}:kl:chan")] if sensitivity_key(1) in recipe.meta.get(
+            "sensitivity", {}) else []
+        specs += [spec, budget, chan, *scaled]
+        pairs.append((plain, budget.name, chan.name, *(s.name for s in scaled)))
     ew = evaluation_windows(tok, load_text("bbc"), seqlen, windows)
     t0 = time.perf_counter()
     rows = evaluate(model, ew.ids, specs, recipe)
@@ -140,20 +147,32 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b,gemma3-270m")
     ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--plain", default=",".join(PLAIN),
+                    help="the plain methods to compare with (each with its budgets)")
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--decode-context", type=int, default=32768, help="0: skip the decode timing")
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--reuse-decode", action="store_true", help="keep the decode rows of an existing --json")
+    ap.add_argument("--keep-models", action="store_true",
+                    help="keep the entries of an existing --json for models not in --models (each entry is measured "
+                         "on its own recipe and windows)")
     ap.add_argument("--json", default="benchmarks/results/budget.json")
     args = ap.parse_args()
     torch.manual_seed(0)
-    payload = {"machine": machine(), "plain": PLAIN, "models": []}
+    plains = [p for p in args.plain.split(",") if p]
+    payload = {"machine": machine(), "plain": plains, "models": []}
     if args.reuse_decode and Path(args.json).exists():
         payload["decode"] = json.loads(Path(args.json).read_text())["decode"]
     elif args.decode_context:
         payload["decode"] = decode_rows(args.decode_context, args.rounds)
-    for name in filter(None, args.models.split(",")):
-        payload["models"].append(quality_rows(name, args.windows, args.seqlen))
+    names = list(filter(None, args.models.split(",")))
+    kept = {}
+    if args.keep_models and Path(args.json).exists():
+        before = [m["model"] for m in json.loads(Path(args.json).read_text())["models"]]
+        kept = {m["model"]: m for m in json.loads(Path(args.json).read_text())["models"] if m["model"] not in names}
+        names = before + [n for n in names if n not in before]  # the file's order, new models last
+    for name in names:
+        payload["models"].append(kept.get(name) or quality_rows(name, args.windows, args.seqlen, plains))
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")  # each model as it is done
     Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {args.json}")

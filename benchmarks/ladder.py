@@ -16,6 +16,7 @@ Writes {"model", "text", "seqlen", "windows", "window_sources", "recipes", "rows
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 import time
@@ -70,6 +71,13 @@ BUDGETS = [  # quality per bit: each layer's K / V bits and outliers chosen from
     ("nuq@4.5:chan", "bit budget 4.5, a width per channel"),
     ("nuq@4.58:chan", "bit budget 4.58, a width per channel (evaluation text's key outliers stay under 4.6)"),
     ("nuq@4.6:chan", "bit budget 4.6, a width per channel"),
+    ("nuq@2.5:kl:chan", "bit budget 2.5, a width per channel, each layer's K / V errors scaled by its measured "
+                        "sensitivity"),
+    ("nuq@2.6:kl:chan", "bit budget 2.6, a width per channel, measured scales"),
+    ("nuq@3.49:kl:chan", "bit budget 3.49, a width per channel, measured scales"),
+    ("nuq@3.5:kl:chan", "bit budget 3.5, a width per channel, measured scales"),
+    ("nuq@4.5:kl:chan", "bit budget 4.5, a width per channel, measured scales"),
+    ("nuq@4.58:kl:chan", "bit budget 4.58, a width per channel, measured scales"),
 ]
 PAGED = [  # a fixed count of exact key elements per token, as the paged cache of a serving engine stores them
     ("nuq3-1%:kslots4", "nuq3-1%, 4 exact key elements per token (outliers first)"),
@@ -86,12 +94,24 @@ OTHERS = [
 ]
 
 
+def recipe_digest(recipe: Recipe) -> str:
+    """What a row read from its recipe: every tensor and the measured sensitivities (`:kl` budgets), hashed.
+    Settings alone do not tell two calibrations apart."""
+    h = hashlib.sha256()
+    for key in sorted(recipe.tensors):
+        h.update(key.encode())
+        h.update(recipe.tensors[key].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    h.update(json.dumps(recipe.meta.get("sensitivity"), sort_keys=True).encode())
+    return h.hexdigest()[:16]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--text", default="bbc")
     ap.add_argument("--recipe", required=True, help="calibrated with --sinks 1 (the default)")
-    ap.add_argument("--recipe-sink0", required=True, help="calibrated with --sinks 0, for the sink0 rungs")
+    ap.add_argument("--recipe-sink0", help="calibrated with --sinks 0, for the sink0 rungs (may be left out with "
+                    "--reuse when the existing --json holds every sink0 row)")
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--json", default="benchmarks/results/ladder.json")
@@ -103,25 +123,30 @@ def main() -> None:
     torch.manual_seed(0)
     model, tok = load_model(args.model)
     by_sinks = {}
-    for path in (args.recipe, args.recipe_sink0):
+    for path in filter(None, (args.recipe, args.recipe_sink0)):
         r = Recipe.load(path)
         by_sinks[int(r.meta["settings"]["sinks"])] = r
-    if set(by_sinks) != {0, 1}:
+    if set(by_sinks) != ({0, 1} if args.recipe_sink0 else {1}):
         raise SystemExit(f"--recipe and --recipe-sink0 must be calibrated with --sinks 1 and 0, got {sorted(by_sinks)}")
     ew = evaluation_windows(tok, load_text(args.text), args.seqlen, args.windows)
     steps: dict[str, str] = {"fp16": "fp16 baseline"}
     for name, label in LADDER + BITS + OTHERS + BUDGETS + PAGED:
         steps.setdefault(parse_method(name).name, label)
     specs = [parse_method(n) for n in steps]
-    recipes = {s.name: by_sinks[min(s.sinks, 1)] for s in specs if s.needs_recipe}
-    settings = {str(k): v.meta.get("settings") for k, v in sorted(by_sinks.items())}
+    settings = {str(k): {**v.meta.get("settings"), "digest": recipe_digest(v)} for k, v in sorted(by_sinks.items())}
     kept: dict[str, dict] = {}
     if args.reuse and Path(args.json).exists():
         old = json.loads(Path(args.json).read_text())
+        if not args.recipe_sink0:  # the sink0 rows are all kept (checked below): their recipe as recorded
+            settings = {"0": old["recipes"].get("0"), **settings}
         if (old["seqlen"], old["window_sources"], old["recipes"], old["model"]) != (
                 args.seqlen, ew.describe(), settings, args.model):
             raise SystemExit(f"--reuse: {args.json} was measured on other windows, model or recipes; run without it")
         kept = {r["method"]: r for r in old["rows"] if r["method"] in steps and r["method"] != "fp16"}
+    missing = [s.name for s in specs if s.needs_recipe and min(s.sinks, 1) not in by_sinks and s.name not in kept]
+    if missing:
+        raise SystemExit(f"{', '.join(missing)} read a recipe calibrated with --sinks 0: pass --recipe-sink0")
+    recipes = {s.name: by_sinks[min(s.sinks, 1)] for s in specs if s.needs_recipe and s.name not in kept}
     t0 = time.perf_counter()
     todo = [s for s in specs if s.name not in kept]
     measured = {r.method: {**r.as_dict(), "step": steps[r.method], "recipe_sinks": (

@@ -21,10 +21,11 @@ from kvsqueeze.config import EvalConfig
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "results.md")
 HEADLINE = tuple(EvalConfig().methods.split(","))  # the methods `make demo` evaluates
-BUDGET_ROWS = ("fp16", "nuq2-1%", "nuq@2.5", "nuq@2.5:chan", "nuq@2.6", "nuq@2.6:kl", "nuq@2.6:chan", "nuq@3",
-               "nuq@3:chan", "nuq3-1%", "nuq@3.5", "nuq@3.5:kl", "nuq@3.45:chan", "nuq@3.49:chan", "nuq@3.5:chan",
-               "nuq3-1%:sink16", "nuq@4:chan", "nuq4-1%", "nuq@4.5", "nuq@4.5:kl", "nuq@4.5:chan", "nuq@4.58:chan",
-               "nuq@4.6:chan")
+BUDGET_ROWS = ("fp16", "nuq2-1%", "nuq@2.5", "nuq@2.5:chan", "nuq@2.5:kl:chan", "nuq@2.6", "nuq@2.6:kl",
+               "nuq@2.6:chan", "nuq@2.6:kl:chan", "nuq@3", "nuq@3:chan", "nuq3-1%", "nuq@3.5", "nuq@3.5:kl",
+               "nuq@3.45:chan", "nuq@3.49:chan", "nuq@3.49:kl:chan", "nuq@3.5:chan", "nuq@3.5:kl:chan",
+               "nuq3-1%:sink16", "nuq@4:chan", "nuq4-1%", "nuq@4.5", "nuq@4.5:kl", "nuq@4.5:chan", "nuq@4.5:kl:chan",
+               "nuq@4.58:chan", "nuq@4.58:kl:chan", "nuq@4.6:chan")
 
 
 def _load(d: Path, name: str) -> dict | None:
@@ -38,8 +39,9 @@ def describe(name: str) -> str:
 
     spec = parse_method(name)
     if spec.budget is not None and spec.budget_unit == "channel":
+        scaled = ", each layer's K / V scaled by its measured sensitivity" if spec.budget_proxy == "kl" else ""
         return (f"bit budget {spec.budget:g}: each channel's K / V width (1-6 bits) and each layer's outliers "
-                "from the per-channel Fisher errors")
+                f"from the per-channel Fisher errors{scaled}")
     if spec.budget is not None:
         proxy = "measured sensitivities" if spec.budget_proxy == "kl" else "the Fisher objectives"
         return f"bit budget {spec.budget:g}: each layer's K / V bits and outliers from {proxy}"
@@ -240,7 +242,7 @@ def budget_models(data: dict) -> str:
            f"recipe ({data['machine']})\n",
            "| model | method | what | bits | vs fp16 | 95% CI | KLD | vs plain | 95% CI |",
            "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    what = ("plain", "width per layer", "width per channel")
+    what = ("plain", "width per layer", "width per channel", "width per channel, measured scales")
     for m in data["models"]:
         at = {r["method"]: r for r in m["rows"]}
         for names in m["pairs"]:

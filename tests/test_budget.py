@@ -147,6 +147,61 @@ def test_measured_sensitivities_drive_kl_budgets(tiny_llama, tiny_recipe):
     assert spec.name == "nuq@3:kl" and layer_choices(spec, recipe, 0) == alloc.layer(0)
 
 
+def _with_sensitivities(recipe, scale):
+    """A copy of `recipe` whose measured KL of every choice is `scale(layer, kv, choice)` times its Fisher objective."""
+    import copy
+
+    from kvsqueeze.budget import _objective, _options, sensitivity_key, unit_key
+
+    recipe = copy.deepcopy(recipe)
+    layers = recipe.meta["model"]["fingerprint"]["layers"]
+    kl = {unit_key(layer, kv, c): scale(layer, kv, c) * _objective(recipe, layer, kv, c)
+          for layer in range(layers) for kv in "kv" for c in _options(recipe)}
+    recipe.meta["sensitivity"] = {sensitivity_key(1): {"fractions": [0.0, 0.001, 0.01], "kl": kl}}
+    return recipe
+
+
+@pytest.mark.parametrize("avg", [2.5, 3.5, 4.5])
+def test_measured_scales_weigh_whole_units_of_a_channel_budget(tiny_recipe, avg):
+    """`nuq@B:kl:chan`: the Fisher errors rank the channels inside a unit, the measured sensitivities scale each
+    unit. One scale for every unit changes nothing; a unit measured as costlier gets at least as many bits, and
+    the others no more; each scale is the geometric mean of measured over predicted; a recipe without
+    measurements is refused with the command that adds them."""
+    import numpy as np
+
+    from kvsqueeze.budget import allocate_channels, measured_scales
+    from kvsqueeze.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match="kvsqueeze budget"):
+        allocate_channels(tiny_recipe, avg, proxy="kl")
+    plain = allocate_channels(tiny_recipe, avg)
+    same = _with_sensitivities(tiny_recipe, lambda layer, kv, c: 3e-2)
+    np.testing.assert_allclose(measured_scales(same), 3e-2, rtol=1e-12)
+    varied = _with_sensitivities(tiny_recipe, lambda layer, kv, c: 2.0 ** c.bits)  # 4, 8, 16 at 2, 3, 4 bits
+    np.testing.assert_allclose(measured_scales(varied), 8.0, rtol=1e-12)
+    got = allocate_channels(same, avg, proxy="kl")
+    assert (got.keys, got.values) == (plain.keys, plain.values)
+    heavy = _with_sensitivities(tiny_recipe, lambda layer, kv, c: 50.0 if (layer, kv) == (1, "k") else 1.0)
+    scales = measured_scales(heavy)
+    assert scales[1, 0] == pytest.approx(50.0) and np.allclose(np.delete(scales.reshape(-1), 2), 1.0)
+    weighed = allocate_channels(heavy, avg, proxy="kl")
+    assert weighed.bits <= avg + 1e-9
+    fp = tiny_recipe.meta["model"]["fingerprint"]
+    c = fp["kv_heads"] * fp["head_dim"]
+
+    def held(alloc, units):
+        return sum(tensor_bits(kv, ch, 2048, c, 1)["total"] for kv, ch in units(alloc))
+
+    heavy_unit = lambda a: [("k", a.keys[1])]  # noqa: E731
+    others = lambda a: [("k", a.keys[0])] + [("v", ch) for ch in a.values]  # noqa: E731
+    assert held(weighed, heavy_unit) >= held(plain, heavy_unit)
+    assert held(weighed, others) <= held(plain, others)
+    spec = parse_method(f"nuq@{avg:g}:kl:chan")
+    assert (spec.name, spec.budget_proxy, spec.budget_unit) == (f"nuq@{avg:g}:kl:chan", "kl", "channel")
+    assert parse_method(f"nuq@{avg:g}:chan:kl").name == spec.name
+    assert layer_choices(spec, heavy, 1) == weighed.layer(1)
+
+
 def test_sensitivity_runs_that_skip_the_unchanged_layers_equal_whole_forwards(tiny_llama, tiny_recipe):
     from conftest import random_ids
 

@@ -164,5 +164,19 @@ def test_calibrate_stores_bit_budgets_that_eval_and_inspect_read(tiny_model_dir,
     assert "nuq@3.5:chan" in capsys.readouterr().out
     assert main(["inspect", "--avg-bits", "3.5", "--out", str(tmp_path / "plots")]) == 2
     assert "pass --recipe" in capsys.readouterr().err
+    # measured sensitivities: refused until `kvsqueeze budget` adds them, then read by ':kl:chan'
+    assert main(["inspect", "--recipe", str(out), "--avg-bits", "3.5", "--kl", "--chan", "--out",
+                 str(tmp_path / "plots")]) == 2
+    assert "kvsqueeze budget" in capsys.readouterr().err
+    assert main(["budget", "--model", str(tiny_model_dir), "--text", str(text_file), "--recipe", str(out),
+                 "--windows", "1", "--seqlen", "48", "--outliers", "1"]) == 0
+    assert "nuq@AVG:kl:chan" in capsys.readouterr().out
+    assert main(["inspect", "--recipe", str(out), "--avg-bits", "3.5", "--kl", "--chan", "--out",
+                 str(tmp_path / "plots")]) == 0
+    assert "nuq@3.5:kl:chan" in capsys.readouterr().out
+    assert (tmp_path / "plots" / "budget_3.5_kl_chan.png").stat().st_size > 1000
+    assert main(["eval", "--model", str(tiny_model_dir), "--text", str(text_file), "--recipe", str(out),
+                 "--methods", "fp16,nuq@3.5:kl:chan", "--seqlen", "64", "--max-windows", "2"]) == 0
+    assert "nuq@3.5:kl:chan" in capsys.readouterr().out
     assert main(["calibrate", "--model", str(tiny_model_dir), "--out", str(tmp_path / "x"), "--avg-bits", "1"]) == 2
     assert "between 2 and 16" in capsys.readouterr().err

@@ -23,6 +23,13 @@ keys (or values) may instead take one width for all their channels, stored as a 
 width table, one codebook): at a plain method's bits the budget can always afford that method, and keeps it
 wherever widths per channel predict no gain.
 
+`nuq@B:kl:chan` keeps the per-channel errors inside each unit and rescales the units against each other by
+what `kvsqueeze budget` measured: a unit's scale is the geometric mean, over the choices measured, of the KL
+divergence quantizing that unit alone costs over its codebook's Fisher objective (`measured_scales`). The
+Fisher weights rank the channels of one layer well (they come from the same tokens), but their level from
+one layer to another is an estimate a measurement can correct: on the default model the scales differ by
+a factor of 5.7 between units (the first layer's values cost most per unit of Fisher error).
+
 Everything here reads calibration data only (the recipe); evaluation text never shapes the choice. The
 choice depends on the cached length through the per-channel and per-layer metadata, so it is made for
 `TOKENS` tokens (the calibration and evaluation length); `calibrate --avg-bits` stores it in the recipe,
@@ -254,9 +261,37 @@ def check_widths(widths, what: str) -> None:
                           f"{', '.join(map(str, CHANNEL_BITS))}")
 
 
-def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKENS) -> Allocation:
+def measured_scales(recipe: Recipe, sinks: int = 1) -> np.ndarray:
+    """[layers, 2] (keys, values): how much loss each unit's Fisher-weighted error costs, as measured.
+
+    For every choice `kvsqueeze budget` measured (one tensor of one layer quantized at a time, on calibration
+    text), the ratio of its KL divergence to the codebook's Fisher objective; a unit's scale is the geometric
+    mean of its ratios. The Fisher weights rank the channels of one unit; these scales put the units on the
+    measured scale against each other, where the Fisher estimate of one layer against another can be off."""
+    table = recipe.meta.get("sensitivity", {}).get(sensitivity_key(sinks))
+    if table is None:
+        raise RecipeError(f"the recipe holds no measured sensitivities for {sinks} sink(s), which ':kl' budgets "
+                          "read: run `kvsqueeze budget --model MODEL --recipe DIR` once to measure them")
+    layers = int(recipe.meta["model"]["fingerprint"]["layers"])
+    options = [c for c in _options(recipe) if c.fraction in table.get("fractions", [c.fraction])]
+    scales = np.empty((layers, 2))
+    for layer in range(layers):
+        for i, kv in enumerate("kv"):
+            pairs = [(_objective(recipe, layer, kv, c, "kl", sinks), _objective(recipe, layer, kv, c))
+                     for c in options]
+            ratios = [kl / fisher for kl, fisher in pairs if kl > 0 and fisher > 0 and math.isfinite(kl / fisher)]
+            if not ratios:
+                raise RecipeError(f"the recipe's sensitivities of layer {layer} {kv} are all zero: measure them "
+                                  "again with `kvsqueeze budget` on more calibration text")
+            scales[layer, i] = math.exp(float(np.mean(np.log(ratios))))
+    return scales
+
+
+def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKENS,
+                      proxy: str = "fisher") -> Allocation:
     """Each channel's width (`CHANNEL_BITS`) and each layer's key / value outlier fraction minimising the summed
-    per-channel Fisher-weighted error at `avg_bits` (see the module docstring).
+    per-channel Fisher-weighted error at `avg_bits` (see the module docstring). proxy "kl": each unit's errors
+    weighted by its measured scale (`measured_scales`).
 
     A layer's keys (or values) may also take one width for all their channels, as a plain method stores them:
     no width table and only that width's codebook, so it costs less metadata than the same widths given one
@@ -283,6 +318,8 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
     whole = np.isin(widths, SUPPORTED_BITS)  # [W]: widths a whole layer may take
     if not np.isfinite(err).all() or (err < 0).any():
         raise RecipeError("the recipe's per-channel errors hold NaN, Inf or negative values: recalibrate it")
+    if proxy == "kl":
+        err = err * measured_scales(recipe, sinks).reshape(-1)[:, None, None, None]
     fixed = np.array([[tensor_bits(kv, Choice(max(CHANNEL_BITS), f, (0,) * channels), tokens, channels, sinks)["total"]
                        for f in fractions] for _, kv in units])
     # one width for the whole unit [U, F, W]: its loss and everything it stores (read where `whole` allows it)
@@ -346,7 +383,7 @@ def recipe_allocation(recipe: Recipe, avg_bits: float, sinks: int = 1, proxy: st
     key = (id(recipe), float(avg_bits), sinks, proxy, unit)
     held = _COMPUTED.get(key)
     if held is None or held[0] is not recipe:
-        alloc = (allocate_channels(recipe, avg_bits, sinks) if unit == "channel"
+        alloc = (allocate_channels(recipe, avg_bits, sinks, proxy=proxy) if unit == "channel"
                  else allocate(recipe, avg_bits, sinks, proxy=proxy))
         held = _COMPUTED[key] = (recipe, alloc)
     return held[1]

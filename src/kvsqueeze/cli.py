@@ -212,7 +212,7 @@ def cmd_budget(args) -> None:
         print(f"  nuq@{avg:g}:kl: {alloc.bits:.3f} bits per element at {alloc.tokens} tokens")
     out = recipe.save(args.recipe)
     print(f"sensitivities of {len(table['kl'])} choices in {table['seconds']:.0f}s, written to {out}; methods "
-          "nuq@AVG:kl read them")
+          "nuq@AVG:kl and nuq@AVG:kl:chan read them")
 
 
 def cmd_inspect(args) -> None:
@@ -228,11 +228,12 @@ def cmd_inspect(args) -> None:
             raise ValueError("--avg-bits plots a recipe's bit budget: pass --recipe DIR as well")
         recipe = Recipe.load(args.recipe)
         unit, tag = ("channel", ":chan") if args.chan else ("layer", "")
+        proxy, tag = ("kl", ":kl" + tag) if args.kl else ("fisher", tag)
         for avg in budgets:
-            alloc = recipe_allocation(recipe, avg, unit=unit)
+            alloc = recipe_allocation(recipe, avg, proxy=proxy, unit=unit)
             print(f"nuq@{avg:g}{tag} ({alloc.bits:.3f} bits per element at {alloc.tokens} tokens):")
             print(describe(alloc))
-            name = f"budget_{avg:g}{'_chan' if args.chan else ''}.png"
+            name = f"budget_{avg:g}{tag.replace(':', '_')}.png"
             print(f"wrote {plot_budget(alloc, str(Path(args.out) / name))}")
         return
     for path in inspect_activations(args.model, args.text, args.out, layer=args.layer, seqlen=args.seqlen,
@@ -390,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--plot", help="PNG of PPL against window length (with several --seqlen)")
     e.set_defaults(fn=cmd_eval)
 
-    b = sub.add_parser("budget", help="measure each layer's sensitivity for bit budgets nuq@AVG:kl (into the recipe)")
+    b = sub.add_parser("budget", help="measure each layer's sensitivity for bit budgets nuq@AVG:kl and "
+                                      "nuq@AVG:kl:chan (into the recipe)")
     b.add_argument("--model", default=DEFAULT_MODEL)
     _add_loading(b)
     b.add_argument("--recipe", required=True, help="the model's recipe; the measurements are added to it")
@@ -411,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--seqlen", type=int, default=_INSPECT.seqlen)
     i.add_argument("--recipe", help="with --avg-bits: the recipe whose bit budget to show")
     i.add_argument("--avg-bits", help="plot the bits per layer of these budgets (nuq@B) instead of activations")
+    i.add_argument("--kl", action="store_true", help="with --avg-bits: the budgets that read the sensitivities "
+                   "`kvsqueeze budget` measured (nuq@B:kl, or with --chan nuq@B:kl:chan)")
     i.add_argument("--chan", action="store_true", help="with --avg-bits: the budgets with a width per channel "
                    "(nuq@B:chan), each layer's mean width and its channels' widths")
     i.set_defaults(fn=cmd_inspect)

@@ -10,14 +10,15 @@ indices and pointers, sinks, codebooks and fp16 windows all count.
 
 Grammar::
 
-    FAMILY BITS [-PCT%] [:FLAG ...]      or      nuq@AVG [:sinkN] [:kl | :chan]
+    FAMILY BITS [-PCT%] [:FLAG ...]      or      nuq@AVG [:sinkN] [:kl] [:chan]
 
     FAMILY  fp16 | int | nf | nuq | kivi | group | turbo
     AVG     a bit budget, e.g. 3.5: average stored bits per K/V element, every byte counted; each
             layer's key and value bit width and outlier fraction come from the recipe (`kvsqueeze.budget`):
             from its Fisher objectives, or with `:kl` from measured sensitivities (`kvsqueeze budget`);
             with `:chan` every channel of every layer's keys and values gets its own width (1 to 6 bits)
-            from the recipe's per-channel Fisher-weighted errors
+            from the recipe's per-channel Fisher-weighted errors; `:kl:chan` scales each layer's key and
+            value errors by their measured sensitivity
     BITS    2 | 3 | 4 (both K and V)  or  k3v2 (keys 3 bits, values 2 bits)
     PCT     outlier percentage, e.g. 1 or 0.1 (kept exactly in fp16)
     FLAG    ktok | kchan       keys per token / per channel
@@ -252,11 +253,8 @@ def _budget_method(name: str, family: str, m: re.Match) -> MethodSpec:
             continue
         if not re.fullmatch(r"sink\d+", flag):
             raise MethodError(f"method {name!r}: a bit budget takes a sink count (':sinkN'), ':kl' (measured "
-                              f"sensitivities) or ':chan' (a bit width per channel), not ':{flag}'")
+                              f"sensitivities) and ':chan' (a bit width per channel), not ':{flag}'")
         _apply_flag(name, family, flag, fields)
-    if proxy == "kl" and unit == "channel":
-        raise MethodError(f"method {name!r}: ':chan' widths come from the recipe's per-channel Fisher-weighted "
-                          "errors, and ':kl' measures whole layers; use one of the two")
     # the widest choice stands in for the spec's own bits; every consumer reads the layer's choice instead
     return MethodSpec(family=family, **{**fields, "k_bits": max(SUPPORTED_BITS), "v_bits": max(SUPPORTED_BITS)},
                       budget=budget, budget_proxy=proxy, budget_unit=unit)
