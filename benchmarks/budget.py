@@ -168,9 +168,10 @@ def main() -> None:
     names = list(filter(None, args.models.split(",")))
     kept = {}
     if args.keep_models and Path(args.json).exists():
-        before = [m["model"] for m in json.loads(Path(args.json).read_text())["models"]]
-        kept = {m["model"]: m for m in json.loads(Path(args.json).read_text())["models"] if m["model"] not in names}
-        names = before + [n for n in names if n not in before]  # the file's order, new models last
+        before = json.loads(Path(args.json).read_text())["models"]
+        kept = {m["model"]: m for m in before if m["model"] not in names}
+        order = [m["model"] for m in before]
+        names = order + [n for n in names if n not in order]  # the file's order, new models last
     for name in names:
         payload["models"].append(kept.get(name) or quality_rows(name, args.windows, args.seqlen, plains))
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")  # each model as it is done

@@ -144,20 +144,30 @@ def layer_storage_bits(spec: MethodSpec, recipe: Recipe, layer: int, tokens: int
     return out
 
 
-def _options(recipe: Recipe) -> list[Choice]:
+def _sensitivities(recipe: Recipe, sinks: int) -> dict:
+    """The table `kvsqueeze budget` stored in the recipe for `sinks` sinks (what ':kl' budgets read)."""
+    table = recipe.meta.get("sensitivity", {}).get(sensitivity_key(sinks))
+    if table is None:
+        raise RecipeError(f"the recipe holds no measured sensitivities for {sinks} sink(s), which ':kl' budgets "
+                          "read: run `kvsqueeze budget --model MODEL --recipe DIR` once to measure them")
+    return table
+
+
+def _options(recipe: Recipe, proxy: str = "fisher", sinks: int = 1) -> list[Choice]:
+    """The choices the recipe was calibrated with; with proxy "kl", those whose outlier fraction was measured."""
     settings = recipe.meta.get("settings", {})
     bits = [b for b in settings.get("bits", SUPPORTED_BITS) if b in SUPPORTED_BITS]
-    return [Choice(b, float(f)) for b in sorted(bits) for f in sorted(settings.get("fractions", (0.0,)))]
+    options = [Choice(b, float(f)) for b in sorted(bits) for f in sorted(settings.get("fractions", (0.0,)))]
+    if proxy == "kl":
+        measured = _sensitivities(recipe, sinks).get("fractions")
+        options = [c for c in options if measured is None or c.fraction in measured]
+    return options
 
 
 def _objective(recipe: Recipe, layer: int, kv: str, c: Choice, proxy: str = "fisher", sinks: int = 1) -> float:
     if proxy == "kl":
-        table = recipe.meta.get("sensitivity", {}).get(sensitivity_key(sinks))
-        if table is None:
-            raise RecipeError(f"the recipe holds no measured sensitivities for {sinks} sink(s), which ':kl' budgets "
-                              "read: run `kvsqueeze budget --model MODEL --recipe DIR` once to measure them")
         try:
-            return float(table["kl"][unit_key(layer, kv, c)])
+            return float(_sensitivities(recipe, sinks)["kl"][unit_key(layer, kv, c)])
         except KeyError:
             raise RecipeError(f"the recipe's sensitivities lack layer {layer} {kv} {c.label()}: measure them again "
                               "with `kvsqueeze budget`") from None
@@ -204,10 +214,7 @@ def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKE
     """
     fp = recipe.meta["model"]["fingerprint"]
     layers, channels = int(fp["layers"]), int(fp["kv_heads"]) * int(fp["head_dim"])
-    options = _options(recipe)
-    if proxy == "kl":
-        measured = recipe.meta.get("sensitivity", {}).get(sensitivity_key(sinks), {}).get("fractions")
-        options = [c for c in options if measured is None or c.fraction in measured]
+    options = _options(recipe, proxy, sinks)
     units = [(layer, kv) for layer in range(layers) for kv in ("k", "v")]
     # per unit, the options that are not dominated (less loss for no more bits); cost in bits, loss
     table = []
@@ -268,12 +275,8 @@ def measured_scales(recipe: Recipe, sinks: int = 1) -> np.ndarray:
     text), the ratio of its KL divergence to the codebook's Fisher objective; a unit's scale is the geometric
     mean of its ratios. The Fisher weights rank the channels of one unit; these scales put the units on the
     measured scale against each other, where the Fisher estimate of one layer against another can be off."""
-    table = recipe.meta.get("sensitivity", {}).get(sensitivity_key(sinks))
-    if table is None:
-        raise RecipeError(f"the recipe holds no measured sensitivities for {sinks} sink(s), which ':kl' budgets "
-                          "read: run `kvsqueeze budget --model MODEL --recipe DIR` once to measure them")
     layers = int(recipe.meta["model"]["fingerprint"]["layers"])
-    options = [c for c in _options(recipe) if c.fraction in table.get("fractions", [c.fraction])]
+    options = _options(recipe, "kl", sinks)
     scales = np.empty((layers, 2))
     for layer in range(layers):
         for i, kv in enumerate("kv"):
