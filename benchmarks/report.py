@@ -43,7 +43,8 @@ def describe(name: str) -> str:
         return (f"bit budget {spec.budget:g}: each channel's K / V width (1-6 bits) and each layer's outliers "
                 f"from the per-channel Fisher errors{scaled}")
     if spec.budget is not None:
-        proxy = "measured sensitivities" if spec.budget_proxy == "kl" else "the Fisher objectives"
+        proxy = ("the Fisher objectives scaled by measured sensitivities" if spec.budget_proxy == "kl"
+                 else "the Fisher objectives")
         return f"bit budget {spec.budget:g}: each layer's K / V bits and outliers from {proxy}"
     if spec.family == "turbo":
         split = ", the higher-RMS half of each head 1 bit wider" if spec.split else ""
@@ -242,17 +243,25 @@ def budget_models(data: dict) -> str:
            f"recipe ({data['machine']})\n",
            "| model | method | what | bits | vs fp16 | 95% CI | KLD | vs plain | 95% CI |",
            "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    what = ("plain", "width per layer", "width per channel", "width per channel, measured scales")
+    from kvsqueeze.methods import parse_method
+
+    def kind(name: str) -> str:
+        spec = parse_method(name)
+        if spec.budget is None:
+            return "plain"
+        unit = "width per channel" if spec.budget_unit == "channel" else "width per layer"
+        return unit + (", measured scales" if spec.budget_proxy == "kl" else "")
+
     for m in data["models"]:
         at = {r["method"]: r for r in m["rows"]}
         for names in m["pairs"]:
-            for kind, name in zip(what, names):
+            for name in names:
                 r = at[name]
                 ci = f"{r['ci95'][0]:+.2f} … {r['ci95'][1]:+.2f}"
                 vs = r.get("vs_plain")
                 against = (f"{vs['change_pct']:+.2f}% | {vs['ci95'][0]:+.2f} … {vs['ci95'][1]:+.2f}"
                            if vs and vs.get("ci95") else "– | –")
-                out.append(f"| `{m['model']}` | `{name}` | {kind} | {r['avg_bits']:.2f} | {r['change_pct']:+.2f}% | "
+                out.append(f"| `{m['model']}` | `{name}` | {kind(name)} | {r['avg_bits']:.2f} | {r['change_pct']:+.2f}% | "
                            f"{ci} | {r['kld_mean']:.4f} | {against} |")
     if data.get("decode"):
         d = {r["method"]: r for r in data["decode"]}
@@ -388,6 +397,7 @@ BLOCKS = {
     "ladder-budget": ("ladder.json", lambda d: ladder(d, BUDGET_ROWS)),
     "budget-models": ("budget.json", budget_models),
     "budget-gemma8": ("budget_gemma8.json", budget_models),
+    "budget-gemma16": ("budget_gemma16.json", budget_models),
     "demo": ("demo_amd_epyc.json", demo),
     "mixed-bits": ("eval_mixed_bits.json", ladder),
     "memory": ("memory.json", memory),

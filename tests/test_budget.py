@@ -147,6 +147,43 @@ def test_measured_sensitivities_drive_kl_budgets(tiny_llama, tiny_recipe):
     assert spec.name == "nuq@3:kl" and layer_choices(spec, recipe, 0) == alloc.layer(0)
 
 
+def test_sensitivities_of_one_width_scale_every_choice(tiny_llama, tiny_recipe):
+    """Measuring one width (what `kvsqueeze budget` does by default) gives exactly those entries and the
+    same KL as the full measurement; the scales come from them alone, and both ':kl' budgets then predict every
+    choice as its Fisher objective times its unit's scale."""
+    import copy
+
+    import numpy as np
+
+    from conftest import random_ids
+
+    from kvsqueeze.budget import _objective, _options, measured_scales, sensitivity_key
+    from kvsqueeze.calibrate.sensitivity import measure_sensitivity
+
+    ids = random_ids(1, 40, seed=4)
+    full = measure_sensitivity(tiny_llama, tiny_recipe, ids, fractions=(0.0, 0.01), progress=False)
+    one = measure_sensitivity(tiny_llama, tiny_recipe, ids, fractions=(0.0, 0.01), bits=(3,), progress=False)
+    assert (one["bits"], one["fractions"]) == ([3], [0.0, 0.01])
+    assert sorted(one["kl"]) == sorted(k for k in full["kl"] if k.split(".")[2] == "3")
+    for key, value in one["kl"].items():
+        assert value == pytest.approx(full["kl"][key], rel=1e-6)
+    recipe = copy.deepcopy(tiny_recipe)
+    recipe.meta["sensitivity"] = {sensitivity_key(1): one}
+    scales = measured_scales(recipe)
+    for layer in range(2):
+        for i, kv in enumerate("kv"):
+            ratios = [one["kl"][f"{layer}.{kv}.3.{f:g}"] / _objective(recipe, layer, kv, c)
+                      for f in (0.0, 0.01) for c in _options(recipe) if (c.bits, c.fraction) == (3, f)]
+            assert scales[layer, i] == pytest.approx(float(np.exp(np.mean(np.log(ratios)))), rel=1e-9)
+    alloc = allocate(recipe, 3.0, proxy="kl")  # 2- and 4-bit choices too, predicted from the 3-bit scale
+    assert alloc.bits <= 3.0 + 1e-9 and {c.bits for c in alloc.keys + alloc.values} != {3}
+    expected = sum(scales[layer, i] * _objective(recipe, layer, kv, c)
+                   for layer in range(2) for i, (kv, c) in enumerate(zip("kv", alloc.layer(layer))))
+    assert alloc.predicted == pytest.approx(expected, rel=1e-9)
+    with pytest.raises(ValueError, match="calibrated with"):
+        measure_sensitivity(tiny_llama, tiny_recipe, ids, bits=(5,), progress=False)
+
+
 def _with_sensitivities(recipe, scale):
     """A copy of `recipe` whose measured KL of every choice is `scale(layer, kv, choice)` times its Fisher objective."""
     import copy

@@ -180,3 +180,33 @@ def test_calibrate_stores_bit_budgets_that_eval_and_inspect_read(tiny_model_dir,
     assert "nuq@3.5:kl:chan" in capsys.readouterr().out
     assert main(["calibrate", "--model", str(tiny_model_dir), "--out", str(tmp_path / "x"), "--avg-bits", "1"]) == 2
     assert "between 2 and 16" in capsys.readouterr().err
+
+
+def test_calibrate_kl_measures_what_budget_measures(tiny_model_dir, text_file, tmp_path, capsys):
+    """`calibrate --kl` is calibration then `kvsqueeze budget` in one command: the same sensitivities (the
+    recipe's middle width, with and without its largest outlier fraction) and the ':kl' choices stored."""
+    from kvsqueeze.budget import allocate_channels, budget_key, sensitivity_key
+    from kvsqueeze.recipe import Recipe
+
+    out = tmp_path / "recipe"
+    assert main(["calibrate", "--model", str(tiny_model_dir), "--text", str(text_file), "--samples", "2",
+                 "--seqlen", "64", "--out", str(out), "--avg-bits", "3.5", "--kl", "--kl-seqlen", "48"]) == 0
+    assert "nuq@3.5:kl:chan" in capsys.readouterr().out
+    recipe = Recipe.load(out)
+    table = recipe.meta["sensitivity"][sensitivity_key(1)]
+    layers = recipe.meta["model"]["fingerprint"]["layers"]
+    assert (table["bits"], table["fractions"], table["seqlen"]) == ([3], [0.0, 0.01], 48)
+    assert len(table["kl"]) == layers * 2 * 2
+    assert {"3.5", "3.5:chan", "3.5:kl", "3.5:kl:chan"} <= set(recipe.meta["budgets"])
+    stored = recipe.meta["budgets"][budget_key(3.5, 1, "kl", unit="channel")]
+    now = allocate_channels(recipe, 3.5, proxy="kl")
+    assert stored["keys"] == now.as_dict()["keys"] and stored["values"] == now.as_dict()["values"]
+    assert main(["budget", "--model", str(tiny_model_dir), "--text", str(text_file), "--recipe", str(out),
+                 "--seqlen", "48"]) == 0
+    again = Recipe.load(out).meta["sensitivity"][sensitivity_key(1)]
+    assert again["kl"].keys() == table["kl"].keys()
+    for key, value in table["kl"].items():
+        assert again["kl"][key] == pytest.approx(value, rel=1e-6), key
+    assert main(["budget", "--model", str(tiny_model_dir), "--text", str(text_file), "--recipe", str(out),
+                 "--bits", "5"]) == 2
+    assert "calibrated with" in capsys.readouterr().err

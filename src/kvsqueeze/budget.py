@@ -23,12 +23,14 @@ keys (or values) may instead take one width for all their channels, stored as a 
 width table, one codebook): at a plain method's bits the budget can always afford that method, and keeps it
 wherever widths per channel predict no gain.
 
-`nuq@B:kl:chan` keeps the per-channel errors inside each unit and rescales the units against each other by
-what `kvsqueeze budget` measured: a unit's scale is the geometric mean, over the choices measured, of the KL
-divergence quantizing that unit alone costs over its codebook's Fisher objective (`measured_scales`). The
-Fisher weights rank the channels of one layer well (they come from the same tokens), but their level from
-one layer to another is an estimate a measurement can correct: on the default model the scales differ by
-a factor of 5.7 between units (the first layer's values cost most per unit of Fisher error).
+`:kl` budgets rescale the units against each other by what `kvsqueeze budget` (or `calibrate --kl`)
+measured: a unit's scale is the geometric mean, over the choices measured, of the KL divergence quantizing
+that unit alone costs over its codebook's Fisher objective (`measured_scales`), and its predicted loss at any
+choice is its Fisher objective times that scale. The Fisher weights rank the channels of one layer, and the
+widths of one layer, well (they come from the same tokens), but their level from one layer to another is an
+estimate a measurement can correct: on the default model the scales differ by a factor of 5.7 between units
+(the first layer's values cost most per unit of Fisher error). One width measured per unit (3 bits, with and
+without outliers: 120 runs of 512 tokens on the default model) places the units as well as all of them do.
 
 Everything here reads calibration data only (the recipe); evaluation text never shapes the choice. The
 choice depends on the cached length through the per-channel and per-layer metadata, so it is made for
@@ -153,24 +155,31 @@ def _sensitivities(recipe: Recipe, sinks: int) -> dict:
     return table
 
 
-def _options(recipe: Recipe, proxy: str = "fisher", sinks: int = 1) -> list[Choice]:
-    """The choices the recipe was calibrated with; with proxy "kl", those whose outlier fraction was measured."""
+def _options(recipe: Recipe) -> list[Choice]:
+    """The choices the recipe was calibrated with."""
     settings = recipe.meta.get("settings", {})
     bits = [b for b in settings.get("bits", SUPPORTED_BITS) if b in SUPPORTED_BITS]
-    options = [Choice(b, float(f)) for b in sorted(bits) for f in sorted(settings.get("fractions", (0.0,)))]
-    if proxy == "kl":
-        measured = _sensitivities(recipe, sinks).get("fractions")
-        options = [c for c in options if measured is None or c.fraction in measured]
-    return options
+    return [Choice(b, float(f)) for b in sorted(bits) for f in sorted(settings.get("fractions", (0.0,)))]
 
 
-def _objective(recipe: Recipe, layer: int, kv: str, c: Choice, proxy: str = "fisher", sinks: int = 1) -> float:
-    if proxy == "kl":
-        try:
-            return float(_sensitivities(recipe, sinks)["kl"][unit_key(layer, kv, c)])
-        except KeyError:
-            raise RecipeError(f"the recipe's sensitivities lack layer {layer} {kv} {c.label()}: measure them again "
-                              "with `kvsqueeze budget`") from None
+def measured_choices(recipe: Recipe, sinks: int = 1) -> list[Choice]:
+    """The recipe's choices whose sensitivities were measured (`kvsqueeze budget --bits --outliers`)."""
+    table = _sensitivities(recipe, sinks)
+    widths, fractions = table.get("bits"), table.get("fractions")
+    return [c for c in _options(recipe) if (widths is None or c.bits in widths)
+            and (fractions is None or c.fraction in fractions)]
+
+
+def _measured(recipe: Recipe, layer: int, kv: str, c: Choice, sinks: int = 1) -> float:
+    try:
+        return float(_sensitivities(recipe, sinks)["kl"][unit_key(layer, kv, c)])
+    except KeyError:
+        raise RecipeError(f"the recipe's sensitivities lack layer {layer} {kv} {c.label()}: measure them again "
+                          "with `kvsqueeze budget`") from None
+
+
+def _objective(recipe: Recipe, layer: int, kv: str, c: Choice) -> float:
+    """The codebook's Fisher-weighted objective: the predicted loss of one unit at one choice."""
     key = codebook_key(layer, kv, c.bits, c.fraction, "vector", "fs2")
     try:
         return float(recipe.meta["kmeans_objective"][key]["nuq"])
@@ -205,22 +214,22 @@ def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKE
              proxy: str = "fisher") -> Allocation:
     """The choice of every layer's keys and values minimising the summed predicted loss at `avg_bits`.
 
-    proxy: "fisher", the codebooks' Fisher-weighted objectives; "kl", the KL divergences that
-    `calibrate.sensitivity.measure_sensitivity` stored in the recipe (one tensor of one layer quantized at a
-    time, on calibration text).
+    proxy: "fisher", the codebooks' Fisher-weighted objectives; "kl", the same times each unit's measured scale
+    (`measured_scales`, from the KL divergences `calibrate.sensitivity.measure_sensitivity` stored in the recipe).
 
     Raises:
         MethodError: a budget below what the cheapest choice everywhere stores.
     """
     fp = recipe.meta["model"]["fingerprint"]
     layers, channels = int(fp["layers"]), int(fp["kv_heads"]) * int(fp["head_dim"])
-    options = _options(recipe, proxy, sinks)
+    options = _options(recipe)
+    scales = measured_scales(recipe, sinks) if proxy == "kl" else np.ones((layers, 2))
     units = [(layer, kv) for layer in range(layers) for kv in ("k", "v")]
     # per unit, the options that are not dominated (less loss for no more bits); cost in bits, loss
     table = []
     for layer, kv in units:
         rows = sorted(((tensor_bits(kv, c, tokens, channels, sinks)["total"],
-                        _objective(recipe, layer, kv, c, proxy, sinks), c) for c in options),
+                        scales[layer, "kv".index(kv)] * _objective(recipe, layer, kv, c), c) for c in options),
                       key=lambda r: (r[0], r[1]))
         kept = []
         for cost, loss, c in rows:
@@ -276,12 +285,14 @@ def measured_scales(recipe: Recipe, sinks: int = 1) -> np.ndarray:
     mean of its ratios. The Fisher weights rank the channels of one unit; these scales put the units on the
     measured scale against each other, where the Fisher estimate of one layer against another can be off."""
     layers = int(recipe.meta["model"]["fingerprint"]["layers"])
-    options = _options(recipe, "kl", sinks)
+    options = measured_choices(recipe, sinks)
+    if not options:
+        raise RecipeError("the recipe's sensitivities measured none of its calibrated choices: measure them again "
+                          "with `kvsqueeze budget`")
     scales = np.empty((layers, 2))
     for layer in range(layers):
         for i, kv in enumerate("kv"):
-            pairs = [(_objective(recipe, layer, kv, c, "kl", sinks), _objective(recipe, layer, kv, c))
-                     for c in options]
+            pairs = [(_measured(recipe, layer, kv, c, sinks), _objective(recipe, layer, kv, c)) for c in options]
             ratios = [kl / fisher for kl, fisher in pairs if kl > 0 and fisher > 0 and math.isfinite(kl / fisher)]
             if not ratios:
                 raise RecipeError(f"the recipe's sensitivities of layer {layer} {kv} are all zero: measure them "

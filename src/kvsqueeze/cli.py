@@ -93,19 +93,12 @@ def cmd_calibrate(args) -> None:
     print(f"[3/3] ranges, thresholds and codebooks in {recipe.meta['timings_s']['fit']:.1f}s")
     recipe.meta["calibration_pieces"] = sorted(text.calibration_pieces)  # lets eval tell held-out text apart
     recipe.meta["timings_s"]["load"] = round(t_load, 2)
-    for avg in _budgets(args.avg_bits):
-        from .budget import allocate, allocate_channels, budget_key
-
-        alloc = allocate(recipe, avg)
-        recipe.meta.setdefault("budgets", {})[budget_key(avg, 1)] = alloc.as_dict()
-        mix = ", ".join(f"{kv} {n}x{label}" for kv, chosen in (("K", alloc.keys), ("V", alloc.values))
-                        for label, n in sorted(_count(c.label() for c in chosen).items()))
-        print(f"  nuq@{avg:g}: {alloc.bits:.3f} bits per element at {alloc.tokens} tokens; {mix}")
-        alloc = allocate_channels(recipe, avg)
-        recipe.meta["budgets"][budget_key(avg, 1, unit="channel")] = alloc.as_dict()
-        print(f"  nuq@{avg:g}:chan: {alloc.bits:.3f} bits per element at {alloc.tokens} tokens; mean key width "
-              f"{sum(c.mean_bits for c in alloc.keys) / len(alloc.keys):.2f}, value width "
-              f"{sum(c.mean_bits for c in alloc.values) / len(alloc.values):.2f}")
+    if args.kl:
+        t1 = time.perf_counter()
+        table = _measure_sensitivities(model, tok, recipe, text, args)
+        recipe.meta["timings_s"]["sensitivity"] = round(time.perf_counter() - t1, 2)
+        print(f"[+] sensitivities of {len(table['kl'])} choices in {recipe.meta['timings_s']['sensitivity']:.1f}s")
+    _store_budgets(recipe, _budgets(args.avg_bits), args.kl_sinks, ("fisher", "kl") if args.kl else ("fisher",))
     recipe.meta["timings_s"]["total"] = round(time.perf_counter() - t0, 2)
     out = recipe.save(args.out)
     objs = recipe.meta["kmeans_objective"]
@@ -117,6 +110,51 @@ def cmd_calibrate(args) -> None:
                 print(f"  {kv.upper()} {bits}-bit weighted k-means objective (all layers): nuq {nuq:.4g}, "
                       f"uniform {sum(o['uniform'] for o in sel) / nuq:.2f}x, nf {sum(o['nf'] for o in sel) / nuq:.2f}x")
     print(f"recipe written to {out} in {recipe.meta['timings_s']['total']:.1f}s")
+
+
+def _measure_sensitivities(model, tok, recipe, text, args) -> dict:
+    """`kvsqueeze budget` / `calibrate --kl`: each layer's K and V measured at the chosen widths and outlier
+    fractions (default: the recipe's middle width, with none and its largest fraction) on calibration windows;
+    the table goes into the recipe."""
+    from .budget import _options, sensitivity_key
+    from .calibrate.sensitivity import measure_sensitivity
+    from .eval.texts import calibration_windows
+
+    calibrated = _options(recipe)
+    widths = sorted({c.bits for c in calibrated})
+    bits = tuple(_int_list(args.kl_bits, "--kl-bits")) if args.kl_bits else (widths[len(widths) // 2],)
+    if args.kl_outliers:
+        fractions = tuple(sorted({0.0, *(float(f) / 100 for f in args.kl_outliers.split(","))}))
+    else:
+        fractions = tuple(sorted({0.0, max(c.fraction for c in calibrated)}))
+    windows = calibration_windows(tok, text.calibration, args.kl_windows, args.kl_seqlen)
+    print(f"measuring each layer's K and V at {', '.join(map(str, bits))} bits with outliers "
+          f"{', '.join(f'{100 * f:g}%' for f in fractions)} on {args.kl_windows} x {args.kl_seqlen} tokens of "
+          f"{text.name} (calibration part)")
+    t0 = time.perf_counter()
+    table = measure_sensitivity(model, recipe, windows, sinks=args.kl_sinks, fractions=fractions, bits=bits)
+    table["seconds"] = round(time.perf_counter() - t0, 1)
+    recipe.meta.setdefault("sensitivity", {})[sensitivity_key(args.kl_sinks)] = table
+    return table
+
+
+def _store_budgets(recipe, budgets: list[float], sinks: int, proxies: tuple[str, ...]) -> None:
+    """Each budget's choice, per layer and per channel, for each proxy, stored in the recipe and summarised."""
+    from .budget import allocate, allocate_channels, budget_key
+
+    for avg in budgets:
+        for proxy in proxies:
+            tag = ":kl" if proxy == "kl" else ""
+            alloc = allocate(recipe, avg, sinks, proxy=proxy)
+            recipe.meta.setdefault("budgets", {})[budget_key(avg, sinks, proxy)] = alloc.as_dict()
+            mix = ", ".join(f"{kv} {n}x{label}" for kv, chosen in (("K", alloc.keys), ("V", alloc.values))
+                            for label, n in sorted(_count(c.label() for c in chosen).items()))
+            print(f"  nuq@{avg:g}{tag}: {alloc.bits:.3f} bits per element at {alloc.tokens} tokens; {mix}")
+            alloc = allocate_channels(recipe, avg, sinks, proxy=proxy)
+            recipe.meta["budgets"][budget_key(avg, sinks, proxy, unit="channel")] = alloc.as_dict()
+            print(f"  nuq@{avg:g}{tag}:chan: {alloc.bits:.3f} bits per element at {alloc.tokens} tokens; mean key "
+                  f"width {sum(c.mean_bits for c in alloc.keys) / len(alloc.keys):.2f}, value width "
+                  f"{sum(c.mean_bits for c in alloc.values) / len(alloc.values):.2f}")
 
 
 def _budgets(text: str | None) -> list[float]:
@@ -186,30 +224,17 @@ def cmd_eval(args) -> None:
 
 
 def cmd_budget(args) -> None:
-    from .budget import allocate, budget_key, sensitivity_key
-    from .calibrate.sensitivity import measure_sensitivity
-    from .eval.texts import calibration_windows, load_text
+    from .eval.texts import load_text
     from .integrations.fingerprint import check_recipe
     from .integrations.loading import load_model
     from .recipe import Recipe
 
     budgets = _budgets(args.avg_bits)
     recipe = Recipe.load(args.recipe)
-    t0 = time.perf_counter()
     model, tok = load_model(args.model, args.dtype, args.device)
     check_recipe(recipe, model)
-    text = load_text(args.text)
-    windows = calibration_windows(tok, text.calibration, args.windows, args.seqlen)
-    print(f"measuring each layer's K and V at every calibrated choice on {args.windows} x {args.seqlen} tokens of "
-          f"{text.name} (calibration part)")
-    fractions = None if not args.outliers else tuple(sorted({0.0, *(float(f) / 100 for f in args.outliers.split(","))}))
-    table = measure_sensitivity(model, recipe, windows, sinks=args.sinks, fractions=fractions)
-    table["seconds"] = round(time.perf_counter() - t0, 1)
-    recipe.meta.setdefault("sensitivity", {})[sensitivity_key(args.sinks)] = table
-    for avg in budgets:
-        alloc = allocate(recipe, avg, args.sinks, proxy="kl")
-        recipe.meta.setdefault("budgets", {})[budget_key(avg, args.sinks, "kl")] = alloc.as_dict()
-        print(f"  nuq@{avg:g}:kl: {alloc.bits:.3f} bits per element at {alloc.tokens} tokens")
+    table = _measure_sensitivities(model, tok, recipe, load_text(args.text), args)
+    _store_budgets(recipe, budgets, args.kl_sinks, ("kl",))
     out = recipe.save(args.recipe)
     print(f"sensitivities of {len(table['kl'])} choices in {table['seconds']:.0f}s, written to {out}; methods "
           "nuq@AVG:kl and nuq@AVG:kl:chan read them")
@@ -360,6 +385,24 @@ def _add_loading(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--device", default=DEFAULT_DEVICE, help="where the model runs: cpu, cuda, cuda:1, ...")
 
 
+def _add_sensitivity(sub: argparse.ArgumentParser, sinks: bool) -> None:
+    """What `kvsqueeze budget` and `calibrate --kl` measure: a prefix-free spelling in `budget`, `--kl-*` in
+    `calibrate` (where --bits, --outliers, --seqlen and --sinks name the calibration's own)."""
+    pre = "--" if sinks else "--kl-"
+    sub.add_argument(f"{pre}windows", dest="kl_windows", type=int, default=1,
+                     help="calibration windows the KL divergence is taken over")
+    sub.add_argument(f"{pre}seqlen", dest="kl_seqlen", type=int, default=512, help="tokens per window")
+    sub.add_argument(f"{pre}bits", dest="kl_bits", help="widths to measure (default: the recipe's middle one, 3; "
+                     "each unit's scale is the mean over those measured)")
+    sub.add_argument(f"{pre}outliers", dest="kl_outliers", help="outlier percentages to measure besides none "
+                     "(default: the recipe's largest)")
+    if sinks:
+        sub.add_argument("--sinks", dest="kl_sinks", type=int, default=1,
+                         help="fp16 sinks of the budgets that will read them")
+    else:
+        sub.set_defaults(kl_sinks=1)  # the sinks of nuq@AVG methods by default
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvsqueeze", description="KVQuant-style KV-cache quantization")
     sub = p.add_subparsers(dest="command", required=True)
@@ -377,6 +420,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sinks", type=int, default=_CAL.sinks, help="leading tokens left out of statistics")
     c.add_argument("--avg-bits", help="also choose and store each layer's K/V bits for these averages "
                                       "(e.g. 3.5 or 2.6,3.5): the method nuq@3.5 reads the choice")
+    c.add_argument("--kl", action="store_true", help="also measure each layer's sensitivity, as `kvsqueeze budget` "
+                   "does (about 100 s on the default model), for budgets nuq@AVG:kl and nuq@AVG:kl:chan")
+    _add_sensitivity(c, sinks=False)
     c.set_defaults(fn=cmd_calibrate)
 
     e = sub.add_parser("eval", help="perplexity of each method (simulated quantization)")
@@ -397,11 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_loading(b)
     b.add_argument("--recipe", required=True, help="the model's recipe; the measurements are added to it")
     b.add_argument("--text", default=DEFAULT_TEXT, help="'bbc' (calibration part) or a text file")
-    b.add_argument("--windows", type=int, default=2, help="calibration windows the KL divergence is taken over")
-    b.add_argument("--seqlen", type=int, default=1024)
-    b.add_argument("--sinks", type=int, default=1, help="fp16 sinks of the budgets that will read them")
+    _add_sensitivity(b, sinks=True)
     b.add_argument("--avg-bits", help="also store the choices of these budgets, e.g. 2.6,3.5")
-    b.add_argument("--outliers", help="outlier percentages to measure besides none (default: all the recipe has)")
     b.set_defaults(fn=cmd_budget)
 
     i = sub.add_parser("inspect", help="plots of key/value channel magnitudes and distributions")

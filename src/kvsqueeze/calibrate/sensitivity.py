@@ -27,7 +27,7 @@ class _Skip(torch.nn.Module):
 
 
 def measure_sensitivity(model, recipe: Recipe, windows, sinks: int = 1, fractions: tuple[float, ...] | None = None,
-                        progress: bool = True, skip_layers: bool = True) -> dict:
+                        bits: tuple[int, ...] | None = None, progress: bool = True, skip_layers: bool = True) -> dict:
     """The KL divergence from the fp16 cache's next-token distribution, per token, on calibration windows
     [W, T], when one tensor of one layer is quantized with one choice and every other stays exact: the
     measured loss of each (layer, tensor, choice), the table ':kl' budgets read (stored under
@@ -35,9 +35,9 @@ def measure_sensitivity(model, recipe: Recipe, windows, sinks: int = 1, fraction
 
     Layers before the quantized one see exactly what the fp16 run saw, so their outputs are taken from it
     (where the model keeps its decoder layers in `model.model.layers`, and only once a run that skips them
-    has given the fp16 logits back exactly; otherwise every run is a whole forward). `fractions`: the outlier fractions
-    to measure (default: all the recipe has); a ':kl' budget chooses among those only. `skip_layers=False`:
-    whole forwards."""
+    has given the fp16 logits back exactly; otherwise every run is a whole forward). `bits` and `fractions`: the
+    widths and outlier fractions to measure (default: all the recipe has); a ':kl' budget scales each unit by
+    the choices measured (`budget.measured_scales`). `skip_layers=False`: whole forwards."""
     shape = kv_shape(model.config)
     device = next(model.parameters()).device
     windows = windows.to(device)
@@ -80,7 +80,12 @@ def measure_sensitivity(model, recipe: Recipe, windows, sinks: int = 1, fraction
             for i, block in enumerate(saved):
                 blocks[i] = block
 
-    options = [c for c in _options(recipe) if fractions is None or c.fraction in fractions]
+    options = [c for c in _options(recipe) if (fractions is None or c.fraction in fractions)
+               and (bits is None or c.bits in bits)]
+    if not options:
+        raise ValueError(f"no calibrated choice of the recipe is among bits {bits} and outlier fractions {fractions}: "
+                         f"it was calibrated with {sorted({c.bits for c in _options(recipe)})} bits and fractions "
+                         f"{sorted({c.fraction for c in _options(recipe)})}")
     spec = parse_method(f"nuq4:sink{sinks}")
     table: dict[str, float] = {}
     jobs = [(layer, kv, c) for layer in range(shape.layers) for kv in ("k", "v") for c in options]
@@ -108,4 +113,4 @@ def measure_sensitivity(model, recipe: Recipe, windows, sinks: int = 1, fraction
                 done[same] = kl
     return {"windows": int(windows.shape[0]), "seqlen": int(windows.shape[1]), "sinks": sinks,
             "skipped_unchanged_layers": skipping[0],
-            "fractions": sorted({c.fraction for c in options}), "kl": table}
+            "bits": sorted({c.bits for c in options}), "fractions": sorted({c.fraction for c in options}), "kl": table}
