@@ -122,7 +122,8 @@ def _measure_sensitivities(model, tok, recipe, text, args) -> dict:
 
     calibrated = _options(recipe)
     widths = sorted({c.bits for c in calibrated})
-    bits = tuple(_int_list(args.kl_bits, "--kl-bits")) if args.kl_bits else (widths[len(widths) // 2],)
+    flag = "--kl-bits" if args.command == "calibrate" else "--bits"
+    bits = tuple(_int_list(args.kl_bits, flag)) if args.kl_bits else (widths[len(widths) // 2],)
     if args.kl_outliers:
         fractions = tuple(sorted({0.0, *(float(f) / 100 for f in args.kl_outliers.split(","))}))
     else:
@@ -385,10 +386,10 @@ def _add_loading(sub: argparse.ArgumentParser) -> None:
     sub.add_argument("--device", default=DEFAULT_DEVICE, help="where the model runs: cpu, cuda, cuda:1, ...")
 
 
-def _add_sensitivity(sub: argparse.ArgumentParser, sinks: bool) -> None:
-    """What `kvsqueeze budget` and `calibrate --kl` measure: a prefix-free spelling in `budget`, `--kl-*` in
+def _add_sensitivity(sub: argparse.ArgumentParser, standalone: bool) -> None:
+    """What `kvsqueeze budget` (standalone) and `calibrate --kl` measure: plain flags in `budget`, `--kl-*` in
     `calibrate` (where --bits, --outliers, --seqlen and --sinks name the calibration's own)."""
-    pre = "--" if sinks else "--kl-"
+    pre = "--" if standalone else "--kl-"
     sub.add_argument(f"{pre}windows", dest="kl_windows", type=int, default=1,
                      help="calibration windows the KL divergence is taken over")
     sub.add_argument(f"{pre}seqlen", dest="kl_seqlen", type=int, default=512, help="tokens per window")
@@ -396,7 +397,7 @@ def _add_sensitivity(sub: argparse.ArgumentParser, sinks: bool) -> None:
                      "each unit's scale is the mean over those measured)")
     sub.add_argument(f"{pre}outliers", dest="kl_outliers", help="outlier percentages to measure besides none "
                      "(default: the recipe's largest)")
-    if sinks:
+    if standalone:
         sub.add_argument("--sinks", dest="kl_sinks", type=int, default=1,
                          help="fp16 sinks of the budgets that will read them")
     else:
@@ -422,7 +423,7 @@ def build_parser() -> argparse.ArgumentParser:
                                       "(e.g. 3.5 or 2.6,3.5): the method nuq@3.5 reads the choice")
     c.add_argument("--kl", action="store_true", help="also measure each layer's sensitivity, as `kvsqueeze budget` "
                    "does (about 100 s on the default model), for budgets nuq@AVG:kl and nuq@AVG:kl:chan")
-    _add_sensitivity(c, sinks=False)
+    _add_sensitivity(c, standalone=False)
     c.set_defaults(fn=cmd_calibrate)
 
     e = sub.add_parser("eval", help="perplexity of each method (simulated quantization)")
@@ -443,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_loading(b)
     b.add_argument("--recipe", required=True, help="the model's recipe; the measurements are added to it")
     b.add_argument("--text", default=DEFAULT_TEXT, help="'bbc' (calibration part) or a text file")
-    _add_sensitivity(b, sinks=True)
+    _add_sensitivity(b, standalone=True)
     b.add_argument("--avg-bits", help="also store the choices of these budgets, e.g. 2.6,3.5")
     b.set_defaults(fn=cmd_budget)
 
