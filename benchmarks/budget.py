@@ -58,6 +58,7 @@ def quality_rows(model_name: str, windows: int, seqlen: int, plains: list[str],
     channels = fp["kv_heads"] * fp["head_dim"]
     specs = [parse_method("fp16")]
     pairs = []
+    measured = sensitivity_key(1) in recipe.meta.get("sensitivity", {})  # what nuq@B:kl:chan reads
     for plain in plains:
         spec = parse_method(plain)
         # what the plain method stores by the budget's own accounting (values keep exactly their top-k
@@ -66,9 +67,8 @@ def quality_rows(model_name: str, windows: int, seqlen: int, plains: list[str],
         held = sum(tensor_bits(kv, choice, seqlen, channels, spec.sinks)["total"] for kv in "kv")
         bits = held / (2 * seqlen * channels)
         name = f"nuq@{math.ceil(bits * 1e4) / 1e4:g}"
-        # with the sensitivities `kvsqueeze budget` measures in the recipe: the per-channel widths, each layer's
-        # keys and values scaled by their measured loss
-        measured = sensitivity_key(1) in recipe.meta.get("sensitivity", {})
+        # kl:chan where the recipe holds the sensitivities `kvsqueeze budget` measures: the per-channel widths,
+        # each layer's keys and values scaled by their measured loss
         budgets = [parse_method(name if kind == "layer" else f"{name}:{kind}") for kind in kinds
                    if measured or kind != "kl:chan"]
         if not budgets:

@@ -139,6 +139,7 @@ def main() -> None:
         old = json.loads(Path(args.json).read_text())
         if not args.recipe_sink0:  # the sink0 rows are all kept (checked below): their recipe as recorded
             settings = {"0": old["recipes"].get("0"), **settings}
+
         def calibrated(recipes: dict) -> dict:  # what every row read: the recipes without their sensitivities
             return {k: {**v, "sensitivity": None} if v else v for k, v in recipes.items()}
 

@@ -156,27 +156,12 @@ def _sensitivities(recipe: Recipe, sinks: int) -> dict:
     return table
 
 
-def _options(recipe: Recipe) -> list[Choice]:
-    """The choices the recipe was calibrated with."""
+def _options(recipe: Recipe, widths=None, fractions=None) -> list[Choice]:
+    """The choices the recipe was calibrated with; those among `widths` and `fractions` where given."""
     settings = recipe.meta.get("settings", {})
     bits = [b for b in settings.get("bits", SUPPORTED_BITS) if b in SUPPORTED_BITS]
-    return [Choice(b, float(f)) for b in sorted(bits) for f in sorted(settings.get("fractions", (0.0,)))]
-
-
-def measured_choices(recipe: Recipe, sinks: int = 1) -> list[Choice]:
-    """The recipe's choices whose sensitivities were measured (`kvsqueeze budget --bits --outliers`)."""
-    table = _sensitivities(recipe, sinks)
-    widths, fractions = table.get("bits"), table.get("fractions")
-    return [c for c in _options(recipe) if (widths is None or c.bits in widths)
-            and (fractions is None or c.fraction in fractions)]
-
-
-def _measured(recipe: Recipe, layer: int, kv: str, c: Choice, sinks: int = 1) -> float:
-    try:
-        return float(_sensitivities(recipe, sinks)["kl"][unit_key(layer, kv, c)])
-    except KeyError:
-        raise RecipeError(f"the recipe's sensitivities lack layer {layer} {kv} {c.label()}: measure them again "
-                          "with `kvsqueeze budget`") from None
+    return [Choice(b, float(f)) for b in sorted(bits) for f in sorted(settings.get("fractions", (0.0,)))
+            if (widths is None or b in widths) and (fractions is None or float(f) in fractions)]
 
 
 def _objective(recipe: Recipe, layer: int, kv: str, c: Choice) -> float:
@@ -286,14 +271,20 @@ def measured_scales(recipe: Recipe, sinks: int = 1) -> np.ndarray:
     mean of its ratios. The Fisher weights rank the channels of one unit; these scales put the units on the
     measured scale against each other, where the Fisher estimate of one layer against another can be off."""
     layers = int(recipe.meta["model"]["fingerprint"]["layers"])
-    options = measured_choices(recipe, sinks)
+    table = _sensitivities(recipe, sinks)
+    options = _options(recipe, table.get("bits"), table.get("fractions"))  # the choices measured
     if not options:
         raise RecipeError("the recipe's sensitivities measured none of its calibrated choices: measure them again "
                           "with `kvsqueeze budget`")
     scales = np.empty((layers, 2))
     for layer in range(layers):
         for i, kv in enumerate("kv"):
-            pairs = [(_measured(recipe, layer, kv, c, sinks), _objective(recipe, layer, kv, c)) for c in options]
+            pairs = []
+            for c in options:
+                if unit_key(layer, kv, c) not in table["kl"]:
+                    raise RecipeError(f"the recipe's sensitivities lack layer {layer} {kv} {c.label()}: measure "
+                                      "them again with `kvsqueeze budget`")
+                pairs.append((float(table["kl"][unit_key(layer, kv, c)]), _objective(recipe, layer, kv, c)))
             ratios = [kl / fisher for kl, fisher in pairs if kl > 0 and fisher > 0 and math.isfinite(kl / fisher)]
             if not ratios:
                 raise RecipeError(f"the recipe's sensitivities of layer {layer} {kv} are all zero: measure them "

@@ -80,12 +80,12 @@ def measure_sensitivity(model, recipe: Recipe, windows, sinks: int = 1, fraction
             for i, block in enumerate(saved):
                 blocks[i] = block
 
-    options = [c for c in _options(recipe) if (fractions is None or c.fraction in fractions)
-               and (bits is None or c.bits in bits)]
+    options = _options(recipe, bits, fractions)
     if not options:
+        calibrated = _options(recipe)
         raise ValueError(f"no calibrated choice of the recipe is among bits {bits} and outlier fractions {fractions}: "
-                         f"it was calibrated with {sorted({c.bits for c in _options(recipe)})} bits and fractions "
-                         f"{sorted({c.fraction for c in _options(recipe)})}")
+                         f"it was calibrated with {sorted({c.bits for c in calibrated})} bits and fractions "
+                         f"{sorted({c.fraction for c in calibrated})}")
     spec = parse_method(f"nuq4:sink{sinks}")
     table: dict[str, float] = {}
     jobs = [(layer, kv, c) for layer in range(shape.layers) for kv in ("k", "v") for c in options]
