@@ -83,12 +83,15 @@ class Part:
         mid, half = (self.lo + self.hi) / 2, (self.hi - self.lo) / 2
         return mid - ratio * half, mid + ratio * half
 
-    def error(self, levels, ratio=None, channels=slice(None)) -> torch.Tensor:
+    def bounds(self, ratio=None, channels=slice(None)):
+        """[lo, hi] (narrowed by `ratio` when given) on `channels`; a per-token range covers them all."""
         lo, hi = (self.lo, self.hi) if ratio is None else self.narrowed(ratio)
-        lo_c = lo[:, channels] if lo.shape[1] > 1 else lo
-        hi_c = hi[:, channels] if hi.shape[1] > 1 else hi
+        return tuple(b[:, channels] if b.shape[1] > 1 else b for b in (lo, hi))
+
+    def error(self, levels, ratio=None, channels=slice(None)) -> torch.Tensor:
         exact = None if self.exact is None else self.exact[:, channels]
-        return channel_error(self.x[:, channels], self.fisher[:, channels], lo_c, hi_c, levels, exact)
+        return channel_error(self.x[:, channels], self.fisher[:, channels], *self.bounds(ratio, channels), levels,
+                             exact)
 
 
 def probe_layer(fit: Part, held: Part, kind: str, bits: int, head_dim: int) -> dict:
@@ -99,15 +102,12 @@ def probe_layer(fit: Part, held: Part, kind: str, bits: int, head_dim: int) -> d
     for _ in range(ROUNDS):
         errs = torch.stack([fit.error(searched, r) for r in RATIOS])  # [R, C]
         ratio = (RATIOS[errs.argmin(0)].view(1, -1) if kind == "k" else RATIOS[errs.sum(1).argmin()].view(1, 1))
-        lo, hi = fit.narrowed(ratio)
-        searched = fitted_levels(fit.x, fit.fisher, lo, hi, fit.inside, bits)
+        searched = fitted_levels(fit.x, fit.fisher, *fit.bounds(ratio), fit.inside, bits)
     ranged = (float(fit.error(searched, ratio).sum()), float(held.error(searched, ratio).sum()))
     per_head = [0.0, 0.0]
     for h in range(fit.x.shape[1] // head_dim):
         cs = slice(h * head_dim, (h + 1) * head_dim)
-        lo_h = fit.lo[:, cs] if fit.lo.shape[1] > 1 else fit.lo
-        hi_h = fit.hi[:, cs] if fit.hi.shape[1] > 1 else fit.hi
-        lv = fitted_levels(fit.x[:, cs], fit.fisher[:, cs], lo_h, hi_h, fit.inside[:, cs], bits)
+        lv = fitted_levels(fit.x[:, cs], fit.fisher[:, cs], *fit.bounds(channels=cs), fit.inside[:, cs], bits)
         per_head[0] += float(fit.error(lv, channels=cs).sum())
         per_head[1] += float(held.error(lv, channels=cs).sum())
     return {"plain": plain, "range_search": ranged, "per_head": tuple(per_head),
