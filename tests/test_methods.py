@@ -24,7 +24,7 @@ DOCUMENTED = [
     "int2", "int4", "nf2", "nf3", "nuq2", "nuq4", "nuq2-1%", "nuq4-1%", "nuq3-0.1%", "nuq3-1%:pm",
     "nuq3:sink0", "nuq3:sink5", "nuq3:unw", "nuq3:fisher", "nuq3-1%:fs2", "kivi4", "kivi2:g64:r256",
     "group2", "group4:g32", "int3:vchan", "int3:ktok:post", "int3-1%", "int3-1%:kchan:pre:pm",
-    "nf3-1%:kchan:pre", "int-k4v2", "nuq-k2v4", "int3:sink1", "group3:sink2", "kivi2:r64",
+    "nf3-1%:kchan:pre", "int-k4v2", "nuq-k2v4", "int3:sink1", "group3:sink2", "kivi2:r64", "nuq3-1%:r16",
 ]
 
 COMPONENTS = ("codes", "scales", "outlier_values", "outlier_indices", "pointers", "sinks", "codebook",
@@ -125,7 +125,7 @@ def test_per_matrix_flag_without_outliers_round_trips():
         ("int3:unw", r"chooses a nuq codebook fit"),
         ("nuq3:g32", r"group size for kivi/group only"),
         ("group3:g0", r"positive group size"),
-        ("nuq3:r64", r"KIVI fp16 window"),
+        ("int3:r64", r"fp16 window of recent tokens of kivi and nuq"),
         ("int", r"give a bit width"),
         ("foo3", r"unknown method 'foo3'.*families: fp16, int, nf, nuq, kivi, group"),
         ("", r"unknown method"),

@@ -78,7 +78,8 @@ class Choice:
 class Allocation:
     """The choice of every layer for keys and for values, at `avg_bits` for `tokens` cached tokens.
 
-    predicted: the summed objective of the choice; bits: the average it stores (nominal outlier counts).
+    predicted: the summed objective of the choice; bits: the average it stores (nominal outlier counts);
+    window: the recent tokens it holds in fp16 beside their codes (counted in `bits`).
     """
 
     avg_bits: float
@@ -87,13 +88,15 @@ class Allocation:
     values: tuple[Choice, ...]
     predicted: float
     bits: float
+    window: int = 0
 
     def as_dict(self) -> dict:
         def row(c: Choice) -> list:
             return [c.bits, c.fraction] + ([list(c.widths)] if c.widths is not None else [])
 
         return {"avg_bits": self.avg_bits, "tokens": self.tokens, "predicted": self.predicted, "bits": self.bits,
-                "keys": [row(c) for c in self.keys], "values": [row(c) for c in self.values]}
+                "keys": [row(c) for c in self.keys], "values": [row(c) for c in self.values],
+                **({"window": self.window} if self.window else {})}
 
     @classmethod
     def from_dict(cls, d: dict) -> Allocation:
@@ -102,19 +105,20 @@ class Allocation:
             return Choice(int(row[0]), float(row[1]), widths)
 
         return cls(float(d["avg_bits"]), int(d["tokens"]), tuple(map(choice, d["keys"])),
-                   tuple(map(choice, d["values"])), float(d["predicted"]), float(d["bits"]))
+                   tuple(map(choice, d["values"])), float(d["predicted"]), float(d["bits"]), int(d.get("window", 0)))
 
     def layer(self, i: int) -> tuple[Choice, Choice]:
         return self.keys[i], self.values[i]
 
 
 def tensor_bits(kv: str, choice: Choice, tokens: int, channels: int, sinks: int,
-                outliers: float | None = None) -> dict[str, float]:
+                outliers: float | None = None, window: int = 0) -> dict[str, float]:
     """Bits one layer's keys ("k") or values ("v") hold, by the components of `methods.storage_bits`.
 
     Keys: codes, an fp16 scale and zero-point per channel, the codebook, outliers (fp16 value, 16-bit index)
     with a CSC pointer per token; values: the same with a scale and zero-point per token and exactly the
-    per-token top-k outliers (no pointers). `outliers`: the count actually kept (default: nominal)."""
+    per-token top-k outliers (no pointers). `outliers`: the count actually kept (default: nominal). `window`:
+    the most recent tokens' fp16 copies (`:rN`), held beside their codes."""
     sinks = min(sinks, tokens)
     q = tokens - sinks
     if choice.widths is not None:  # every codebook ':chan' may use, and each channel's width
@@ -123,7 +127,7 @@ def tensor_bits(kv: str, choice: Choice, tokens: int, channels: int, sinks: int,
         codes, codebook = q * channels * choice.bits, FP16_BITS * 2**choice.bits
     out = dict(codes=float(codes), scales=float(SCALE_ZERO_BITS * (channels if kv == "k" else q)),
                outlier_values=0.0, outlier_indices=0.0, pointers=0.0, sinks=float(sinks * channels * FP16_BITS),
-               codebook=float(codebook), fp16_window=0.0)
+               codebook=float(codebook), fp16_window=float(min(window, q) * channels * FP16_BITS))
     if choice.fraction > 0:
         if outliers is None:
             outliers = (choice.fraction * q * channels if kv == "k"
@@ -140,8 +144,8 @@ def layer_storage_bits(spec: MethodSpec, recipe: Recipe, layer: int, tokens: int
                        k_outliers: float | None = None, v_outliers: float | None = None) -> dict[str, float]:
     """`methods.storage_bits` of one layer of a budgeted method (its own choice for keys and for values)."""
     k, v = layer_choices(spec, recipe, layer)
-    kb = tensor_bits("k", k, tokens, channels, spec.sinks, k_outliers if k.fraction else None)
-    vb = tensor_bits("v", v, tokens, channels, spec.sinks, v_outliers if v.fraction else None)
+    kb = tensor_bits("k", k, tokens, channels, spec.sinks, k_outliers if k.fraction else None, spec.window)
+    vb = tensor_bits("v", v, tokens, channels, spec.sinks, v_outliers if v.fraction else None, spec.window)
     out = {key: kb[key] + vb[key] for key in kb}
     out["elements"] = 2 * tokens * channels
     return out
@@ -197,11 +201,12 @@ def _fitting_multiplier(fits: Callable[[float], bool], start: float) -> float:
 
 
 def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKENS,
-             proxy: str = "fisher") -> Allocation:
+             proxy: str = "fisher", window: int = 0) -> Allocation:
     """The choice of every layer's keys and values minimising the summed predicted loss at `avg_bits`.
 
     proxy: "fisher", the codebooks' Fisher-weighted objectives; "kl", the same times each unit's measured scale
     (`measured_scales`, from the KL divergences `calibrate.sensitivity.measure_sensitivity` stored in the recipe).
+    window: recent tokens held in fp16 beside their codes (`:rN`); their bits count against `avg_bits`.
 
     Raises:
         MethodError: a budget below what the cheapest choice everywhere stores.
@@ -214,7 +219,7 @@ def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKE
     # per unit, the options that are not dominated (less loss for no more bits); cost in bits, loss
     table = []
     for layer, kv in units:
-        rows = sorted(((tensor_bits(kv, c, tokens, channels, sinks)["total"],
+        rows = sorted(((tensor_bits(kv, c, tokens, channels, sinks, window=window)["total"],
                         scales[layer, "kv".index(kv)] * _objective(recipe, layer, kv, c), c) for c in options),
                       key=lambda r: (r[0], r[1]))
         kept = []
@@ -252,7 +257,7 @@ def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKE
     chosen = [rows[j][2] for rows, j in zip(table, idx)]
     predicted = sum(rows[j][1] for rows, j in zip(table, idx))
     return Allocation(float(avg_bits), tokens, tuple(chosen[0::2]), tuple(chosen[1::2]), predicted,
-                      spent / (2 * tokens * channels * layers))
+                      spent / (2 * tokens * channels * layers), window)
 
 
 def check_widths(widths, what: str) -> None:
@@ -294,10 +299,10 @@ def measured_scales(recipe: Recipe, sinks: int = 1) -> np.ndarray:
 
 
 def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKENS,
-                      proxy: str = "fisher") -> Allocation:
+                      proxy: str = "fisher", window: int = 0) -> Allocation:
     """Each channel's width (`CHANNEL_BITS`) and each layer's key / value outlier fraction minimising the summed
     per-channel Fisher-weighted error at `avg_bits` (see the module docstring). proxy "kl": each unit's errors
-    weighted by its measured scale (`measured_scales`).
+    weighted by its measured scale (`measured_scales`). window: as `allocate`.
 
     A layer's keys (or values) may also take one width for all their channels, as a plain method stores them:
     no width table and only that width's codebook, so it costs less metadata than the same widths given one
@@ -326,12 +331,12 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
         raise RecipeError("the recipe's per-channel errors hold NaN, Inf or negative values: recalibrate it")
     if proxy == "kl":
         err = err * measured_scales(recipe, sinks).reshape(-1)[:, None, None, None]
-    fixed = np.array([[tensor_bits(kv, Choice(max(CHANNEL_BITS), f, (0,) * channels), tokens, channels, sinks)["total"]
-                       for f in fractions] for _, kv in units])
+    fixed = np.array([[tensor_bits(kv, Choice(max(CHANNEL_BITS), f, (0,) * channels), tokens, channels, sinks,
+                                   window=window)["total"] for f in fractions] for _, kv in units])
     # one width for the whole unit [U, F, W]: its loss and everything it stores (read where `whole` allows it)
     uniform_loss = err.sum(2)
-    uniform_cost = np.array([[[tensor_bits(kv, Choice(int(w), f), tokens, channels, sinks)["total"] for w in widths]
-                              for f in fractions] for _, kv in units])
+    uniform_cost = np.array([[[tensor_bits(kv, Choice(int(w), f), tokens, channels, sinks, window=window)["total"]
+                               for w in widths] for f in fractions] for _, kv in units])
     budget = avg_bits * 2 * tokens * channels * layers
     cheapest = float(np.minimum((fixed + q * channels * widths[0]).min(1),
                                 uniform_cost[..., whole].min((1, 2))).sum())
@@ -376,30 +381,31 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
              Choice(int(widths[w].max()), fractions[f], tuple(int(x) for x in widths[w]))
              for f, w, one in zip(f_idx, w_idx, uniform)]
     return Allocation(float(avg_bits), tokens, tuple(picks[0::2]), tuple(picks[1::2]), predicted,
-                      spent / (2 * tokens * channels * layers))
+                      spent / (2 * tokens * channels * layers), window)
 
 
 def recipe_allocation(recipe: Recipe, avg_bits: float, sinks: int = 1, proxy: str = "fisher",
-                      unit: str = "layer") -> Allocation:
+                      unit: str = "layer", window: int = 0) -> Allocation:
     """The recipe's stored choice for this budget, sink count, proxy and unit (`calibrate --avg-bits`,
     `kvsqueeze budget`), or the same computed now."""
-    stored = recipe.meta.get("budgets", {}).get(budget_key(avg_bits, sinks, proxy, unit))
+    stored = recipe.meta.get("budgets", {}).get(budget_key(avg_bits, sinks, proxy, unit, window))
     if stored is not None:
         return Allocation.from_dict(stored)
-    key = (id(recipe), float(avg_bits), sinks, proxy, unit)
+    key = (id(recipe), float(avg_bits), sinks, proxy, unit, window)
     held = _COMPUTED.get(key)
     if held is None or held[0] is not recipe:
-        alloc = (allocate_channels(recipe, avg_bits, sinks, proxy=proxy) if unit == "channel"
-                 else allocate(recipe, avg_bits, sinks, proxy=proxy))
+        alloc = (allocate_channels(recipe, avg_bits, sinks, proxy=proxy, window=window) if unit == "channel"
+                 else allocate(recipe, avg_bits, sinks, proxy=proxy, window=window))
         held = _COMPUTED[key] = (recipe, alloc)
     return held[1]
 
 
-_COMPUTED: dict[tuple, tuple[Recipe, Allocation]] = {}  # (recipe id, budget, sinks, proxy, unit) -> (recipe, choice)
+_COMPUTED: dict[tuple, tuple[Recipe, Allocation]] = {}  # (recipe id, budget, sinks, proxy, unit, window) -> ...
 
 
-def budget_key(avg_bits: float, sinks: int, proxy: str = "fisher", unit: str = "layer") -> str:
-    return (f"{avg_bits:g}" + (f":sink{sinks}" if sinks != 1 else "") + (":kl" if proxy == "kl" else "")
+def budget_key(avg_bits: float, sinks: int, proxy: str = "fisher", unit: str = "layer", window: int = 0) -> str:
+    return (f"{avg_bits:g}" + (f":sink{sinks}" if sinks != 1 else "") + (f":r{window}" if window else "")
+            + (":kl" if proxy == "kl" else "")
             + (":chan" if unit == "channel" else ""))
 
 
@@ -410,7 +416,8 @@ def layer_choices(spec: MethodSpec, recipe: Recipe, layer: int) -> tuple[Choice,
     if recipe is None:
         raise RecipeError(f"method {spec.name!r} chooses each layer's bits from the recipe's Fisher objectives: "
                           "pass --recipe DIR")
-    return recipe_allocation(recipe, spec.budget, spec.sinks, spec.budget_proxy, spec.budget_unit).layer(layer)
+    return recipe_allocation(recipe, spec.budget, spec.sinks, spec.budget_proxy, spec.budget_unit,
+                             spec.window).layer(layer)
 
 
 def describe(alloc: Allocation) -> str:

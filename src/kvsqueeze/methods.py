@@ -10,7 +10,7 @@ indices and pointers, sinks, codebooks and fp16 windows all count.
 
 Grammar::
 
-    FAMILY BITS [-PCT%] [:FLAG ...]      or      nuq@AVG [:sinkN] [:kl] [:chan]
+    FAMILY BITS [-PCT%] [:FLAG ...]      or      nuq@AVG [:sinkN] [:rN] [:kl] [:chan]
 
     FAMILY  fp16 | int | nf | nuq | kivi | group | turbo
     AVG     a bit budget, e.g. 3.5: average stored bits per K/V element, every byte counted; each
@@ -28,7 +28,10 @@ Grammar::
             sinkN              first N tokens stay fp16 (sink0 disables)
             unw | fisher | fs2 nuq codebook fit: unweighted / Fisher / Fisher*s^2
             gN                 group size (kivi, group)
-            rN                 KIVI fp16 window of recent tokens
+            rN                 the N most recent tokens read in fp16: KIVI's window (held instead of
+                               codes), or nuq's (fp16 copies beside their codes, dropped as a token
+                               leaves the window; a budget counts them, so `nuq@4.58:r16` stores
+                               4.58 bits with the window)
             split              turbo: each head's higher-RMS half one bit wider (2.5 / 3.5 bits)
 
 Family defaults follow the papers: `int`/`nf` are the per-token post-RoPE
@@ -86,7 +89,7 @@ class MethodSpec:
     sinks: int | None = None  # first tokens kept in fp16 and left out of calibration
     fit: str = "fs2"
     group_size: int | None = None  # kivi / group only
-    window: int | None = None  # kivi only: recent tokens kept fp16
+    window: int | None = None  # kivi and nuq: recent tokens read in fp16 (kivi: instead of codes; nuq: beside them)
     split: bool = False  # turbo only: the higher-RMS half of each head's channels one bit wider
     budget: float | None = None  # nuq only: average stored bits; each layer's K / V choice from the recipe
     budget_proxy: str = "fisher"  # the loss a budget minimises: "fisher" objectives or measured "kl"
@@ -251,9 +254,10 @@ def _budget_method(name: str, family: str, m: re.Match) -> MethodSpec:
         if flag == "chan":
             unit = "channel"
             continue
-        if not re.fullmatch(r"sink\d+", flag):
-            raise MethodError(f"method {name!r}: a bit budget takes a sink count (':sinkN'), ':kl' (measured "
-                              f"sensitivities) and ':chan' (a bit width per channel), not ':{flag}'")
+        if not re.fullmatch(r"(sink|r)\d+", flag):
+            raise MethodError(f"method {name!r}: a bit budget takes a sink count (':sinkN'), an fp16 window "
+                              f"(':rN'), ':kl' (measured sensitivities) and ':chan' (a bit width per channel), "
+                              f"not ':{flag}'")
         _apply_flag(name, family, flag, fields)
     # the widest choice stands in for the spec's own bits; every consumer reads the layer's choice instead
     return MethodSpec(family=family, **{**fields, "k_bits": max(SUPPORTED_BITS), "v_bits": max(SUPPORTED_BITS)},
@@ -303,8 +307,9 @@ def _apply_flag(name: str, family: str, flag: str, fields: dict) -> None:
             raise MethodError(f"method {name!r}: ':g{n}' sets a positive group size for kivi/group only")
         fields["group_size"] = n
     else:
-        if family != "kivi":
-            raise MethodError(f"method {name!r}: ':r{n}' sets the KIVI fp16 window; {family} has none")
+        if family not in ("kivi", "nuq"):
+            raise MethodError(f"method {name!r}: ':r{n}' sets the fp16 window of recent tokens of kivi and nuq; "
+                              f"{family} has none")
         fields["window"] = n
 
 
@@ -315,7 +320,8 @@ def canonical_name(spec: MethodSpec) -> str:
     if spec.budget is not None:
         sinks = FAMILY_DEFAULTS[spec.family].get("sinks", 0)
         return (f"{spec.family}@{spec.budget:g}" + (f":sink{spec.sinks}" if spec.sinks != sinks else "")
-                + (":kl" if spec.budget_proxy == "kl" else "") + (":chan" if spec.budget_unit == "channel" else ""))
+                + (f":r{spec.window}" if spec.window else "") + (":kl" if spec.budget_proxy == "kl" else "")
+                + (":chan" if spec.budget_unit == "channel" else ""))
     bits = str(spec.k_bits) if spec.k_bits == spec.v_bits else f"-k{spec.k_bits}v{spec.v_bits}"
     out = spec.family + bits
     if spec.outlier_fraction:
@@ -337,7 +343,7 @@ def canonical_name(spec: MethodSpec) -> str:
         flags.append(spec.fit)
     if spec.family in ("kivi", "group") and spec.group_size != d["group_size"]:
         flags.append(f"g{spec.group_size}")
-    if spec.family == "kivi" and spec.window != d["window"]:
+    if spec.family in ("kivi", "nuq") and spec.window != d["window"]:
         flags.append(f"r{spec.window}")
     if spec.split:
         flags.append("split")
@@ -410,8 +416,8 @@ def storage_bits(
         out["elements"] = elements
         return out
     sinks = min(spec.sinks, tokens)
-    window = min(spec.window, tokens - sinks) if spec.family == "kivi" else 0
-    q = tokens - sinks - window  # tokens held as codes
+    window = min(spec.window, tokens - sinks)
+    q = tokens - sinks - (window if spec.family == "kivi" else 0)  # tokens held as codes (nuq: the window's too)
     out["sinks"] = 2.0 * sinks * channels * FP16_BITS
     out["fp16_window"] = 2.0 * window * channels * FP16_BITS
     out["codes"] = float(q * channels * (spec.k_bits + spec.v_bits))

@@ -17,7 +17,7 @@ from kvsqueeze.affine import choose_qparams
 BROAD = [
     "int3", "nf3", "int3:kchan:pre", "nuq2", "nuq3", "nuq4", "nuq2-1%", "nuq3-1%", "nuq4-1%",
     "nuq3-1%:pm", "nuq3:sink0", "nuq-k3v2-1%", "kivi2", "kivi4", "group3:g32", "int3-10%", "nf3-1%:kchan:pre",
-    "nuq3-0.1%", "nuq3:unw", "nuq3:fisher", "kivi2:r32", "int3:vchan",
+    "nuq3-0.1%", "nuq3:unw", "nuq3:fisher", "kivi2:r32", "int3:vchan", "nuq3-1%:r16", "nuq-k3v2-1%:r8",
 ]
 
 
@@ -258,7 +258,7 @@ def test_kivi_channel_groups_use_only_their_own_channels():
 
 # ---- decoding, batching and causality --------------------------------------------------------------
 @pytest.mark.parametrize("name", ["nuq3-1%", "int3", "int3-10%", "nuq-k3v2-1%", "group3:g32", "nuq2-1%:pm",
-                                  "int3:kchan:pre", "kivi2:r32"])
+                                  "int3:kchan:pre", "kivi2:r32", "nuq3-1%:r8", "nuq-k3v2-1%:r4"])
 def test_token_by_token_decoding_matches_the_whole_window(tiny_llama, tiny_recipe, name):
     ids = random_ids(1, 48, seed=21)
     whole = logits(tiny_llama, ids, name, tiny_recipe)
@@ -266,7 +266,7 @@ def test_token_by_token_decoding_matches_the_whole_window(tiny_llama, tiny_recip
     assert torch.allclose(step, whole, atol=1e-4, rtol=0), float((step - whole).abs().max())
 
 
-@pytest.mark.parametrize("name", ["nuq3-1%", "int3", "kivi2:r32", "group3:g32", "int3-1%:pm"])
+@pytest.mark.parametrize("name", ["nuq3-1%", "int3", "kivi2:r32", "group3:g32", "int3-1%:pm", "nuq3-1%:r8"])
 def test_batch_rows_are_independent(tiny_llama, tiny_recipe, ids, name):
     both = logits(tiny_llama, ids, name, tiny_recipe)
     for row in range(ids.shape[0]):
@@ -275,7 +275,7 @@ def test_batch_rows_are_independent(tiny_llama, tiny_recipe, ids, name):
 
 
 @pytest.mark.parametrize("name", ["nuq3-1%", "int3", "int3-10%", "group3:g32", "nuq3-1%:pm", "kivi2:r32",
-                                  "kivi2:r64:g16", "kivi2:r8", "kivi2:r0"])
+                                  "kivi2:r64:g16", "kivi2:r8", "kivi2:r0", "nuq3-1%:r8"])
 def test_future_tokens_do_not_change_past_logits(tiny_llama, tiny_recipe, ids, name):
     """Causality: what position i predicts must not depend on tokens after i.
 

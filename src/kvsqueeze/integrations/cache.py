@@ -58,6 +58,8 @@ def check_supported(spec: MethodSpec) -> None:
         why = f"its keys are quantized per {spec.key_axis} {spec.key_rope}-RoPE"
     elif spec.value_axis != "token":
         why = f"its values are quantized per {spec.value_axis}"
+    elif spec.window:
+        why = f"it reads its {spec.window} most recent tokens in fp16, a window this cache does not hold"
     if why:
         raise MethodError(
             f"method {spec.name!r} has no compressed cache: {why}. Supported: {SUPPORTED}. Evaluate other methods "

@@ -123,7 +123,16 @@ def _attend(query, keys, values, mask, scaling, softcap=None, sink_logits=None) 
 
 def kivi_attention(module, query, key, value, attention_mask, scaling, spec: MethodSpec,
                    chunk: int | None = None, softcap: float | None = None, sink_logits=None):
-    """Attention over [B, H, T, D] tensors where old tokens are KIVI-quantized and recent ones exact.
+    """Attention over [B, H, T, D] tensors where old tokens are KIVI-quantized and recent ones exact."""
+    kq, vq = quantized_kv(module, key, value, spec)
+    return mixed_attention(query, key, value, kq, vq, attention_mask, scaling, spec.window, chunk, softcap,
+                           sink_logits)
+
+
+def mixed_attention(query, key, value, kq, vq, attention_mask, scaling, window: int, chunk: int | None = None,
+                    softcap: float | None = None, sink_logits=None):
+    """Attention over [B, H, T, D] tensors in which query position i reads key j's exact copy (`key`, `value`)
+    when i - j < `window` and its quantized copy (`kq`, `vq`) otherwise; returns [B, Tq, Hq, D].
 
     Query rows are taken in chunks. For the chunk of positions [lo, hi), one SDPA
     call reads the quantized copy of the keys it may see only in quantized form
@@ -135,8 +144,7 @@ def kivi_attention(module, query, key, value, attention_mask, scaling, spec: Met
     """
     b, h, tq, _ = query.shape
     tk = key.shape[2]
-    w = spec.window
-    kq, vq = quantized_kv(module, key, value, spec)
+    w = window
     causal = causal_bool_mask(attention_mask, tq, tk, query.device)  # [B|1, 1, Tq, Tk]
     if chunk is None:
         chunk = max(1, SCORE_BUDGET // max(1, b * h * (tk + w)))

@@ -9,7 +9,14 @@ computed the same way). Nothing in the model is forked:
 * post-RoPE keys are quantized as they enter the cache, by `SimulatedLayer`,
   a `DynamicLayer` whose `update` quantizes the new tokens;
 * KIVI, whose fp16 window depends on the query position, runs in the
-  attention function registered as "kvsqueeze" (see `kivi.py`).
+  attention function registered as "kvsqueeze" (see `kivi.py`);
+* so does a nuq method with an fp16 window of recent tokens (`:rN`): the
+  hooks hand the model each token's fp16 copy and keep what quantization
+  changed; `SimulatedLayer` holds, beside the fp16 keys and values, their
+  quantized copies (the pre-RoPE change turned by the layer's own rotary
+  module), and attention reads, for each query, the fp16 copy of its `N`
+  most recent tokens and the quantized copy of every older one
+  (`kivi.mixed_attention`), as the compressed cache holds them.
 
 Each token is quantized once, when it enters the cache, exactly like a real
 compressed cache would, so prefill, teacher-forced evaluation and token-by-token
@@ -30,8 +37,8 @@ from ..recipe import Recipe
 from ..shape import kv_shape
 from .attention import register_handler, switch_attention
 from .fingerprint import check_recipe
-from .kivi import forget, kivi_handler
-from .parts import attention_modules, hook_projections
+from .kivi import forget, kivi_handler, mixed_attention
+from .parts import attention_modules, hook_projections, layer_rotaries
 from .preflight import preflight
 
 
@@ -63,15 +70,22 @@ def _quantize_tokens(
     return xq, n_out
 
 
+QUANTIZED = "kvsqueeze_quantized"  # attribute of the keys a windowed layer returns: (quantized keys, values)
+
+
 class SimulatedLayer(DynamicLayer):
-    """A DynamicLayer that quantizes post-RoPE keys [B, H, T, D] as they are appended."""
+    """A DynamicLayer that quantizes post-RoPE keys [B, H, T, D] as they are appended; for a method with an fp16
+    window it also keeps the quantized copies of every key and value (`kq`, `vq`) beside the fp16 ones."""
 
     def __init__(self, sim: "SimulatedQuantization", layer: int):
         super().__init__()
         self.sim = sim
         self.layer = layer
+        self.kq = self.vq = None
 
     def update(self, key_states, value_states, *args, **kwargs):
+        if self.sim.window:  # nuq: keys quantized before RoPE, by the hooks
+            return self._update_windowed(key_states, value_states, *args, **kwargs)
         q = self.sim.k_post[self.layer]
         if q is not None:
             b, h, t, d = key_states.shape
@@ -80,6 +94,19 @@ class SimulatedLayer(DynamicLayer):
             self.sim.counter.k[self.layer] += n
             key_states = xq.view(b, t, h, d).transpose(1, 2)
         return super().update(key_states, value_states, *args, **kwargs)
+
+    def _update_windowed(self, key_states, value_states, *args, **kwargs):
+        kq, vq = self.sim.quantized_copies(self.layer, key_states, value_states, self.get_seq_length(), kwargs)
+        keys, values = super().update(key_states.half().to(key_states.dtype), value_states, *args, **kwargs)
+        self.kq = kq if self.kq is None else torch.cat([self.kq, kq], dim=2)
+        self.vq = vq if self.vq is None else torch.cat([self.vq, vq], dim=2)
+        setattr(keys, QUANTIZED, (self.kq, self.vq))
+        return keys, values
+
+    def crop(self, max_length: int) -> None:
+        super().crop(max_length)
+        if self.kq is not None:
+            self.kq, self.vq = self.kq[:, :, : self.keys.shape[2]], self.vq[:, :, : self.keys.shape[2]]
 
 
 class SimulatedQuantization:
@@ -109,6 +136,10 @@ class SimulatedQuantization:
         self.v = [v for _, v in qs]
         if spec.family == "kivi":
             self.v = [None] * self.shape.layers  # KIVI quantizes K and V in attention (fp16 window)
+        # nuq's fp16 window: attention reads recent tokens in fp16, older ones quantized
+        self.window = spec.window if spec.family == "nuq" else 0
+        self.rotary = layer_rotaries(model, self.shape.head_dim) if self.window else None
+        self._changes: dict = {}  # (layer, "k" / "v") -> what quantization changed in the last projection
         self.counter = _Counter(self.shape.layers)
         self._handles: list = []
         self._start = 0
@@ -140,7 +171,34 @@ class SimulatedQuantization:
             self.counter.k[layer] += n
         else:
             self.counter.v[layer] += n
-        return xq
+        if not self.window:
+            return xq
+        exact = output.half().to(output.dtype)  # the fp16 copy the window holds
+        self._changes[layer, kind] = (xq - exact).flatten(2)
+        return exact
+
+    def quantized_copies(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, start: int,
+                         kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The quantized copies [B, H, T, D] of the new keys (post-RoPE) and values of a windowed method: the
+        pre-RoPE change its hook recorded, turned at the tokens' positions by the layer's rotary module, added
+        to the fp16 keys the model turned."""
+        b, h, t, d = key_states.shape
+        changes = [self._changes.pop((layer, kind), None) for kind in ("k", "v")]
+        if any(c is None or c.shape[1] != t for c in changes):
+            raise RuntimeError(f"layer {layer}: the keys and values entering the cache were not made by this "
+                               f"forward's projections, so their quantized copies for {self.spec.name!r}'s fp16 "
+                               "window are unknown; fill the cache through the model's forward")
+        change = changes[0].view(b, t, h, d).transpose(1, 2)
+        extra = kwargs.get("kwargs") or {}
+        pos = extra.get("position_ids", kwargs.get("position_ids"))
+        pos = (torch.arange(start, start + t, device=key_states.device).expand(b, t) if pos is None
+               else pos.to(key_states.device).long().expand(b, t))
+        rot = self.rotary[layer]
+        cs = rot.cos_sin(pos, key_states.dtype)
+        kq = key_states.half().to(key_states.dtype) + rot.apply(
+            change, None if cs is None else (cs[0].unsqueeze(1), cs[1].unsqueeze(1)))
+        vq = value_states + changes[1].view(b, t, h, d).transpose(1, 2)
+        return kq, vq
 
     def __enter__(self) -> "SimulatedQuantization":
         self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
@@ -150,16 +208,23 @@ class SimulatedQuantization:
             self._saved_attn = switch_attention(self.model)
             for a in self.attn:
                 a.kvsqueeze_kivi = self.spec
+        elif self.window:
+            register_handler(window_handler)
+            self._saved_attn = switch_attention(self.model)
+            for a in self.attn:
+                a.kvsqueeze_window = self.window
         return self
 
     def __exit__(self, *exc) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        self._changes.clear()
         if self._saved_attn is not None:
             self.model.set_attn_implementation(self._saved_attn)
             for a in self.attn:
-                del a.kvsqueeze_kivi
+                a.__dict__.pop("kvsqueeze_kivi", None)
+                a.__dict__.pop("kvsqueeze_window", None)
             forget(self.attn)
             self._saved_attn = None
 
@@ -189,3 +254,18 @@ class SimulatedQuantization:
             for k, v in b.items():
                 total[k] = total.get(k, 0.0) + v
         return total
+
+
+def window_handler(module, query, key, value, attention_mask, scaling, **kwargs):
+    """The "kvsqueeze" attention handler for modules of a windowed nuq method (`kvsqueeze_window`): each query
+    reads its window's fp16 keys and values and the quantized copies of older ones."""
+    window = getattr(module, "kvsqueeze_window", None)
+    if window is None:
+        return None
+    copies = getattr(key, QUANTIZED, None)
+    if copies is None or copies[0].shape != key.shape:
+        raise RuntimeError(f"{type(module).__name__}: the keys reaching attention did not come from a simulated "
+                           f"cache of this method (its quantized copies are missing or of another length); "
+                           "build the cache with `sim.new_cache()` and pass it to the forward")
+    return mixed_attention(query, key, value, copies[0], copies[1], attention_mask, scaling, window,
+                           softcap=kwargs.get("softcap"), sink_logits=kwargs.get("s_aux"))
