@@ -17,7 +17,11 @@ their mean KL divergences from fp16).
 
 Decode: one decode step of fused attention (the numba backend) over every layer of the default model at
 `--decode-context` tokens, each layer's store built with its own quantizers (a budget's layers differ in
-bits and outliers), nuq3-1% against nuq@3.5 and nuq@3.5:chan; median of interleaved rounds.
+bits and outliers), nuq3-1% against nuq@3.5 and nuq@3.5:chan (`--decode-methods`: others, e.g. a budget
+with an fp16 window, `nuq@3.5:r32:chan`); median of interleaved rounds. `--models ''` times decode alone:
+
+    python benchmarks/budget.py --models '' --decode-methods nuq3-1%,nuq@3.5:chan,nuq@3.5:r32:chan \
+        --json benchmarks/results/decode_window.json
 """
 
 from __future__ import annotations
@@ -99,7 +103,10 @@ def quality_rows(model_name: str, windows: int, seqlen: int, plains: list[str],
             "rows": out}
 
 
-def decode_rows(context: int, rounds: int) -> list[dict]:
+DECODE_METHODS = ("nuq3-1%", "nuq@3.5", "nuq@3.5:chan")
+
+
+def decode_rows(context: int, rounds: int, methods: tuple[str, ...] = DECODE_METHODS) -> list[dict]:
     """Median ms of one fused decode step over all layers of the default model, per method."""
     from decode import TAIL_DF, TAIL_Q99
 
@@ -116,14 +123,14 @@ def decode_rows(context: int, rounds: int) -> list[dict]:
     tdist = torch.distributions.StudentT(TAIL_DF)
     q = torch.randn(1, hq, d)
     caches = {}
-    for name in ("nuq3-1%", "nuq@3.5", "nuq@3.5:chan"):
+    for name in methods:
         spec = parse_method(name)
         stores = []
         for layer in range(layers):
             kq, vq = build_quantizers(spec, recipe, layer, c)
             torch.manual_seed(layer)
             center, half = (kq.hi + kq.lo) / 2, (kq.hi - kq.lo) / 2
-            store = KVStore(kq, vq, c, spec.sinks, head_dim=d, positions=PositionLog())
+            store = KVStore(kq, vq, c, spec.sinks, head_dim=d, positions=PositionLog(), window=spec.window)
             for start in range(0, context, 8192):
                 n = min(8192, context - start)
                 store.append(center + half * tdist.sample((1, n, c)) / TAIL_Q99, tdist.sample((1, n, c)))
@@ -159,6 +166,7 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--decode-context", type=int, default=32768, help="0: skip the decode timing")
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--decode-methods", default=",".join(DECODE_METHODS), help="methods of the decode timing")
     ap.add_argument("--reuse-decode", action="store_true", help="keep the decode rows of an existing --json")
     ap.add_argument("--keep-models", action="store_true",
                     help="keep the entries of an existing --json for models not in --models (each entry is measured "
@@ -174,7 +182,8 @@ def main() -> None:
     if args.reuse_decode and Path(args.json).exists():
         payload["decode"] = json.loads(Path(args.json).read_text())["decode"]
     elif args.decode_context:
-        payload["decode"] = decode_rows(args.decode_context, args.rounds)
+        payload["decode"] = decode_rows(args.decode_context, args.rounds,
+                                        tuple(m for m in args.decode_methods.split(",") if m))
     names = list(filter(None, args.models.split(",")))
     kept = {}
     if args.keep_models and Path(args.json).exists():

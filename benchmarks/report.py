@@ -25,7 +25,8 @@ BUDGET_ROWS = ("fp16", "nuq2-1%", "nuq@2.5", "nuq@2.5:chan", "nuq@2.5:kl:chan", 
                "nuq@2.6:chan", "nuq@2.6:kl:chan", "nuq@3", "nuq@3:chan", "nuq3-1%", "nuq@3.5", "nuq@3.5:kl",
                "nuq@3.45:chan", "nuq@3.49:chan", "nuq@3.49:kl:chan", "nuq@3.5:chan", "nuq@3.5:kl:chan",
                "nuq3-1%:sink16", "nuq@4:chan", "nuq4-1%", "nuq@4.5", "nuq@4.5:kl", "nuq@4.5:chan", "nuq@4.5:kl:chan",
-               "nuq@4.58:chan", "nuq@4.58:kl:chan", "nuq@4.6:chan")
+               "nuq@4.58:chan", "nuq@4.58:kl:chan", "nuq@4.6:chan", "nuq@2.5:r32:chan", "nuq@3.49:r32:chan",
+               "nuq@4.58:r32:chan")
 
 
 def _load(d: Path, name: str) -> dict | None:
@@ -38,14 +39,15 @@ def describe(name: str) -> str:
     from kvsqueeze.methods import parse_method
 
     spec = parse_method(name)
+    window = f", its {spec.window} most recent tokens in fp16 (counted)" if spec.window and spec.family == "nuq" else ""
     if spec.budget is not None and spec.budget_unit == "channel":
         scaled = ", each layer's K / V scaled by its measured sensitivity" if spec.budget_proxy == "kl" else ""
         return (f"bit budget {spec.budget:g}: each channel's K / V width (1-6 bits) and each layer's outliers "
-                f"from the per-channel Fisher errors{scaled}")
+                f"from the per-channel Fisher errors{scaled}{window}")
     if spec.budget is not None:
         proxy = ("the Fisher objectives scaled by measured sensitivities" if spec.budget_proxy == "kl"
                  else "the Fisher objectives")
-        return f"bit budget {spec.budget:g}: each layer's K / V bits and outliers from {proxy}"
+        return f"bit budget {spec.budget:g}: each layer's K / V bits and outliers from {proxy}{window}"
     if spec.family == "turbo":
         split = ", the higher-RMS half of each head 1 bit wider" if spec.split else ""
         return f"TurboQuant-MSE: random rotation, sphere Lloyd-Max levels, fp16 norm per head{split}"
@@ -59,6 +61,7 @@ def describe(name: str) -> str:
     extra = f", {spec.pct_label} outliers" if spec.outlier_fraction else ""
     extra += f", {spec.sinks} sink" if spec.sinks else ""
     extra += f", {spec.key_slots} exact key elements per token (paged)" if spec.key_slots else ""
+    extra += window
     return f"{bits}{dtype}, {keys}{extra}"
 
 
@@ -401,6 +404,7 @@ BLOCKS = {
     "demo": ("demo_amd_epyc.json", demo),
     "mixed-bits": ("eval_mixed_bits.json", ladder),
     "budget-40windows": ("eval_budget_40windows.json", ladder),
+    "window-40windows": ("eval_window_40windows.json", ladder),
     "memory": ("memory.json", memory),
     "longctx": ("longctx.json", longctx),
     "decode": ("decode.json", decode),

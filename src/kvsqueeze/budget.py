@@ -33,6 +33,10 @@ estimate a measurement can correct: on the default model the scales differ by a 
 without outliers: 120 runs of 512 tokens on the default model) places the units about as well as all three:
 the choice it gives predicts, on the all-width scales, 0.3% more loss (`benchmarks/kl_widths.py`).
 
+`nuq@B:rN` (any of the above with `:rN`) keeps each row's N most recent tokens in fp16 beside their codes
+(the simulated path and the compressed cache read them in fp16 for the queries whose window they are in): their
+bits, 2 * N * C * 16 per layer, count against B like the sinks, so the codes get what is left.
+
 Everything here reads calibration data only (the recipe); evaluation text never shapes the choice. The
 choice depends on the cached length through the per-channel and per-layer metadata, so it is made for
 `TOKENS` tokens (the calibration and evaluation length); `calibrate --avg-bits` stores it in the recipe,

@@ -129,7 +129,8 @@ def test_fp16_cache_gives_the_models_own_logits(supported):
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
-def test_compressed_cache_equals_simulated_quantization(supported):
+@pytest.mark.parametrize("method", ["nuq3-1%", "nuq3-1%:r6"])
+def test_compressed_cache_equals_simulated_quantization(supported, method):
     _, model, recipe = supported
     ids = random_ids(1, 32, seed=2)
     def steps(cache):  # a prefill of 12 tokens, then one token a step: both engines see the same activations
@@ -137,23 +138,24 @@ def test_compressed_cache_equals_simulated_quantization(supported):
                          + [model(ids[:, t : t + 1], cache=cache, use_cache=True).logits for t in range(12, 32)], dim=1)
 
     with torch.no_grad():
-        with SimulatedQuantization(model, parse_method("nuq3-1%"), recipe) as sim:
+        with SimulatedQuantization(model, parse_method(method), recipe) as sim:
             want = steps(sim.new_cache())
-        got = steps(kvsqueeze.cache_for(model, recipe, "nuq3-1%"))
+        got = steps(kvsqueeze.cache_for(model, recipe, method))
         fp = model(ids).logits
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(want, fp, atol=1e-3)  # the quantization did something
 
 
-def test_fused_decode_equals_dense_with_a_left_padded_batch(supported):
+@pytest.mark.parametrize("method", ["nuq3-1%", "nuq3-1%:r6"])
+def test_fused_decode_equals_dense_with_a_left_padded_batch(supported, method):
     name, model, recipe = supported
     ids = random_ids(2, 10, seed=4)
     mask = torch.ones_like(ids)
     mask[1, :3] = 0
     kw = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
     with torch.no_grad():
-        dense = model.generate(ids, cache=kvsqueeze.cache_for(model, recipe, "nuq3-1%"), **kw)
-        cache = kvsqueeze.cache_for(model, recipe, "nuq3-1%")
+        dense = model.generate(ids, cache=kvsqueeze.cache_for(model, recipe, method), **kw)
+        cache = kvsqueeze.cache_for(model, recipe, method)
         with fused_decode(model, cache, Backend.NUMBA):
             fused = model.generate(ids, cache=cache, **kw)
     assert fused.shape == (2, 22) and torch.equal(fused, dense)

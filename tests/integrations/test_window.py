@@ -115,6 +115,121 @@ def test_window_storage_is_reported(tiny_llama, tiny_recipe):
     assert st["fp16_window"] == shape.layers * 2 * 16 * shape.channels * 16
 
 
-def test_compressed_cache_refuses_a_window_it_does_not_hold(tiny_llama, tiny_recipe):
-    with pytest.raises(MethodError, match="fp16"):
-        cache_for(tiny_llama, tiny_recipe, "nuq3-1%:r16")
+# ---- the compressed cache ----------------------------------------------------------------------------
+def _sim_logits_stepwise(model, ids, name, recipe, prefill):
+    with torch.no_grad(), SimulatedQuantization(model, parse_method(name), recipe) as sim:
+        cache = sim.new_cache()
+        outs = [model(input_ids=ids[:, :prefill], cache=cache, use_cache=True).logits]
+        for t in range(prefill, ids.shape[1]):
+            outs.append(model(input_ids=ids[:, t: t + 1], cache=cache, use_cache=True).logits)
+    return torch.cat(outs, dim=1)
+
+
+@pytest.mark.parametrize("prefill", [40, 17, 1])
+@pytest.mark.parametrize("name", ["nuq3-1%:r8", "nuq2:r3"])
+def test_compressed_cache_reads_the_window_as_the_simulated_path(tiny_llama, tiny_recipe, name, prefill):
+    """A forward of many tokens (each query its own window) and decode steps (the window from the store's table)
+    give the simulated path's logits."""
+    ids = random_ids(1, 40, seed=8)
+    ref = logits(tiny_llama, ids, name, tiny_recipe)
+    cache = cache_for(tiny_llama, tiny_recipe, name)
+    with torch.no_grad():
+        outs = [tiny_llama(input_ids=ids[:, :prefill], cache=cache, use_cache=True).logits]
+        for t in range(prefill, 40):
+            outs.append(tiny_llama(input_ids=ids[:, t: t + 1], cache=cache, use_cache=True).logits)
+    torch.testing.assert_close(torch.cat(outs, dim=1), ref, atol=1e-4, rtol=1e-4)
+    store = cache.layers[0].store
+    window = parse_method(name).window
+    assert sorted(store.window_entries()[2][0].tolist()) == list(range(40 - window, 40))
+
+
+@pytest.mark.parametrize("backend", ["reference", "numba"])
+def test_fused_decode_reads_the_window(tiny_llama, tiny_recipe, backend):
+    from kvsqueeze.integrations.fused import fused_decode
+
+    name = "nuq3-1%:r8"
+    ids = random_ids(1, 12, seed=9)
+    with torch.no_grad(), SimulatedQuantization(tiny_llama, parse_method(name), tiny_recipe) as sim:
+        ref = tiny_llama.generate(ids, cache=sim.new_cache(), max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                                  output_scores=True, return_dict_in_generate=True)
+    cache = cache_for(tiny_llama, tiny_recipe, name)
+    with torch.no_grad(), fused_decode(tiny_llama, cache, backend):
+        got = tiny_llama.generate(ids, cache=cache, max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                                  output_scores=True, return_dict_in_generate=True)
+    assert torch.equal(got.sequences, ref.sequences)
+    for a, b in zip(got.scores, ref.scores):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_window_table_holds_the_last_real_tokens(tiny_llama, tiny_recipe):
+    """Chunked appends, left padding and sinks: each row's window is its last `window` real non-sink tokens, fp16."""
+    from kvsqueeze.cache.store import KVStore
+    from kvsqueeze.quantizer import build_quantizers
+
+    kq, vq = build_quantizers(parse_method("nuq3-1%"), tiny_recipe, 0, 32)
+    store = KVStore(kq, vq, 32, sinks=2, head_dim=16, window=5)
+    g = torch.Generator().manual_seed(1)
+    keys, values = torch.randn(2, 23, 32, generator=g), torch.randn(2, 23, 32, generator=g)
+    real = torch.ones(2, 23, dtype=torch.bool)
+    real[1, :9] = False  # row 1: 9 pads, then 14 real tokens
+    for lo, hi in ((0, 4), (4, 5), (5, 13), (13, 23)):
+        store.append(keys[:, lo:hi], values[:, lo:hi], real[:, lo:hi])
+        for row in range(2):
+            firsts = real[row, :hi].nonzero().view(-1)
+            eligible = firsts[2:]  # the first 2 real tokens are sinks
+            want = eligible[-5:].tolist()
+            k, v, slot = (x[row] for x in store.window_entries())
+            held = slot[slot >= 0]
+            assert sorted(held.tolist()) == want
+            for e in (slot >= 0).nonzero().view(-1).tolist():
+                assert torch.equal(k[e], keys[row, slot[e]].half()) and torch.equal(v[e], values[row, slot[e]].half())
+    assert store.sink_count.tolist() == [2, 2] and store.window_count.tolist() == [5, 5]
+    store.crop(20)  # tokens 20-22 leave; 18 and 19 stay in the window, in the ring's first entries
+    assert store.window_entries()[2][0].tolist() == [18, 19, -1, -1, -1]
+    assert store.window_taken.tolist() == [2, 2]
+    store.append(keys[:, 20:23], values[:, 20:23])
+    assert sorted(store.window_entries()[2][0].tolist()) == [18, 19, 20, 21, 22]
+
+
+def test_memory_report_counts_the_window(tiny_llama, tiny_recipe):
+    spec = parse_method("nuq3-1%:r8")
+    cache = cache_for(tiny_llama, tiny_recipe, spec)
+    with torch.no_grad():
+        tiny_llama(random_ids(1, 30, seed=6), cache=cache, use_cache=True)
+    rep = cache.memory_report()
+    expected = sum(storage_bits(spec, 30, 32)["fp16_window"] for _ in cache.layers)
+    assert rep.components["fp16_window"] * 8 == expected
+    plain = storage_bits(parse_method("nuq3-1%"), 30, 32)
+    assert rep.components["codes"] * 8 == plain["codes"] * len(cache.layers)  # window tokens keep their codes
+
+
+def test_window_needs_kvsqueeze_attention(tiny_llama, tiny_recipe):
+    cache = cache_for(tiny_llama, tiny_recipe, "nuq3-1%:r8")
+    saved = tiny_llama.config._attn_implementation
+    tiny_llama.set_attn_implementation("sdpa")
+    try:
+        with torch.no_grad(), pytest.raises(RuntimeError, match="fp16"):
+            tiny_llama(random_ids(1, 10, seed=2), cache=cache, use_cache=True)
+    finally:
+        tiny_llama.set_attn_implementation(saved)
+
+
+def test_a_deep_copy_of_a_windowed_cache_decodes_alike(tiny_llama, tiny_recipe):
+    import copy
+
+    ids = random_ids(1, 20, seed=12)
+    cache = cache_for(tiny_llama, tiny_recipe, "nuq3-1%:r8")
+    with torch.no_grad():
+        tiny_llama(input_ids=ids[:, :16], cache=cache, use_cache=True)
+        dup = copy.deepcopy(cache)
+        assert all(layer.attention_config is tiny_llama.config for layer in dup.layers)
+        a = tiny_llama(input_ids=ids[:, 16:], cache=cache, use_cache=True).logits
+        b = tiny_llama(input_ids=ids[:, 16:], cache=dup, use_cache=True).logits
+    assert torch.equal(a, b)
+
+
+def test_serving_refuses_a_window():
+    from kvsqueeze.serving.settings import ServingConfig, ServingError
+
+    with pytest.raises(ServingError, match="fp16 window"):
+        ServingConfig(recipe="unused", method="nuq3-1%:r16").spec

@@ -1,7 +1,7 @@
 """What a compressed cache really occupies: exact bytes by component, against an fp16 DynamicCache.
 
 Components (bytes in use, summed over layers; growth slack is reported apart
-as `capacity_bytes`). The first seven are those of `methods.storage_bits`, and
+as `capacity_bytes`). The first eight are those of `methods.storage_bits`, and
 for a single unpadded sequence with C a multiple of 32 they equal its figures
 (divided by 8), all but `codebook`:
 
@@ -11,6 +11,8 @@ for a single unpadded sequence with C a multiple of 32 they equal its figures
 * outlier_indices: their 16-bit channel indices.
 * pointers: CSC (keys) and CSR (values) pointers, one per quantized token plus one.
 * sinks: fp16 keys and values of the attention-sink tokens.
+* fp16_window: fp16 copies of each row's most recent tokens (`:rN` methods),
+  held beside their codes.
 * codebook: the levels decoding reads (float32, bit-exact with the recipe,
   where `storage_bits` assumes fp16 nuq levels and none for int/nf) and the
   per-channel key thresholds encoding reads (float32 lo/hi).
@@ -33,8 +35,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-COMPONENTS = ("codes", "scales", "outlier_values", "outlier_indices", "pointers", "sinks", "codebook",
-              "sink_slots", "positions")
+COMPONENTS = ("codes", "scales", "outlier_values", "outlier_indices", "pointers", "sinks", "fp16_window",
+              "codebook", "sink_slots", "positions")
 FP16_BYTES = 2
 
 

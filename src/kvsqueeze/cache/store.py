@@ -29,6 +29,12 @@ Layout, token-major (a slot is one token of one batch row; slot n = t * B + b):
   pre-RoPE keys and values [B, S, C] plus their slot [B, S] (int32, -1 empty).
   A sink keeps a slot in the dense grids (zero codes, zero scales, no outliers)
   so the grids stay rectangular; `component_bytes` reports those bytes apart.
+* an fp16 window (`window` > 0, methods `:rN`): the last `window` real tokens of
+  each row that are not sinks, fp16 copies in the same table after the sinks
+  (entries S .. S + window - 1, a ring: a row's n-th such token goes to entry
+  S + n % window). Their slots keep their codes and outliers, so a token
+  leaving the window is simply overwritten in the table and read from its
+  codes from then on; kernels read every table entry as they read a sink.
 * positions: the RoPE position of every slot (`PositionLog`, int32 [T, B]),
   shared by the stores of all layers of one cache.
 
@@ -77,7 +83,7 @@ class KVStore:
 
     def __init__(self, k_quant: VectorQuantizer, v_quant: VectorQuantizer, channels: int, sinks: int = 0,
                  device: torch.device | str = "cpu", head_dim: int | None = None,
-                 positions: PositionLog | None = None, encoder: str = "auto"):
+                 positions: PositionLog | None = None, encoder: str = "auto", window: int = 0):
         if k_quant.axis != "channel" or v_quant.axis != "token" or v_quant.group:
             raise ValueError("KVStore stores per-channel keys and per-token values (KVQuant's axes)")
         head_dim = head_dim or channels
@@ -86,6 +92,9 @@ class KVStore:
         self.key_quantizer, self.value_quantizer = k_quant, v_quant
         self.channels, self.head_dim, self.heads = channels, head_dim, channels // head_dim
         self.sinks = sinks
+        if window < 0:
+            raise ValueError(f"the fp16 window must hold 0 or more tokens, got {window}")
+        self.window = window
         self.device = torch.device(device)
         # a log of its own is edited with the store; a shared one by the cache that shares it, once for all layers
         self.owns_positions = positions is None
@@ -131,10 +140,11 @@ class KVStore:
         # per-token top-k value outliers: the same count every token, so CSR row pointers are implicit
         self.v_fixed = self.value_quantizer.fixed_outliers(c)
         self.v_outliers = TokenOutliers(c, dev, fixed=self.v_fixed) if self.value_quantizer.fraction > 0 else None
-        self.sink_k = torch.zeros(batch, self.sinks, c, dtype=torch.float16, device=dev)
+        self.sink_k = torch.zeros(batch, self.sinks + self.window, c, dtype=torch.float16, device=dev)
         self.sink_v = torch.zeros_like(self.sink_k)
-        self.sink_slot = torch.full((batch, self.sinks), -1, dtype=torch.int32, device=dev)
+        self.sink_slot = torch.full((batch, self.sinks + self.window), -1, dtype=torch.int32, device=dev)
         self.sinks_taken = torch.zeros(batch, dtype=torch.int64, device=dev)  # per row, dropped ones included
+        self.window_taken = torch.zeros(batch, dtype=torch.int64, device=dev)  # per row: tokens the window took
 
     def __getstate__(self) -> dict:
         # a copy (copy.copy, deepcopy, pickle) builds its own view: numpy views kept in the memo would not share
@@ -150,7 +160,12 @@ class KVStore:
     @property
     def sink_count(self) -> torch.Tensor:
         """Sinks stored per row, int64 [B]."""
-        return (self.sink_slot >= 0).sum(dim=1)
+        return (self.sink_slot[:, : self.sinks] >= 0).sum(dim=1)
+
+    @property
+    def window_count(self) -> torch.Tensor:
+        """Tokens held in the fp16 window per row, int64 [B]."""
+        return (self.sink_slot[:, self.sinks:] >= 0).sum(dim=1)
 
     # ---- writing -------------------------------------------------------------------------
     def append(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None = None,
@@ -175,6 +190,8 @@ class KVStore:
             positions = torch.arange(start, start + t, device=keys.device).expand(b, t)
         self.positions.write(start, positions)
         sink = self._take_sinks(keys, values, real)  # [B, T]
+        if self.window:
+            self._take_window(keys, values, real, sink)
         xk = keys.transpose(0, 1).reshape(t * b, c).float()  # [T*B, C], slot order
         xv = values.transpose(0, 1).reshape(t * b, c).float()
         flat_sink = sink.t().reshape(-1, 1)  # [T*B, 1]
@@ -241,6 +258,35 @@ class KVStore:
             self.sink_slot[rows, ranks] = (cols + self.tokens).to(torch.int32)
         return sink
 
+    def _take_window(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None,
+                     sink: torch.Tensor) -> None:
+        """Copy the new tokens that end among each row's last `window` real non-sink tokens into the window."""
+        b, t, _ = keys.shape
+        taken = real.to(torch.bool) & ~sink if real is not None else ~sink
+        rank = self.window_taken.to(keys.device).view(-1, 1) + taken.long().cumsum(dim=1) - 1  # [B, T]
+        total = self.window_taken + taken.sum(dim=1).to(self.window_taken.device)
+        keep = taken & (rank >= (total.to(keys.device) - self.window).view(-1, 1))  # one token per entry
+        self.window_taken = total
+        rows, cols = keep.nonzero(as_tuple=True)
+        if rows.numel():
+            entry = self.sinks + rank[rows, cols] % self.window
+            self.sink_k[rows, entry] = keys[rows, cols].half()
+            self.sink_v[rows, entry] = values[rows, cols].half()
+            self.sink_slot[rows, entry] = (cols + self.tokens).to(torch.int32)
+
+    def window_entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The fp16 window's pre-RoPE keys, values [B, window, C] and token index [B, window] (-1: empty)."""
+        s = self.sinks
+        return self.sink_k[:, s:], self.sink_v[:, s:], self.sink_slot[:, s:]
+
+    def dequantize_codes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every slot as its codes (and outliers) give it, sinks exact but the fp16 window not read: what the
+        tokens older than a query's window look like. Float32 [T, B, C] each."""
+        view = self.view()
+        s = self.sinks
+        return dequantize_view(view._replace(sink_k=view.sink_k[:, :s], sink_v=view.sink_v[:, :s],
+                                             sink_slot=view.sink_slot[:, :s], memo={}))
+
     # ---- reading -------------------------------------------------------------------------
     def view(self) -> StoreView:
         """What the decode kernels read: this store's allocations and the rows in use (see `kernels.StoreView`).
@@ -276,12 +322,26 @@ class KVStore:
         for sparse in self._sparse():
             sparse.truncate(tokens * self.batch)
         gone = self.sink_slot >= tokens
-        self.sinks_taken -= gone.sum(dim=1)
+        self.sinks_taken -= gone[:, : self.sinks].sum(dim=1)
         self.sink_slot[gone] = -1
         self.sink_k[gone] = 0
         self.sink_v[gone] = 0
+        if self.window:
+            self._repack_window()
         if self.owns_positions:
             self.positions.truncate(tokens)
+
+    def _repack_window(self) -> None:
+        """After a crop: each row's remaining window entries, oldest first, at the start of the ring. Tokens that
+        had left the window before the crop stay in their codes; the window fills again with new tokens."""
+        s = self.sinks
+        for r in range(self.batch):
+            slots = self.sink_slot[r, s:]
+            order = torch.argsort(torch.where(slots >= 0, slots.long(), torch.iinfo(torch.int64).max))
+            n = int((slots >= 0).sum())
+            for table in (self.sink_k, self.sink_v, self.sink_slot):
+                table[r, s:] = table[r, s:][order]
+            self.window_taken[r] = n
 
     def drop_front(self, tokens: int) -> None:
         """Forget the first `tokens` slots of every row (a sliding window moving on), sinks among them included.
@@ -316,6 +376,7 @@ class KVStore:
             sparse.select(order)
         self.sink_k, self.sink_v = self.sink_k[index], self.sink_v[index]
         self.sink_slot, self.sinks_taken = self.sink_slot[index], self.sinks_taken[index]
+        self.window_taken = self.window_taken[index]
         self.batch = index.numel()
         if self.owns_positions and len(self.positions):
             self.positions.gather_rows(index)
@@ -345,6 +406,7 @@ class KVStore:
             "outlier_indices": sum(s.index_nbytes for s in sparse) - pad,
             "pointers": sum(s.pointer_nbytes for s in sparse) - n_sinks * ptr,
             "sinks": n_sinks * c * 2 * 2,  # K and V, fp16
+            "fp16_window": int(self.window_count.sum()) * c * 2 * 2,  # K and V, fp16, beside their codes
             "codebook": self._quantizer_nbytes(),
             "sink_slots": n_sinks * (slot_code_bytes + 4 + ptr) + 2 * pad + self.sink_slot.nbytes,
         }

@@ -34,11 +34,13 @@ from ..methods import MethodError, MethodSpec, parse_method
 from ..quantizer import VectorQuantizer, build_quantizers
 from ..recipe import Recipe
 from ..shape import KVShape, kv_shape
+from .attention import register_handler, switch_attention
 from .capture import ForwardCapture
 from .fingerprint import check_recipe
 from .layers import CompressedLayer, Fp16Layer
 from .parts import attention_modules, layer_rotaries, layer_windows
 from .preflight import UnsupportedModelError, preflight
+from .simulate import window_handler
 
 SUPPORTED = ("fp16, and int / nf / nuq with keys per channel before RoPE and values per token, outliers per "
              "vector or per matrix, any sinks: e.g. 'nuq3-1%', 'nuq4', 'nuq2-1%:pm', 'nf3-1%:kchan:pre', "
@@ -58,8 +60,6 @@ def check_supported(spec: MethodSpec) -> None:
         why = f"its keys are quantized per {spec.key_axis} {spec.key_rope}-RoPE"
     elif spec.value_axis != "token":
         why = f"its values are quantized per {spec.value_axis}"
-    elif spec.window:
-        why = f"it reads its {spec.window} most recent tokens in fp16, a window this cache does not hold"
     if why:
         raise MethodError(
             f"method {spec.name!r} has no compressed cache: {why}. Supported: {SUPPORTED}. Evaluate other methods "
@@ -89,6 +89,10 @@ class CompressedCache(Cache):
         """An independent cache with the same contents (prompt reuse), sharing the model's forward capture."""
         dup = type(self).__new__(type(self))
         memo[id(self)] = dup
+        for layer in self.layers:  # the model's config (what a windowed layer checks) is the model's, not copied
+            config = getattr(layer, "attention_config", None)
+            if config is not None:
+                memo.setdefault(id(config), config)
         for key, value in self.__dict__.items():
             if key != "_release":
                 setattr(dup, key, copy.deepcopy(value, memo))
@@ -199,7 +203,13 @@ def cache_for(model, recipe: Recipe | str | Path | None = None,
     for i in range(shape.layers):
         kq, vq = build_quantizers(spec, recipe, i, shape.channels)
         stores.append(KVStore(_to_device(kq, device), _to_device(vq, device), shape.channels, spec.sinks, device,
-                              head_dim=shape.head_dim, positions=positions if windows[i] is None else None))
+                              head_dim=shape.head_dim, positions=positions if windows[i] is None else None,
+                              window=spec.window))
     capture = ForwardCapture.acquire(model)  # last, so that a failure above leaves no hooks behind
     layers = [CompressedLayer(s, i, rotaries[i], capture, windows[i]) for i, s in enumerate(stores)]
+    if spec.window:  # each query of a forward reads its own fp16 window: kvsqueeze's attention does that
+        register_handler(window_handler)
+        switch_attention(model)
+        for layer in layers:
+            layer.attention_config = model.config
     return CompressedCache(layers, spec, shape, positions, capture)

@@ -158,6 +158,7 @@ def mixed_attention(query, key, value, kq, vq, attention_mask, scaling, window: 
         old = (qpos - torch.arange(n_old, device=query.device)[None, :]) >= w
         new = (qpos - torch.arange(first, hi, device=query.device)[None, :]) < w
         mask = torch.cat([causal[..., s:e, :n_old] & old, causal[..., s:e, first:hi] & new], dim=-1)
+        mask = mask | ~mask.any(dim=-1, keepdim=True)  # a query that may see nothing (left padding): finite, unused
         keys = torch.cat([kq[:, :, :n_old], key[:, :, first:hi]], dim=2)
         values = torch.cat([vq[:, :, :n_old], value[:, :, first:hi]], dim=2)
         outs.append(_attend(query[:, :, s:e], keys, values, mask, scaling, softcap, sink_logits))

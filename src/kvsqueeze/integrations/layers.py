@@ -26,6 +26,15 @@ new token as usual but, instead of dequantizing the whole cache, returns empty
 [B, H, 0, D] tensors that name the layer (`decode_marker`); the attention
 function then reads the layer's store through the kernels.
 
+An fp16 window of recent tokens (`:rN` methods, `KVStore.window`): a decode
+step reads it from the store's table like the sinks, in the fused kernels and
+in `read` alike. A forward of several tokens needs, for each query, its own
+window in fp16 and every older token quantized: the layer returns the fp16
+keys and values its queries' windows reach (the window held before this
+forward and the new tokens, fp16) with the quantized ones attached
+(`simulate.QUANTIZED`), and the "kvsqueeze" attention (which `cache_for`
+selects for such methods) reads both, as the simulated path does.
+
 Padding: pad tokens are stored like any token (attention masks them, keys use
 offline statistics and values per-token ones, so they cannot disturb real
 tokens), but never become sinks: sinks are each row's first real tokens, read
@@ -40,6 +49,7 @@ from transformers.cache_utils import CacheLayerMixin
 from ..cache.buffers import GrowableTensor
 from ..cache.store import KVStore
 from ..rope import Rope
+from .attention import ATTN_NAME, EAGER_NAME
 from .parts import LayerRotary
 
 MARKER = "kvsqueeze_layer"  # attribute of the empty key tensor a fused decode step returns
@@ -220,12 +230,50 @@ class CompressedLayer(PreRopeKeys, LayerBase):
         keys = self._pre_rope_keys(key_states, self._cos_sin(positions, key_states.dtype))  # [B, T, C]
         values = value_states.transpose(1, 2).reshape(b, t, h * d)  # [B, T, C]
         real = self.capture.real_tokens(b, t) if self.capture is not None else None
+        windowed = self.store.window and not fused
+        if windowed:
+            self._check_window_attention()
+            held = [x.clone() for x in self.store.window_entries()]  # what this forward's first queries reach
         self.append_pre_rope(keys, values, positions, real)
         if fused:
             return self.decode_marker(key_states.dtype)
-        out = self.read(key_states.dtype)
+        out = self._read_windowed(held, keys, values, key_states.dtype) if windowed else self.read(key_states.dtype)
         self.slide()  # what this forward attends to was read: keep the last window - 1 tokens
         return out
+
+    attention_config = None  # the model's config, for a windowed store: its attention must read the window
+
+    def _check_window_attention(self) -> None:
+        impl = getattr(self.attention_config, "_attn_implementation", None)
+        if impl not in (ATTN_NAME, EAGER_NAME):
+            raise RuntimeError(
+                f"layer {self.layer_idx}: this cache keeps its {self.store.window} most recent tokens in fp16, which "
+                f"only kvsqueeze's attention reads, and the model now runs {impl!r}; build the cache with "
+                "`kvsqueeze.cache_for` (it selects that attention) and do not change the model's attention after")
+
+    def _read_windowed(self, held, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype):
+        """Every cached token as the queries of a forward of the new `keys`, `values` [B, T, C] read it: fp16 keys
+        (RoPE applied) and values [B, H, T', D] of the window held before it (`held`) and of the new tokens,
+        quantized ones of every other token, attached to the keys (`simulate.QUANTIZED`) with the window."""
+        from .simulate import QUANTIZED
+
+        qk, qv = self.store.dequantize_codes()  # [T', B, C] float32, keys pre-RoPE
+        ek, ev = qk.clone(), qv.clone()
+        hk, hv, hslot = held
+        rows, entries = (hslot >= 0).nonzero(as_tuple=True)
+        slots = hslot[rows, entries].long()
+        ek[slots, rows], ev[slots, rows] = hk[rows, entries].float(), hv[rows, entries].float()
+        t = keys.shape[1]
+        ek[-t:], ev[-t:] = keys.transpose(0, 1).half().float(), values.transpose(0, 1).half().float()
+        cos_sin = self._cos_sin(self.store.positions.view()[: qk.shape[0]].t(), dtype)
+        out = []
+        for k, v in ((ek, ev), (qk, qv)):
+            k = k.view(k.shape[0], k.shape[1], self.heads, self.head_dim).permute(1, 2, 0, 3).to(dtype)
+            v = v.view(v.shape[0], v.shape[1], self.heads, self.head_dim).permute(1, 2, 0, 3).to(dtype)
+            out.append((self.rotary.apply(k, cos_sin), v))
+        (ek, ev), (qk, qv) = out
+        setattr(ek, QUANTIZED, (qk, qv, self.store.window))
+        return ek, ev
 
     def append_pre_rope(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                         real: torch.Tensor | None = None) -> None:

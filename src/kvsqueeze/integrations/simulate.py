@@ -11,10 +11,10 @@ computed the same way). Nothing in the model is forked:
 * KIVI, whose fp16 window depends on the query position, runs in the
   attention function registered as "kvsqueeze" (see `kivi.py`);
 * so does a nuq method with an fp16 window of recent tokens (`:rN`): the
-  hooks hand the model each token's fp16 copy and keep what quantization
-  changed; `SimulatedLayer` holds, beside the fp16 keys and values, their
-  quantized copies (the pre-RoPE change turned by the layer's own rotary
-  module), and attention reads, for each query, the fp16 copy of its `N`
+  hooks hand the model each token's fp16 copy and keep its quantized copy;
+  `SimulatedLayer` holds, beside the fp16 keys and values, the quantized
+  ones (keys turned by the layer's own rotary module, as the compressed
+  cache turns them), and attention reads, for each query, the fp16 copy of its `N`
   most recent tokens and the quantized copy of every older one
   (`kivi.mixed_attention`), as the compressed cache holds them.
 
@@ -70,7 +70,7 @@ def _quantize_tokens(
     return xq, n_out
 
 
-QUANTIZED = "kvsqueeze_quantized"  # attribute of the keys a windowed layer returns: (quantized keys, values)
+QUANTIZED = "kvsqueeze_quantized"  # attribute of the keys a windowed layer returns: (quantized K, V, window)
 
 
 class SimulatedLayer(DynamicLayer):
@@ -97,10 +97,10 @@ class SimulatedLayer(DynamicLayer):
 
     def _update_windowed(self, key_states, value_states, *args, **kwargs):
         kq, vq = self.sim.quantized_copies(self.layer, key_states, value_states, self.get_seq_length(), kwargs)
-        keys, values = super().update(key_states.half().to(key_states.dtype), value_states, *args, **kwargs)
+        keys, values = super().update(key_states, value_states, *args, **kwargs)  # fp16 copies, turned
         self.kq = kq if self.kq is None else torch.cat([self.kq, kq], dim=2)
         self.vq = vq if self.vq is None else torch.cat([self.vq, vq], dim=2)
-        setattr(keys, QUANTIZED, (self.kq, self.vq))
+        setattr(keys, QUANTIZED, (self.kq, self.vq, self.sim.window))
         return keys, values
 
     def crop(self, max_length: int) -> None:
@@ -139,7 +139,7 @@ class SimulatedQuantization:
         # nuq's fp16 window: attention reads recent tokens in fp16, older ones quantized
         self.window = spec.window if spec.family == "nuq" else 0
         self.rotary = layer_rotaries(model, self.shape.head_dim) if self.window else None
-        self._changes: dict = {}  # (layer, "k" / "v") -> what quantization changed in the last projection
+        self._changes: dict = {}  # (layer, "k" / "v") -> the last projection's quantized copy [B, T, C]
         self.counter = _Counter(self.shape.layers)
         self._handles: list = []
         self._start = 0
@@ -173,32 +173,29 @@ class SimulatedQuantization:
             self.counter.v[layer] += n
         if not self.window:
             return xq
-        exact = output.half().to(output.dtype)  # the fp16 copy the window holds
-        self._changes[layer, kind] = (xq - exact).flatten(2)
-        return exact
+        self._changes[layer, kind] = xq.flatten(2)
+        return output.half().to(output.dtype)  # the fp16 copy the window holds
 
     def quantized_copies(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, start: int,
                          kwargs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The quantized copies [B, H, T, D] of the new keys (post-RoPE) and values of a windowed method: the
-        pre-RoPE change its hook recorded, turned at the tokens' positions by the layer's rotary module, added
-        to the fp16 keys the model turned."""
+        """The quantized copies [B, H, T, D] of the new keys (post-RoPE) and values of a windowed method: what its
+        hooks quantized, the keys turned at the tokens' positions by the layer's rotary module (as the compressed
+        cache turns them when it reads them)."""
         b, h, t, d = key_states.shape
         changes = [self._changes.pop((layer, kind), None) for kind in ("k", "v")]
         if any(c is None or c.shape[1] != t for c in changes):
             raise RuntimeError(f"layer {layer}: the keys and values entering the cache were not made by this "
                                f"forward's projections, so their quantized copies for {self.spec.name!r}'s fp16 "
                                "window are unknown; fill the cache through the model's forward")
-        change = changes[0].view(b, t, h, d).transpose(1, 2)
+        keys = changes[0].view(b, t, h, d).transpose(1, 2).to(key_states.dtype)
         extra = kwargs.get("kwargs") or {}
         pos = extra.get("position_ids", kwargs.get("position_ids"))
         pos = (torch.arange(start, start + t, device=key_states.device).expand(b, t) if pos is None
                else pos.to(key_states.device).long().expand(b, t))
         rot = self.rotary[layer]
         cs = rot.cos_sin(pos, key_states.dtype)
-        kq = key_states.half().to(key_states.dtype) + rot.apply(
-            change, None if cs is None else (cs[0].unsqueeze(1), cs[1].unsqueeze(1)))
-        vq = value_states + changes[1].view(b, t, h, d).transpose(1, 2)
-        return kq, vq
+        kq = rot.apply(keys, None if cs is None else (cs[0].unsqueeze(1), cs[1].unsqueeze(1)))
+        return kq, changes[1].view(b, t, h, d).transpose(1, 2).to(value_states.dtype)
 
     def __enter__(self) -> "SimulatedQuantization":
         self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
@@ -257,15 +254,19 @@ class SimulatedQuantization:
 
 
 def window_handler(module, query, key, value, attention_mask, scaling, **kwargs):
-    """The "kvsqueeze" attention handler for modules of a windowed nuq method (`kvsqueeze_window`): each query
-    reads its window's fp16 keys and values and the quantized copies of older ones."""
-    window = getattr(module, "kvsqueeze_window", None)
-    if window is None:
-        return None
+    """The "kvsqueeze" attention handler for keys that carry quantized copies (`QUANTIZED`: a simulated or
+    compressed layer of a windowed nuq method): each query reads its window's fp16 keys and values and the
+    quantized copies of older ones. A module of a windowed simulation whose keys carry none is an error."""
     copies = getattr(key, QUANTIZED, None)
-    if copies is None or copies[0].shape != key.shape:
-        raise RuntimeError(f"{type(module).__name__}: the keys reaching attention did not come from a simulated "
-                           f"cache of this method (its quantized copies are missing or of another length); "
-                           "build the cache with `sim.new_cache()` and pass it to the forward")
-    return mixed_attention(query, key, value, copies[0], copies[1], attention_mask, scaling, window,
+    if copies is None:
+        if getattr(module, "kvsqueeze_window", None) is not None and key.shape[2] > 0:  # not a fused-decode marker
+            raise RuntimeError(f"{type(module).__name__}: the keys reaching attention did not come from a simulated "
+                               "cache of this method, so their quantized copies are missing; build the cache with "
+                               "`sim.new_cache()` and pass it to the forward")
+        return None
+    kq, vq, window = copies
+    if kq.shape != key.shape:
+        raise RuntimeError(f"{type(module).__name__}: quantized copies {tuple(kq.shape)} for keys "
+                           f"{tuple(key.shape)}; the keys were changed after the cache returned them")
+    return mixed_attention(query, key, value, kq, vq, attention_mask, scaling, window,
                            softcap=kwargs.get("softcap"), sink_logits=kwargs.get("s_aux"))

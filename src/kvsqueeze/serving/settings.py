@@ -76,6 +76,9 @@ class ServingConfig:
                             "those axes), e.g. nuq3-1%")
         elif spec.outlier_fraction and spec.outlier_scope != "vector":
             problems.append("per-matrix outliers vary in count per token; use per-vector ones (drop ':pm')")
+        elif spec.window:
+            problems.append(f"pages hold no fp16 window of recent tokens; drop ':r{spec.window}' (kvsqueeze's own "
+                            "cache, `kvsqueeze.cache_for`, holds it)")
         if problems:
             raise ServingError(f"KVSQUEEZE_METHOD={self.method!r}: " + "; ".join(problems))
         if spec.outlier_fraction and not spec.key_slots:
