@@ -1,11 +1,12 @@
 """Bit budgets against plain nuq at the same average bits, on every bundled model, and their decode speed.
 
     python benchmarks/budget.py [--models smollm2-135m,qwen2.5-coder-0.5b,gemma3-270m] [--windows 3]
-        [--plain nuq2-1%,nuq3-1%,nuq4-1%] [--kinds layer,chan,kl:chan] [--decode-context 32768] [--keep-models]
+        [--plain nuq2-1%,nuq3-1%,nuq4-1%] [--kinds layer,chan,kl:chan,r32:chan] [--decode-context 32768] [--keep-models]
         [--json benchmarks/results/budget.json]
 
 Quality: for each model and each plain method (nuq2-1%, nuq3-1%, nuq4-1%), the budgeted methods `nuq@B`
-(a width per layer), `nuq@B:chan` (a width per channel) and, where the recipe holds the sensitivities
+(a width per layer), `nuq@B:chan` (a width per channel), `nuq@B:r32:chan` (the same with the 32 most recent
+tokens in fp16, paid for out of B) and, where the recipe holds the sensitivities
 `kvsqueeze budget` measures, `nuq@B:kl:chan` (a width per channel, each layer's keys and values weighed by
 their measured loss) with B = the average bits the plain method stores at 2,048 tokens by the budget's
 accounting (rounded up to 1e-4, so the budget could choose the plain method in every layer and spends no
@@ -47,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from models import machine  # noqa: E402
 
 PLAIN = ["nuq2-1%", "nuq3-1%", "nuq4-1%"]
-KINDS = ("layer", "chan", "kl:chan")  # the budgeted methods: nuq@B, nuq@B:chan, nuq@B:kl:chan
+KINDS = ("layer", "chan", "kl:chan", "r32:chan")  # budgeted methods: nuq@B, nuq@B:chan, nuq@B:kl:chan, nuq@B:r32:chan
 
 
 def recipe_path(model: str) -> str:

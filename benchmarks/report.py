@@ -253,7 +253,8 @@ def budget_models(data: dict) -> str:
         if spec.budget is None:
             return "plain"
         unit = "width per channel" if spec.budget_unit == "channel" else "width per layer"
-        return unit + (", measured scales" if spec.budget_proxy == "kl" else "")
+        return (unit + (", measured scales" if spec.budget_proxy == "kl" else "")
+                + (f", {spec.window} recent tokens fp16" if spec.window else ""))
 
     for m in data["models"]:
         at = {r["method"]: r for r in m["rows"]}

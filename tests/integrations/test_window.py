@@ -116,15 +116,6 @@ def test_window_storage_is_reported(tiny_llama, tiny_recipe):
 
 
 # ---- the compressed cache ----------------------------------------------------------------------------
-def _sim_logits_stepwise(model, ids, name, recipe, prefill):
-    with torch.no_grad(), SimulatedQuantization(model, parse_method(name), recipe) as sim:
-        cache = sim.new_cache()
-        outs = [model(input_ids=ids[:, :prefill], cache=cache, use_cache=True).logits]
-        for t in range(prefill, ids.shape[1]):
-            outs.append(model(input_ids=ids[:, t: t + 1], cache=cache, use_cache=True).logits)
-    return torch.cat(outs, dim=1)
-
-
 @pytest.mark.parametrize("prefill", [40, 17, 1])
 @pytest.mark.parametrize("name", ["nuq3-1%:r8", "nuq2:r3"])
 def test_compressed_cache_reads_the_window_as_the_simulated_path(tiny_llama, tiny_recipe, name, prefill):
@@ -159,6 +150,17 @@ def test_fused_decode_reads_the_window(tiny_llama, tiny_recipe, backend):
     assert torch.equal(got.sequences, ref.sequences)
     for a, b in zip(got.scores, ref.scores):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_beam_search_reorders_the_window_like_the_simulated_cache(tiny_llama, tiny_recipe):
+    name = "nuq3-1%:r8"
+    ids = random_ids(1, 10, seed=4)
+    kw = dict(max_new_tokens=14, min_new_tokens=14, do_sample=False, num_beams=3)
+    with torch.no_grad():
+        with SimulatedQuantization(tiny_llama, parse_method(name), tiny_recipe) as sim:
+            ref = tiny_llama.generate(ids, cache=sim.new_cache(), **kw)
+        got = tiny_llama.generate(ids, cache=cache_for(tiny_llama, tiny_recipe, name), **kw)
+    assert torch.equal(got, ref)
 
 
 def test_window_table_holds_the_last_real_tokens(tiny_llama, tiny_recipe):

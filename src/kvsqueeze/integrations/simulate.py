@@ -103,10 +103,31 @@ class SimulatedLayer(DynamicLayer):
         setattr(keys, QUANTIZED, (self.kq, self.vq, self.sim.window))
         return keys, values
 
-    def crop(self, max_length: int) -> None:
-        super().crop(max_length)
+    # the quantized copies follow every edit of the fp16 ones (crop, beam reorder, batch select / repeat)
+    def _follow(self, edit) -> None:
         if self.kq is not None:
-            self.kq, self.vq = self.kq[:, :, : self.keys.shape[2]], self.vq[:, :, : self.keys.shape[2]]
+            self.kq, self.vq = edit(self.kq), edit(self.vq)
+
+    def crop(self, tokens_to_remove: int) -> None:
+        super().crop(tokens_to_remove)
+        if self.keys is not None:
+            self._follow(lambda x: x[:, :, : self.keys.shape[2]])
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        super().reorder_cache(beam_idx)
+        self._follow(lambda x: x.index_select(0, beam_idx.to(x.device)))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        super().batch_select_indices(indices)
+        self._follow(lambda x: x[indices, ...])
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        super().batch_repeat_interleave(repeats)
+        self._follow(lambda x: x.repeat_interleave(repeats, dim=0))
+
+    def reset(self) -> None:
+        super().reset()
+        self.kq = self.vq = None
 
 
 class SimulatedQuantization:
@@ -139,7 +160,7 @@ class SimulatedQuantization:
         # nuq's fp16 window: attention reads recent tokens in fp16, older ones quantized
         self.window = spec.window if spec.family == "nuq" else 0
         self.rotary = layer_rotaries(model, self.shape.head_dim) if self.window else None
-        self._changes: dict = {}  # (layer, "k" / "v") -> the last projection's quantized copy [B, T, C]
+        self._quantized: dict = {}  # (layer, "k" / "v") -> the last projection's quantized copy [B, T, C]
         self.counter = _Counter(self.shape.layers)
         self._handles: list = []
         self._start = 0
@@ -173,7 +194,7 @@ class SimulatedQuantization:
             self.counter.v[layer] += n
         if not self.window:
             return xq
-        self._changes[layer, kind] = xq.flatten(2)
+        self._quantized[layer, kind] = xq.flatten(2)
         return output.half().to(output.dtype)  # the fp16 copy the window holds
 
     def quantized_copies(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor, start: int,
@@ -182,12 +203,12 @@ class SimulatedQuantization:
         hooks quantized, the keys turned at the tokens' positions by the layer's rotary module (as the compressed
         cache turns them when it reads them)."""
         b, h, t, d = key_states.shape
-        changes = [self._changes.pop((layer, kind), None) for kind in ("k", "v")]
-        if any(c is None or c.shape[1] != t for c in changes):
+        copies = [self._quantized.pop((layer, kind), None) for kind in ("k", "v")]
+        if any(c is None or c.shape[1] != t for c in copies):
             raise RuntimeError(f"layer {layer}: the keys and values entering the cache were not made by this "
                                f"forward's projections, so their quantized copies for {self.spec.name!r}'s fp16 "
                                "window are unknown; fill the cache through the model's forward")
-        keys = changes[0].view(b, t, h, d).transpose(1, 2).to(key_states.dtype)
+        keys = copies[0].view(b, t, h, d).transpose(1, 2).to(key_states.dtype)
         extra = kwargs.get("kwargs") or {}
         pos = extra.get("position_ids", kwargs.get("position_ids"))
         pos = (torch.arange(start, start + t, device=key_states.device).expand(b, t) if pos is None
@@ -195,7 +216,7 @@ class SimulatedQuantization:
         rot = self.rotary[layer]
         cs = rot.cos_sin(pos, key_states.dtype)
         kq = rot.apply(keys, None if cs is None else (cs[0].unsqueeze(1), cs[1].unsqueeze(1)))
-        return kq, changes[1].view(b, t, h, d).transpose(1, 2).to(value_states.dtype)
+        return kq, copies[1].view(b, t, h, d).transpose(1, 2).to(value_states.dtype)
 
     def __enter__(self) -> "SimulatedQuantization":
         self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
@@ -216,7 +237,7 @@ class SimulatedQuantization:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self._changes.clear()
+        self._quantized.clear()
         if self._saved_attn is not None:
             self.model.set_attn_implementation(self._saved_attn)
             for a in self.attn:
