@@ -14,6 +14,24 @@ from kvsqueeze.methods import MethodError, parse_method, storage_bits
 from kvsqueeze.shape import kv_shape
 
 
+@pytest.fixture(autouse=True)
+def own_attention(tiny_llama):
+    """A windowed cache selects kvsqueeze's attention on the model (`cache_for`); the session's shared model
+    gets its own back after each test."""
+    saved = tiny_llama.config._attn_implementation
+    yield
+    tiny_llama.set_attn_implementation(saved)
+
+
+def test_a_windowed_cache_selects_kvsqueeze_attention(tiny_llama, tiny_recipe):
+    from kvsqueeze.integrations.attention import ATTN_NAME
+
+    cache_for(tiny_llama, tiny_recipe, "nuq3-1%")
+    assert tiny_llama.config._attn_implementation == "sdpa"  # a plain method leaves the model as it is
+    cache_for(tiny_llama, tiny_recipe, "nuq3-1%:r8")
+    assert tiny_llama.config._attn_implementation == ATTN_NAME
+
+
 def logits(model, ids, name, recipe=None):
     with torch.no_grad(), SimulatedQuantization(model, parse_method(name), recipe) as sim:
         return model(input_ids=ids, cache=sim.new_cache(), use_cache=True).logits

@@ -173,6 +173,9 @@ def cache_for(model, recipe: Recipe | str | Path | None = None,
             required by nuq and by per-channel int/nf keys.
         method: a method name (see `kvsqueeze.methods`) or a parsed `MethodSpec`.
 
+    A method with an fp16 window of recent tokens (`:rN`) switches `model` to kvsqueeze's attention, which reads
+    each query's own window and falls through to the model's own attention for everything else.
+
     Raises:
         MethodError: the method is not one the cache stores (the message lists those it does).
         RecipeError: no recipe, a recipe of another model, or one lacking this method's statistics.
