@@ -27,8 +27,8 @@ new token as usual but, instead of dequantizing the whole cache, returns empty
 function then reads the layer's store through the kernels.
 
 An fp16 window of recent tokens (`:rN` methods, `KVStore.window`): a decode
-step reads it from the store's table like the sinks, in the fused kernels and
-in `read` alike. A forward of several tokens needs, for each query, its own
+step (one query) reads it from the store's table like the sinks, in the fused
+kernels and in `read` alike. A forward of several tokens needs, for each query, its own
 window in fp16 and every older token quantized: the layer returns the fp16
 keys and values its queries' windows reach (the window held before this
 forward and the new tokens, fp16) with the quantized ones attached
@@ -150,6 +150,13 @@ def _positions(position_ids, batch: int, tokens: int, start: int, device) -> tor
     return position_ids.to(device).long().expand(batch, tokens)
 
 
+def layer_cos_sin(rotary: LayerRotary, positions: torch.Tensor, dtype: torch.dtype):
+    """cos, sin [B, 1, T, R] of positions [B, T] from the layer's own rotary module, as its attention gets them
+    (None: no RoPE)."""
+    cs = rotary.cos_sin(positions, dtype)
+    return None if cs is None else (cs[0].unsqueeze(1), cs[1].unsqueeze(1))
+
+
 class PreRopeKeys:
     """What a layer that stores keys before RoPE needs: the model's cos / sin, and the captured keys, checked.
 
@@ -158,8 +165,7 @@ class PreRopeKeys:
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype):
         """cos, sin [B, 1, T, R] from the model's own rotary module, as its attention gets them (None: no RoPE)."""
-        cs = self.rotary.cos_sin(positions, dtype)
-        return None if cs is None else (cs[0].unsqueeze(1), cs[1].unsqueeze(1))
+        return layer_cos_sin(self.rotary, positions, dtype)
 
     def _pre_rope_keys(self, key_states: torch.Tensor, cos_sin) -> torch.Tensor:
         """The captured pre-RoPE keys [B, T, C] of the new tokens, checked to rotate into key_states [B, H, T, D]."""
@@ -230,7 +236,8 @@ class CompressedLayer(PreRopeKeys, LayerBase):
         keys = self._pre_rope_keys(key_states, self._cos_sin(positions, key_states.dtype))  # [B, T, C]
         values = value_states.transpose(1, 2).reshape(b, t, h * d)  # [B, T, C]
         real = self.capture.real_tokens(b, t) if self.capture is not None else None
-        windowed = self.store.window and not fused
+        # one query reads its window from the store's table, as `read` gives it; several need their own windows
+        windowed = self.store.window and not fused and t > 1
         if windowed:
             self._check_window_attention()
             held = [x.clone() for x in self.store.window_entries()]  # what this forward's first queries reach

@@ -38,6 +38,7 @@ from ..shape import kv_shape
 from .attention import register_handler, switch_attention
 from .fingerprint import check_recipe
 from .kivi import forget, kivi_handler, mixed_attention
+from .layers import _positions, layer_cos_sin
 from .parts import attention_modules, hook_projections, layer_rotaries
 from .preflight import preflight
 
@@ -210,12 +211,9 @@ class SimulatedQuantization:
                                "window are unknown; fill the cache through the model's forward")
         keys = copies[0].view(b, t, h, d).transpose(1, 2).to(key_states.dtype)
         extra = kwargs.get("kwargs") or {}
-        pos = extra.get("position_ids", kwargs.get("position_ids"))
-        pos = (torch.arange(start, start + t, device=key_states.device).expand(b, t) if pos is None
-               else pos.to(key_states.device).long().expand(b, t))
+        pos = _positions(extra.get("position_ids", kwargs.get("position_ids")), b, t, start, key_states.device)
         rot = self.rotary[layer]
-        cs = rot.cos_sin(pos, key_states.dtype)
-        kq = rot.apply(keys, None if cs is None else (cs[0].unsqueeze(1), cs[1].unsqueeze(1)))
+        kq = rot.apply(keys, layer_cos_sin(rot, pos, key_states.dtype))
         return kq, copies[1].view(b, t, h, d).transpose(1, 2).to(value_states.dtype)
 
     def __enter__(self) -> "SimulatedQuantization":
