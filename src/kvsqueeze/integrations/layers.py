@@ -32,7 +32,7 @@ kernels and in `read` alike. A forward of several tokens needs, for each query, 
 window in fp16 and every older token quantized: the layer returns the fp16
 keys and values its queries' windows reach (the window held before this
 forward and the new tokens, fp16) with the quantized ones attached
-(`simulate.QUANTIZED`), and the "kvsqueeze" attention (which `cache_for`
+(`QUANTIZED`), and the "kvsqueeze" attention (which `cache_for`
 selects for such methods) reads both, as the simulated path does.
 
 Padding: pad tokens are stored like any token (attention masks them, keys use
@@ -53,6 +53,7 @@ from .attention import ATTN_NAME, EAGER_NAME
 from .parts import LayerRotary
 
 MARKER = "kvsqueeze_layer"  # attribute of the empty key tensor a fused decode step returns
+QUANTIZED = "kvsqueeze_quantized"  # attribute of the keys a windowed layer returns: (quantized K, V, window)
 
 
 class LayerBase(CacheLayerMixin):
@@ -261,9 +262,7 @@ class CompressedLayer(PreRopeKeys, LayerBase):
     def _read_windowed(self, held, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype):
         """Every cached token as the queries of a forward of the new `keys`, `values` [B, T, C] read it: fp16 keys
         (RoPE applied) and values [B, H, T', D] of the window held before it (`held`) and of the new tokens,
-        quantized ones of every other token, attached to the keys (`simulate.QUANTIZED`) with the window."""
-        from .simulate import QUANTIZED
-
+        quantized ones of every other token, attached to the keys (`QUANTIZED`) with the window."""
         qk, qv = self.store.dequantize_codes()  # [T', B, C] float32, keys pre-RoPE
         ek, ev = qk.clone(), qv.clone()
         hk, hv, hslot = held

@@ -38,7 +38,7 @@ from ..shape import kv_shape
 from .attention import register_handler, switch_attention
 from .fingerprint import check_recipe
 from .kivi import forget, kivi_handler, mixed_attention
-from .layers import _positions, layer_cos_sin
+from .layers import QUANTIZED, _positions, layer_cos_sin
 from .parts import attention_modules, hook_projections, layer_rotaries
 from .preflight import preflight
 
@@ -69,9 +69,6 @@ def _quantize_tokens(
     if keep:
         xq = torch.cat([x[:, :keep].half().to(x.dtype), xq], dim=1)
     return xq, n_out
-
-
-QUANTIZED = "kvsqueeze_quantized"  # attribute of the keys a windowed layer returns: (quantized K, V, window)
 
 
 class SimulatedLayer(DynamicLayer):
