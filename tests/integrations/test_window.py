@@ -102,6 +102,19 @@ def test_mixed_attention_equals_per_query_reference(chunk, window):
         vals = torch.where(old, rep[3][:, :, : i + 1], rep[1][:, :, : i + 1])
         w = torch.softmax(torch.einsum("bhd,bhtd->bht", q[:, :, r], keys) * 0.25, dim=-1)
         assert torch.allclose(out[:, r], torch.einsum("bht,bhtd->bhd", w, vals), atol=1e-5, rtol=0)
+    # the exact copy cut to the keys the queries' windows reach gives the same attention
+    start = max(0, tk - tq - window + 1)
+    tail, _ = mixed_attention(q, k[:, :, start:], v[:, :, start:], kq, vq, None, 0.25, window, chunk=chunk, start=start)
+    assert torch.equal(tail, out)
+
+
+def test_mixed_attention_refuses_an_exact_copy_that_starts_too_late():
+    q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 20, 8)
+    mixed_attention(q, k[:, :, 12:], k[:, :, 12:], k, k, None, 0.25, 5, start=12)  # query 16 reads 12 exact
+    with pytest.raises(ValueError, match="exact keys of positions 13..19 .* window of 5"):
+        mixed_attention(q, k[:, :, 13:], k[:, :, 13:], k, k, None, 0.25, 5, start=13)
+    with pytest.raises(ValueError, match="exact keys of positions 12..18 "):  # the last key is missing
+        mixed_attention(q, k[:, :, 12:19], k[:, :, 12:19], k, k, None, 0.25, 5, start=12)
 
 
 def test_window_covering_the_sequence_reads_fp16(tiny_llama, tiny_recipe):
@@ -150,6 +163,21 @@ def test_compressed_cache_reads_the_window_as_the_simulated_path(tiny_llama, tin
     store = cache.layers[0].store
     window = parse_method(name).window
     assert sorted(store.window_entries()[2][0].tolist()) == list(range(40 - window, 40))
+
+
+@pytest.mark.parametrize("name", ["nuq3-1%:r8", "nuq2:r3"])
+def test_forwards_of_several_tokens_on_a_filled_cache_read_the_window(tiny_llama, tiny_recipe, name):
+    """Forwards of several tokens after the first (a prompt in chunks, a second turn) read the window held before
+    them and their own tokens in fp16 and older tokens from their codes, as the simulated path does."""
+    ids = random_ids(2, 48, seed=12)
+    ref = logits(tiny_llama, ids, name, tiny_recipe)
+    cache = cache_for(tiny_llama, tiny_recipe, name)
+    outs, at = [], 0
+    with torch.no_grad():
+        for size in (13, 9, 1, 2, 23):
+            outs.append(tiny_llama(input_ids=ids[:, at: at + size], cache=cache, use_cache=True).logits)
+            at += size
+    torch.testing.assert_close(torch.cat(outs, dim=1), ref, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("backend", ["reference", "numba"])

@@ -130,9 +130,12 @@ def kivi_attention(module, query, key, value, attention_mask, scaling, spec: Met
 
 
 def mixed_attention(query, key, value, kq, vq, attention_mask, scaling, window: int, chunk: int | None = None,
-                    softcap: float | None = None, sink_logits=None):
+                    softcap: float | None = None, sink_logits=None, start: int = 0):
     """Attention over [B, H, T, D] tensors in which query position i reads key j's exact copy (`key`, `value`)
     when i - j < `window` and its quantized copy (`kq`, `vq`) otherwise; returns [B, Tq, Hq, D].
+
+    The exact copy may hold only the keys from position `start` on (`key[:, :, 0]` is position `start`), as long
+    as no query reads an older one exact: `start` at most Tk - Tq - window + 1.
 
     Query rows are taken in chunks. For the chunk of positions [lo, hi), one SDPA
     call reads the quantized copy of the keys it may see only in quantized form
@@ -143,8 +146,12 @@ def mixed_attention(query, key, value, kq, vq, attention_mask, scaling, window: 
     instead of two full ones, and the mask and scores stay small.
     """
     b, h, tq, _ = query.shape
-    tk = key.shape[2]
+    tk = kq.shape[2]
     w = window
+    if key.shape[2] != tk - start or start > max(0, tk - tq - w + 1):
+        raise ValueError(f"exact keys of positions {start}..{start + key.shape[2] - 1} for {tq} queries over {tk} "
+                         f"keys with a window of {w}: they must run to the last key and reach back to the window "
+                         "of the first query")
     causal = causal_bool_mask(attention_mask, tq, tk, query.device)  # [B|1, 1, Tq, Tk]
     if chunk is None:
         chunk = max(1, SCORE_BUDGET // max(1, b * h * (tk + w)))
@@ -159,8 +166,8 @@ def mixed_attention(query, key, value, kq, vq, attention_mask, scaling, window: 
         new = (qpos - torch.arange(first, hi, device=query.device)[None, :]) < w
         mask = torch.cat([causal[..., s:e, :n_old] & old, causal[..., s:e, first:hi] & new], dim=-1)
         mask = mask | ~mask.any(dim=-1, keepdim=True)  # a query that may see nothing (left padding): finite, unused
-        keys = torch.cat([kq[:, :, :n_old], key[:, :, first:hi]], dim=2)
-        values = torch.cat([vq[:, :, :n_old], value[:, :, first:hi]], dim=2)
+        keys = torch.cat([kq[:, :, :n_old], key[:, :, first - start:hi - start]], dim=2)
+        values = torch.cat([vq[:, :, :n_old], value[:, :, first - start:hi - start]], dim=2)
         outs.append(_attend(query[:, :, s:e], keys, values, mask, scaling, softcap, sink_logits))
     out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
     return out.transpose(1, 2).contiguous(), None

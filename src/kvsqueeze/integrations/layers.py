@@ -29,11 +29,12 @@ function then reads the layer's store through the kernels.
 An fp16 window of recent tokens (`:rN` methods, `KVStore.window`): a decode
 step (one query) reads it from the store's table like the sinks, in the fused
 kernels and in `read` alike. A forward of several tokens needs, for each query, its own
-window in fp16 and every older token quantized: the layer returns the fp16
-keys and values its queries' windows reach (the window held before this
-forward and the new tokens, fp16) with the quantized ones attached
-(`QUANTIZED`), and the "kvsqueeze" attention (which `cache_for`
-selects for such methods) reads both, as the simulated path does.
+window in fp16 and every older token quantized: the layer returns every
+token's keys and values as their codes give them, with fp16 copies of the
+tokens its queries' windows reach (the window held before this forward and
+the new tokens) attached (`QUANTIZED`, a `WindowCopies`), and the
+"kvsqueeze" attention (which `cache_for` selects for such methods) reads
+both, as the simulated path does.
 
 Padding: pad tokens are stored like any token (attention masks them, keys use
 offline statistics and values per-token ones, so they cannot disturb real
@@ -42,6 +43,8 @@ from the 2-D attention mask of the forward (no mask: every token is real).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import CacheLayerMixin
@@ -53,7 +56,21 @@ from .attention import ATTN_NAME, EAGER_NAME
 from .parts import LayerRotary
 
 MARKER = "kvsqueeze_layer"  # attribute of the empty key tensor a fused decode step returns
-QUANTIZED = "kvsqueeze_quantized"  # attribute of the keys a windowed layer returns: (quantized K, V, window)
+QUANTIZED = "kvsqueeze_quantized"  # attribute of the keys a windowed layer returns: its `WindowCopies`
+
+
+class WindowCopies(NamedTuple):
+    """What a windowed layer's keys carry (`QUANTIZED`) for the "kvsqueeze" attention. The keys and values the
+    layer returns, [B, H, T, D], are one copy of every cached token; this holds the other: the quantized copies
+    (RoPE applied) when the returned ones are exact (the simulated path; `exact` False, `start` 0), or exact copies
+    of the tokens from position `start` on, which the windows of the forward's queries reach, when the returned
+    ones are quantized (the compressed cache; `exact` True). Never the returned tensors themselves: a key that
+    carried itself would stay alive until the garbage collector found the cycle."""
+    k: torch.Tensor
+    v: torch.Tensor
+    exact: bool
+    start: int
+    window: int
 
 
 class LayerBase(CacheLayerMixin):
@@ -260,26 +277,28 @@ class CompressedLayer(PreRopeKeys, LayerBase):
                 "`kvsqueeze.cache_for` (it selects that attention) and do not change the model's attention after")
 
     def _read_windowed(self, held, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype):
-        """Every cached token as the queries of a forward of the new `keys`, `values` [B, T, C] read it: fp16 keys
-        (RoPE applied) and values [B, H, T', D] of the window held before it (`held`) and of the new tokens,
-        quantized ones of every other token, attached to the keys (`QUANTIZED`) with the window."""
+        """Every cached token as the queries of a forward of the new `keys`, `values` [B, T, C] read it: keys (RoPE
+        applied) and values [B, H, T', D] as their codes give them, which are returned, and carrying (`QUANTIZED`)
+        fp16 ones of the tokens the queries' windows reach: the window held before this forward (`held`) and the
+        new tokens. Only that tail is copied, so a short forward over a long cache builds one full copy, not two."""
         qk, qv = self.store.dequantize_codes()  # [T', B, C] float32, keys pre-RoPE
-        ek, ev = qk.clone(), qv.clone()
+        total, t = qk.shape[0], keys.shape[1]
+        start = max(0, total - t - self.store.window + 1)  # older tokens are out of every new query's window
+        ek, ev = qk[start:].clone(), qv[start:].clone()
         hk, hv, hslot = held
-        rows, entries = (hslot >= 0).nonzero(as_tuple=True)
-        slots = hslot[rows, entries].long()
+        rows, entries = (hslot >= start).nonzero(as_tuple=True)
+        slots = hslot[rows, entries].long() - start
         ek[slots, rows], ev[slots, rows] = hk[rows, entries].float(), hv[rows, entries].float()
-        t = keys.shape[1]
         ek[-t:], ev[-t:] = keys.transpose(0, 1).half().float(), values.transpose(0, 1).half().float()
-        cos_sin = self._cos_sin(self.store.positions.view()[: qk.shape[0]].t(), dtype)
+        positions = self.store.positions.view()[:total].t()  # [B, T']
         out = []
-        for k, v in ((ek, ev), (qk, qv)):
+        for k, v, pos in ((qk, qv, positions), (ek, ev, positions[:, start:])):
             k = k.view(k.shape[0], k.shape[1], self.heads, self.head_dim).permute(1, 2, 0, 3).to(dtype)
             v = v.view(v.shape[0], v.shape[1], self.heads, self.head_dim).permute(1, 2, 0, 3).to(dtype)
-            out.append((self.rotary.apply(k, cos_sin), v))
-        (ek, ev), (qk, qv) = out
-        setattr(ek, QUANTIZED, (qk, qv, self.store.window))
-        return ek, ev
+            out.append((self.rotary.apply(k, self._cos_sin(pos, dtype)), v))
+        (qk, qv), (ek, ev) = out
+        setattr(qk, QUANTIZED, WindowCopies(ek, ev, True, start, self.store.window))
+        return qk, qv
 
     def append_pre_rope(self, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                         real: torch.Tensor | None = None) -> None:

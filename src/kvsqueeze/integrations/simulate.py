@@ -38,7 +38,7 @@ from ..shape import kv_shape
 from .attention import register_handler, switch_attention
 from .fingerprint import check_recipe
 from .kivi import forget, kivi_handler, mixed_attention
-from .layers import QUANTIZED, _positions, layer_cos_sin
+from .layers import QUANTIZED, WindowCopies, _positions, layer_cos_sin
 from .parts import attention_modules, hook_projections, layer_rotaries
 from .preflight import preflight
 
@@ -98,7 +98,7 @@ class SimulatedLayer(DynamicLayer):
         keys, values = super().update(key_states, value_states, *args, **kwargs)  # fp16 copies, turned
         self.kq = kq if self.kq is None else torch.cat([self.kq, kq], dim=2)
         self.vq = vq if self.vq is None else torch.cat([self.vq, vq], dim=2)
-        setattr(keys, QUANTIZED, (self.kq, self.vq, self.sim.window))
+        setattr(keys, QUANTIZED, WindowCopies(self.kq, self.vq, False, 0, self.sim.window))
         return keys, values
 
     # the quantized copies follow every edit of the fp16 ones (crop, beam reorder, batch select / repeat)
@@ -270,9 +270,9 @@ class SimulatedQuantization:
 
 
 def window_handler(module, query, key, value, attention_mask, scaling, **kwargs):
-    """The "kvsqueeze" attention handler for keys that carry quantized copies (`QUANTIZED`: a simulated or
-    compressed layer of a windowed nuq method): each query reads its window's fp16 keys and values and the
-    quantized copies of older ones. A module of a windowed simulation whose keys carry none is an error."""
+    """The "kvsqueeze" attention handler for keys that carry a second copy (`QUANTIZED`, a `WindowCopies`: a
+    simulated or compressed layer of a windowed nuq method): each query reads its window's fp16 keys and values
+    and the quantized copies of older ones. A module of a windowed simulation whose keys carry none is an error."""
     copies = getattr(key, QUANTIZED, None)
     if copies is None:
         if getattr(module, "kvsqueeze_window", None) is not None and key.shape[2] > 0:  # not a fused-decode marker
@@ -280,9 +280,10 @@ def window_handler(module, query, key, value, attention_mask, scaling, **kwargs)
                                "cache of this method, so their quantized copies are missing; build the cache with "
                                "`sim.new_cache()` and pass it to the forward")
         return None
-    kq, vq, window = copies
-    if kq.shape != key.shape:
-        raise RuntimeError(f"{type(module).__name__}: quantized copies {tuple(kq.shape)} for keys "
-                           f"{tuple(key.shape)}; the keys were changed after the cache returned them")
-    return mixed_attention(query, key, value, kq, vq, attention_mask, scaling, window,
-                           softcap=kwargs.get("softcap"), sink_logits=kwargs.get("s_aux"))
+    if copies.k.shape[:2] != key.shape[:2] or copies.start + copies.k.shape[2] != key.shape[2]:
+        raise RuntimeError(f"{type(module).__name__}: {'exact' if copies.exact else 'quantized'} copies "
+                           f"{tuple(copies.k.shape)} from position {copies.start} for keys {tuple(key.shape)}; the "
+                           "keys were changed after the cache returned them")
+    exact, quantized = ((copies.k, copies.v), (key, value)) if copies.exact else ((key, value), (copies.k, copies.v))
+    return mixed_attention(query, *exact, *quantized, attention_mask, scaling, copies.window,
+                           softcap=kwargs.get("softcap"), sink_logits=kwargs.get("s_aux"), start=copies.start)
