@@ -81,6 +81,8 @@ BUDGETS = [  # quality per bit: each layer's K / V bits and outliers chosen from
     ("nuq@2.5:r32:chan", "bit budget 2.5, a width per channel, the 32 most recent tokens in fp16 (counted)"),
     ("nuq@3.49:r32:chan", "bit budget 3.49, a width per channel, the 32 most recent tokens in fp16"),
     ("nuq@4.58:r32:chan", "bit budget 4.58, a width per channel, the 32 most recent tokens in fp16"),
+    ("nuq@2.6:r32:chan", "bit budget 2.6, a width per channel, the 32 most recent tokens in fp16"),
+    ("nuq@3.5:r32:chan", "bit budget 3.5, a width per channel, the 32 most recent tokens in fp16"),
 ]
 PAGED = [  # a fixed count of exact key elements per token, as the paged cache of a serving engine stores them
     ("nuq3-1%:kslots4", "nuq3-1%, 4 exact key elements per token (outliers first)"),

@@ -25,8 +25,8 @@ BUDGET_ROWS = ("fp16", "nuq2-1%", "nuq@2.5", "nuq@2.5:chan", "nuq@2.5:kl:chan", 
                "nuq@2.6:chan", "nuq@2.6:kl:chan", "nuq@3", "nuq@3:chan", "nuq3-1%", "nuq@3.5", "nuq@3.5:kl",
                "nuq@3.45:chan", "nuq@3.49:chan", "nuq@3.49:kl:chan", "nuq@3.5:chan", "nuq@3.5:kl:chan",
                "nuq3-1%:sink16", "nuq@4:chan", "nuq4-1%", "nuq@4.5", "nuq@4.5:kl", "nuq@4.5:chan", "nuq@4.5:kl:chan",
-               "nuq@4.58:chan", "nuq@4.58:kl:chan", "nuq@4.6:chan", "nuq@2.5:r32:chan", "nuq@3.49:r32:chan",
-               "nuq@4.58:r32:chan")
+               "nuq@4.58:chan", "nuq@4.58:kl:chan", "nuq@4.6:chan", "nuq@2.5:r32:chan", "nuq@2.6:r32:chan",
+               "nuq@3.49:r32:chan", "nuq@3.5:r32:chan", "nuq@4.58:r32:chan")
 
 
 def _load(d: Path, name: str) -> dict | None:

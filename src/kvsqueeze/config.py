@@ -34,8 +34,9 @@ class EvalConfig:
     """What `kvsqueeze eval` measures by default."""
 
     # the demo's table: the per-token baselines, KIVI, nuq at 4, 3 and 2 bits with and without outliers, and
-    # bit budgets with a width per channel at about the bits of nuq3-1% and nuq2-1%
-    methods: str = "fp16,int3,nf3,kivi2,nuq4-1%,nuq3,nuq3-1%,nuq2-1%,nuq@3.5:chan,nuq@2.6:chan"
+    # bit budgets with a width per channel at about the bits of nuq3-1% (without and with the 32 most recent
+    # tokens in fp16, paid for out of the budget) and of nuq2-1% (with them)
+    methods: str = "fp16,int3,nf3,kivi2,nuq4-1%,nuq3,nuq3-1%,nuq2-1%,nuq@3.5:chan,nuq@3.5:r32:chan,nuq@2.6:r32:chan"
     seqlen: str = "2048"  # window length(s): the calibration length of the paper
     max_windows: int | None = 8  # windows spread evenly over the evaluation part (None: every one)
 
