@@ -403,6 +403,7 @@ BLOCKS = {
     "budget-gemma8": ("budget_gemma8.json", budget_models),
     "budget-gemma8-kl3": ("budget_gemma8_kl3.json", budget_models),
     "budget-window": ("budget_window.json", budget_models),
+    "budget-window-gemma8": ("budget_window_gemma8.json", budget_models),
     "demo": ("demo_amd_epyc.json", demo),
     "mixed-bits": ("eval_mixed_bits.json", ladder),
     "budget-40windows": ("eval_budget_40windows.json", ladder),
