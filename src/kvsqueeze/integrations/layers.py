@@ -290,12 +290,13 @@ class CompressedLayer(PreRopeKeys, LayerBase):
         slots = hslot[rows, entries].long() - start
         ek[slots, rows], ev[slots, rows] = hk[rows, entries].float(), hv[rows, entries].float()
         ek[-t:], ev[-t:] = keys.transpose(0, 1).half().float(), values.transpose(0, 1).half().float()
-        positions = self.store.positions.view()[:total].t()  # [B, T']
+        cos_sin = self._cos_sin(self.store.positions.view()[:total].t(), dtype)  # [B, 1, T', R] each
+        tail = None if cos_sin is None else tuple(c[:, :, start:] for c in cos_sin)
         out = []
-        for k, v, pos in ((qk, qv, positions), (ek, ev, positions[:, start:])):
+        for k, v, cs in ((qk, qv, cos_sin), (ek, ev, tail)):
             k = k.view(k.shape[0], k.shape[1], self.heads, self.head_dim).permute(1, 2, 0, 3).to(dtype)
             v = v.view(v.shape[0], v.shape[1], self.heads, self.head_dim).permute(1, 2, 0, 3).to(dtype)
-            out.append((self.rotary.apply(k, self._cos_sin(pos, dtype)), v))
+            out.append((self.rotary.apply(k, cs), v))
         (qk, qv), (ek, ev) = out
         setattr(qk, QUANTIZED, WindowCopies(ek, ev, True, start, self.store.window))
         return qk, qv
