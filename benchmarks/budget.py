@@ -40,12 +40,12 @@ import torch
 from kvsqueeze.eval.perplexity import evaluate, paired_interval
 from kvsqueeze.eval.texts import evaluation_windows, load_text
 from kvsqueeze.integrations.loading import load_model
-from kvsqueeze.budget import Choice, sensitivity_key, tensor_bits
-from kvsqueeze.methods import parse_method
+from kvsqueeze.budget import sensitivity_key
+from kvsqueeze.methods import average_bits, parse_method
 from kvsqueeze.recipe import Recipe
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import machine  # noqa: E402
+from common import TAIL_DF, TAIL_Q99, machine  # noqa: E402
 
 PLAIN = ["nuq2-1%", "nuq3-1%", "nuq4-1%"]
 KINDS = ("layer", "chan", "kl:chan", "r32:chan")  # budgeted methods: nuq@B, nuq@B:chan, nuq@B:kl:chan, nuq@B:r32:chan
@@ -66,11 +66,9 @@ def quality_rows(model_name: str, windows: int, seqlen: int, plains: list[str],
     measured = sensitivity_key(1) in recipe.meta.get("sensitivity", {})  # what nuq@B:kl:chan reads
     for plain in plains:
         spec = parse_method(plain)
-        # what the plain method stores by the budget's own accounting (values keep exactly their top-k
-        # outliers per token), rounded up: the budget can afford the plain method's choice in every layer
-        choice = Choice(spec.k_bits, spec.outlier_fraction)
-        held = sum(tensor_bits(kv, choice, seqlen, channels, spec.sinks)["total"] for kv in "kv")
-        bits = held / (2 * seqlen * channels)
+        # what the plain method stores in the cache at this length (the registry's count, nominal outliers),
+        # rounded up: the budget can afford the plain method's choice in every layer
+        bits = average_bits(spec, fp["layers"], channels, fp["head_dim"], seqlen, recipe)
         name = f"nuq@{math.ceil(bits * 1e4) / 1e4:g}"
         # kl:chan where the recipe holds the sensitivities `kvsqueeze budget` measures: the per-channel widths,
         # each layer's keys and values scaled by their measured loss
@@ -109,12 +107,10 @@ DECODE_METHODS = ("nuq3-1%", "nuq@3.5", "nuq@3.5:chan")
 
 def decode_rows(context: int, rounds: int, methods: tuple[str, ...] = DECODE_METHODS) -> list[dict]:
     """Median ms of one fused decode step over all layers of the default model, per method."""
-    from decode import TAIL_DF, TAIL_Q99
-
     from kvsqueeze.cache.positions import PositionLog
     from kvsqueeze.cache.store import KVStore
     from kvsqueeze.kernels import Rope, decode_attention
-    from kvsqueeze.quantizer import build_quantizers
+    from kvsqueeze.methods import build_quantizers
 
     recipe = Recipe.load(recipe_path("smollm2-135m"))
     fp = recipe.meta["model"]["fingerprint"]

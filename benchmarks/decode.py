@@ -48,26 +48,21 @@ import copy
 import itertools
 import json
 import os
-import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
-import numba
 import torch
 import torch.nn.functional as F
 
 from kvsqueeze.cache.positions import PositionLog
-from kvsqueeze.cache.store import KVStore
 from kvsqueeze.config import DEFAULT_MODEL
-from kvsqueeze.datatypes import normal_float_levels
 from kvsqueeze.kernels import Rope, decode_attention
 from kvsqueeze.methods import parse_method
-from kvsqueeze.quantizer import VectorQuantizer, build_quantizers
 
-DEFAULT_RECIPE = "out/recipe"  # where `make demo` writes the default model's recipe
-TAIL_DF = 5.0  # Student-t degrees of freedom of the synthetic activations
-TAIL_Q99 = 4.032  # |t_5| exceeds this with probability 1%: scaled by it, 1% of a channel leaves its range
+sys.path.insert(0, str(Path(__file__).parent))
+from common import DEFAULT_RECIPE, check, decode_machine, fill_store, prepare, quantizers, shape  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -96,83 +91,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-# ---- the machine -------------------------------------------------------------------------------------
-def machine() -> dict:
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
-            "numba_threads": numba.get_num_threads(), "numba_threading_layer": numba.threading_layer(),
-            "torch": torch.__version__, "numba": numba.__version__, "platform": platform.platform(),
-            "load_average_start": os.getloadavg()}
-
-
-def prepare(threads: int, recipe_path: str | None):
-    """Set torch's and numba's threads, seed torch, and load the recipe (None without one)."""
-    torch.set_num_threads(threads)
-    numba.set_num_threads(threads)
-    torch.manual_seed(0)
-    if not recipe_path:
-        return None
-    from kvsqueeze.recipe import Recipe
-
-    return Recipe.load(recipe_path)
-
-
-# ---- synthetic stores --------------------------------------------------------------------------------
-def quantizers(method: str, recipe, channels: int, seed: int = 0) -> tuple[VectorQuantizer, VectorQuantizer]:
-    """Key and value quantizers: the recipe's (a middle layer) or synthetic ones with per-channel ranges."""
-    spec = parse_method(method)
-    if recipe is not None:
-        layer = recipe.meta["model"]["fingerprint"]["layers"] // 2
-        return build_quantizers(spec, recipe, layer, channels)
-    g = torch.Generator().manual_seed(seed)
-    center, half = torch.randn(channels, generator=g) * 2, torch.rand(channels, generator=g) * 3 + 0.5
-    kq = VectorQuantizer(normal_float_levels(spec.k_bits), "channel", spec.outlier_fraction,
-                         lo=center - half, hi=center + half)
-    return kq, VectorQuantizer(normal_float_levels(spec.v_bits), "token", spec.outlier_fraction)
-
-
-def fill_store(kq: VectorQuantizer, vq: VectorQuantizer, tokens: int, channels: int, head_dim: int, sinks: int,
-               positions: PositionLog, seed: int = 0, chunk: int = 8192) -> KVStore:
-    """A one-row store of `tokens` heavy-tailed tokens whose keys fit the key quantizer's channel ranges."""
-    g = torch.Generator().manual_seed(seed)
-    center, half = (kq.hi + kq.lo) / 2, (kq.hi - kq.lo) / 2
-    tdist = torch.distributions.StudentT(TAIL_DF)
-    store = KVStore(kq, vq, channels, sinks, head_dim=head_dim, positions=positions)
-    for start in range(0, tokens, chunk):
-        n = min(chunk, tokens - start)
-        torch.manual_seed(seed + start)
-        keys = center + half * tdist.sample((1, n, channels)) / TAIL_Q99
-        values = tdist.sample((1, n, channels)) * (0.5 + torch.rand(channels, generator=g))
-        store.append(keys.float(), values.float())
-    return store
-
-
 # ---- kernel timing -----------------------------------------------------------------------------------
 def reference_rounds(args) -> int:
     """Rounds of the (slow) reference backend, timed after the others: a third as many."""
     return max(1, args.rounds // 3)
-
-
-def shape(args, recipe) -> tuple[int, int, int]:
-    """(query heads, KV heads, head_dim): given, or the recipe's model's."""
-    given = (args.heads, args.kv_heads, args.head_dim)
-    if all(given):
-        return given
-    if recipe is None:
-        raise SystemExit("no recipe to read the layer shape from: pass --recipe DIR, or --heads, --kv-heads and "
-                         "--head-dim")
-    fp = recipe.meta["model"]["fingerprint"]
-    return tuple(g or fp[k] for g, k in zip(given, ("heads", "kv_heads", "head_dim")))
-
-
-def check(q, store: KVStore, rope: Rope, scaling: float, method: str, tokens: int) -> None:
-    """The fused result must equal the reference on the store it is timed on, before it is timed."""
-    got = decode_attention(q, store.view(), rope, scaling, backend="numba")
-    want = decode_attention(q, store.view(), rope, scaling, backend="reference")
-    err = float((got - want).abs().max())
-    if not torch.allclose(got, want, atol=2e-5, rtol=1e-4):
-        raise SystemExit(f"{method} at {tokens} tokens: the numba backend differs from the reference by {err:.3g}")
 
 
 def kernel_rows(args, recipe) -> list[dict]:
@@ -369,7 +291,7 @@ def main(argv=None) -> None:
     if args.layers < 1:
         raise SystemExit(f"--layers must be at least 1, got {args.layers}")
     recipe = prepare(args.threads, args.recipe)
-    info = machine()
+    info = decode_machine()
     rows = kernel_rows(args, recipe)
     payload = {"rows": rows, "ratios": ratios(rows), "machine": info,
                "shape": dict(zip(("query_heads", "kv_heads", "head_dim"), shape(args, recipe)), batch=1),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
@@ -27,7 +28,6 @@ import numba
 import numpy as np
 import torch
 import torch.nn.functional as F
-from decode import DEFAULT_RECIPE, check, fill_store, machine, prepare, quantizers, shape
 from numba import njit, prange
 
 from kvsqueeze.cache.positions import PositionLog
@@ -37,6 +37,9 @@ from kvsqueeze.kernels.numba.keys import key_scores, row_max
 from kvsqueeze.kernels.numba.sparse import key_outliers, value_outliers, value_outliers_fixed
 from kvsqueeze.kernels.numba.values import value_sums
 from kvsqueeze.methods import parse_method
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import DEFAULT_RECIPE, check, decode_machine, fill_store, prepare, quantizers, shape  # noqa: E402
 
 
 _COLD: list[np.ndarray] = []  # --cold: a buffer larger than the last-level cache, written before each timed call
@@ -142,7 +145,7 @@ def main(argv=None) -> None:
         print(rows[-1])
     timing = (f"median of {args.repeats} calls, each after the caches were evicted" if args.cold
               else f"median of {args.repeats} calls in a loop")
-    payload = {"rows": rows, "machine": machine(), "timing": timing,
+    payload = {"rows": rows, "machine": decode_machine(), "timing": timing,
                "quantizers": f"recipe {args.recipe} (middle layer)" if recipe else "synthetic, NormalFloat levels"}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")

@@ -27,7 +27,7 @@ import torch
 from kvsqueeze.eval.perplexity import evaluate
 from kvsqueeze.eval.texts import evaluation_windows, load_text
 from kvsqueeze.integrations.loading import load_model
-from kvsqueeze.methods import parse_method
+from kvsqueeze.methods import needs_recipe, parse_method
 from kvsqueeze.recipe import Recipe
 
 LADDER = [
@@ -155,10 +155,10 @@ def main() -> None:
         kept = {r["method"]: r for r in old["rows"] if r["method"] in steps and r["method"] != "fp16"
                 and not (parse_method(r["method"]).budget_proxy == "kl" and str(min(parse_method(r["method"]).sinks, 1))
                          in remeasured)}
-    missing = [s.name for s in specs if s.needs_recipe and min(s.sinks, 1) not in by_sinks and s.name not in kept]
+    missing = [s.name for s in specs if needs_recipe(s) and min(s.sinks, 1) not in by_sinks and s.name not in kept]
     if missing:
         raise SystemExit(f"{', '.join(missing)} read a recipe calibrated with --sinks 0: pass --recipe-sink0")
-    recipes = {s.name: by_sinks[min(s.sinks, 1)] for s in specs if s.needs_recipe and s.name not in kept}
+    recipes = {s.name: by_sinks[min(s.sinks, 1)] for s in specs if needs_recipe(s) and s.name not in kept}
     t0 = time.perf_counter()
     todo = [s for s in specs if s.name not in kept]
     measured = {r.method: {**r.as_dict(), "step": steps[r.method], "recipe_sinks": (

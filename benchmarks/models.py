@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-import report  # noqa: E402  (the README's renderer of this table)
+from common import machine, models_table  # noqa: E402  (the README's table, as report.py writes it)
 
 METHODS = ["fp16", "int4", "int3", "kivi2", "nuq4-1%", "nuq3-1%", "nuq2-1%"]
 LADDER = ["nuq2-1%", "nuq3-1%", "nuq4-1%"]  # PPL must not grow along this list's reverse
@@ -79,29 +78,6 @@ def _rows(evaluation: dict) -> list[dict]:
     return [{"method": r["method"], "avg_bits": r["avg_bits"], "ppl": r["ppl"]} for r in rows]
 
 
-def machine() -> str:
-    """The CPU's model name (from /proc/cpuinfo where there is one), its core count and torch's version."""
-    import os
-
-    import torch
-
-    name = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                name = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    if name.startswith("AMD EPYC") or "Xeon" in name:  # one name covers CPU generations with and without it
-        try:
-            flags = Path("/proc/cpuinfo").read_text().split()
-            name += ", AVX-512" if "avx512f" in flags else ", no AVX-512"
-        except OSError:
-            pass
-    return f"{name}, {os.cpu_count()} cores, torch {torch.__version__}"
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", default="smollm2-135m,qwen2.5-coder-0.5b,gemma3-270m")
@@ -134,7 +110,7 @@ def main() -> None:
         placed = "spread over the part" if ev.get("window_sources") else "the first windows of the part"
         result["settings"]["eval"] = f"{ev['windows']} x {ev['seqlen']} tokens ({placed})"
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n")  # after each model: a partial run counts
-        print(report.models(result), flush=True)
+        print(models_table(result), flush=True)
     if problems:
         raise SystemExit("; ".join(problems))
 

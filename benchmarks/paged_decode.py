@@ -16,15 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
-from decode import DEFAULT_RECIPE, machine, prepare, quantizers, shape
 
 from kvsqueeze.kernels import Rope, decode_attention
 from kvsqueeze.methods import parse_method
 from kvsqueeze.paged.layout import PageLayout
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import DEFAULT_RECIPE, decode_machine, prepare, quantizers, shape  # noqa: E402
 
 
 def run(layout: PageLayout, hq: int, d: int, batch: int, tokens: int, rounds: int) -> dict:
@@ -79,7 +82,7 @@ def main(argv=None) -> None:
         batch, tokens = (int(x) for x in size.split("x"))
         rows.append(run(layout, hq, d, batch, tokens, args.rounds))
         print(json.dumps(rows[-1]), flush=True)
-    out = {"machine": machine(), "recipe": args.recipe, "method": args.method,
+    out = {"machine": decode_machine(), "recipe": args.recipe, "method": args.method,
            "block_size": args.block_size, "shape": {"query_heads": hq, "kv_heads": h, "head_dim": d},
            "timing": f"median of {args.rounds} interleaved rounds; one layer's decode_attention, view included",
            "rows": rows}

@@ -40,9 +40,7 @@ from kvsqueeze.recipe import Recipe
 from kvsqueeze.shape import kv_shape
 
 sys.path.insert(0, str(Path(__file__).parent))
-from memory import tensor_bytes  # noqa: E402
-from models import machine  # noqa: E402
-from report import peers as report_peers  # noqa: E402
+from common import machine, peers_table, tensor_bytes  # noqa: E402
 
 OURS = ["fp16", "kivi2", "kivi4", "turbo2:split", "turbo3:split", "nuq4-1%", "nuq3-1%", "nuq2-1%"]
 QUANTIZED_CACHE = [("quanto", 2), ("quanto", 4), ("hqq", 2), ("hqq", 3), ("hqq", 4)]
@@ -215,7 +213,7 @@ def main() -> None:
         "not_measured": missing, "rows": rows,
     }
     Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
-    print(report_peers(payload))
+    print(peers_table(payload))
     print(f"wrote {args.json}")
 
 

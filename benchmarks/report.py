@@ -18,6 +18,9 @@ from pathlib import Path
 
 from kvsqueeze.config import EvalConfig
 
+sys.path.insert(0, str(Path(__file__).parent))
+from common import models_table, peers_table, window_note  # noqa: E402  (the tables models.py and peers.py print)
+
 ROOT = Path(__file__).resolve().parent.parent
 DOCUMENTS = (ROOT / "README.md", ROOT / "docs" / "results.md")
 HEADLINE = tuple(EvalConfig().methods.split(","))  # the methods `make demo` evaluates
@@ -35,49 +38,17 @@ def _load(d: Path, name: str) -> dict | None:
 
 
 def describe(name: str) -> str:
-    """A short description of a method from its name (for rows outside the ablation ladder)."""
-    from kvsqueeze.methods import parse_method
+    """A short description of a method from its name (the registry's)."""
+    from kvsqueeze.methods import describe as registry_describe, parse_method
 
-    spec = parse_method(name)
-    window = f", its {spec.window} most recent tokens in fp16 (counted)" if spec.window and spec.family == "nuq" else ""
-    if spec.budget is not None and spec.budget_unit == "channel":
-        scaled = ", each layer's K / V scaled by its measured sensitivity" if spec.budget_proxy == "kl" else ""
-        return (f"bit budget {spec.budget:g}: each channel's K / V width (1-6 bits) and each layer's outliers "
-                f"from the per-channel Fisher errors{scaled}{window}")
-    if spec.budget is not None:
-        proxy = ("the Fisher objectives scaled by measured sensitivities" if spec.budget_proxy == "kl"
-                 else "the Fisher objectives")
-        return f"bit budget {spec.budget:g}: each layer's K / V bits and outliers from {proxy}{window}"
-    if spec.family == "turbo":
-        split = ", the higher-RMS half of each head 1 bit wider" if spec.split else ""
-        return f"TurboQuant-MSE: random rotation, sphere Lloyd-Max levels, fp16 norm per head{split}"
-    if spec.family in ("kivi", "group", "fp16"):
-        return {"kivi": f"KIVI, groups of {spec.group_size}, {spec.window} recent tokens fp16",
-                "group": f"uniform per token, groups of {spec.group_size} channels",
-                "fp16": "unquantized"}[spec.family]
-    dtype = {"int": "uniform", "nf": "NormalFloat", "nuq": "nuq"}[spec.family]
-    bits = f"K{spec.k_bits}V{spec.v_bits}, " if spec.k_bits != spec.v_bits else ""
-    keys = f"K per-{spec.key_axis} {spec.key_rope}-RoPE"
-    extra = f", {spec.pct_label} outliers" if spec.outlier_fraction else ""
-    extra += f", {spec.sinks} sink" if spec.sinks else ""
-    extra += f", {spec.key_slots} exact key elements per token (paged)" if spec.key_slots else ""
-    extra += window
-    return f"{bits}{dtype}, {keys}{extra}"
-
-
-def _window_note(data: dict) -> str:
-    src = data.get("window_sources")
-    if not src:  # measured before windows were spread over the part
-        return f"the first {data['windows']} windows of {data['seqlen']} tokens of the part"
-    cats = f", covering {len(src['categories'])} categories" if src.get("categories") else ""
-    return f"{src['windows']} windows of {src['seqlen']} tokens spread over the {src['of']} of the part{cats}"
+    return registry_describe(parse_method(name))
 
 
 def ladder(data: dict, methods: tuple[str, ...] | None = None) -> str:
     base = next(r["ppl"] for r in data["rows"] if r["method"] == "fp16")
     full = "ci95" in data["rows"][0]
     head = "| method | what | avg bits | PPL | vs fp16 |" + (" 95% CI | KLD | top-1 |" if full else "")
-    out = [f"{data['model']}, {data['text']}, {_window_note(data)} ({data.get('machine', 'x86_64, 2 cores')})\n",
+    out = [f"{data['model']}, {data['text']}, {window_note(data)} ({data.get('machine', 'x86_64, 2 cores')})\n",
            head, "|---|---|---:|---:|---:|" + ("---:|---:|---:|" if full else "")]
     rows = data["rows"]
     if methods is not None:
@@ -197,47 +168,6 @@ def demo(data: dict) -> str:
     cells = [f"`{r['method']}` {(r['ppl'] / base - 1) * 100:+.2f}%" for r in data["rows"] if r["method"] != "fp16"]
     return (f"`make demo` on {data['machine']} (its own recipe, the same windows): fp16 {base:.3f}; "
             + ", ".join(cells) + ".")
-
-
-def models(data: dict) -> str:
-    """PPL of each method on each bundled model (`benchmarks/models.py`), change against the model's own fp16."""
-    names = list(data["models"])
-    by = {(r["model"], r["method"]): r for r in data["rows"]}
-    methods = data["settings"]["methods"]
-    st = data["settings"]
-    out = [f"BBC evaluation part, {st['eval']}, recipes from {st['calibration']} of the calibration part "
-           f"({data['machine']})\n",
-           "| method | " + " | ".join(f"`{n}`" for n in names) + " |", "|---|" + "---:|" * len(names)]
-    for m in methods:
-        cells = []
-        for n in names:
-            r, base = by.get((n, m)), by.get((n, "fp16"))
-            if r is None:
-                cells.append("–")
-            elif m == "fp16":
-                cells.append(f"{r['ppl']:.3f}")
-            else:
-                cells.append(f"{r['ppl']:.3f} ({(r['ppl'] / base['ppl'] - 1) * 100:+.1f}%, {r['avg_bits']:.2f} b)")
-        out.append(f"| `{m}` | " + " | ".join(cells) + " |")
-    return "\n".join(out)
-
-
-def peers(data: dict) -> str:
-    """Every quantizer on the same windows (`benchmarks/peers.py`), sorted by bits within each engine."""
-    base = {r["engine"]: r["ppl"] for r in data["rows"] if r["method"] == "fp16"}
-    ours = next(iter(base.values()))
-    out = [f"{data['model']}, {data['text']}, {_window_note(data)} ({data['machine']})\n",
-           "| method | engine | bits / element | PPL | vs fp16 | 95% CI | KLD mean | KLD p99 | top-1 |",
-           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for r in data["rows"]:
-        ref = base.get(r["engine"], ours)
-        ci = f"{r['ci95'][0]:+.2f} … {r['ci95'][1]:+.2f}" if r.get("ci95") else "–"
-        out.append(f"| `{r['method']}` | {r['engine']} | {r['avg_bits']:.2f} | {r['ppl']:.3f} | "
-                   f"{(r['ppl'] / ref - 1) * 100:+.2f}% | {ci} | {r['kld_mean']:.4f} | {r['kld_p99']:.3f} | "
-                   f"{100 * r['top1']:.1f}% |")
-    for k, v in data.get("not_measured", {}).items():
-        out.append(f"\nNot measured — {k}: {v}")
-    return "\n".join(out)
 
 
 def budget_models(data: dict) -> str:
@@ -395,8 +325,8 @@ BLOCKS = {
     "ruler-paired": ("ruler.json", ruler_paired),
     "ruler": ("ruler.json", ruler),
     "ladder": ("ladder.json", ladder),
-    "models": ("models.json", models),
-    "peers": ("peers.json", peers),
+    "models": ("models.json", models_table),
+    "peers": ("peers.json", peers_table),
     "ladder-headline": ("ladder.json", lambda d: ladder(d, HEADLINE)),
     "ladder-budget": ("ladder.json", lambda d: ladder(d, BUDGET_ROWS)),
     "budget-models": ("budget.json", budget_models),

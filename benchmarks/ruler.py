@@ -45,7 +45,7 @@ from kvsqueeze.eval.texts import load_text
 from kvsqueeze.methods import parse_methods
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import machine  # noqa: E402
+from common import machine  # noqa: E402
 
 METHODS = "fp16,nuq4-1%,nuq3-1%,nuq2-1%,kivi2,int4"
 RUNS = ["smollm2-135m:out/recipe:4096,8192:separate",

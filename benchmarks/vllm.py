@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from models import machine  # noqa: E402
+from common import machine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 

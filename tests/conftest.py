@@ -212,3 +212,17 @@ def default_recipe(default_model):
     samples = calibration_windows(tok, load_text("bbc").calibration, cfg.samples, cfg.seqlen)
     return fit_recipe(model, collect(model, samples, sinks=cfg.sinks, progress=False), cfg,
                       "smollm2-135m", "bbc", progress=False)
+
+
+def layer_bits(spec, tokens: int, channels: int, head_dim: int | None = None, recipe=None,
+               k_outliers: int | None = None, v_outliers: int | None = None) -> dict:
+    """The method registry's count of a one-layer cache of `tokens` tokens (one row), in bits by component, with
+    its total and element count (what `kvsqueeze.methods.cache_bytes` gives, times 8)."""
+    from kvsqueeze.methods import cache_bytes
+    from kvsqueeze.storage import Rows
+
+    out = cache_bytes(spec, 1, channels, head_dim or channels, Rows(tokens), recipe, outliers=[(k_outliers, v_outliers)])
+    bits = {k: 8 * v for k, v in out.items()}
+    bits["total"] = sum(bits.values())
+    bits["elements"] = 2 * tokens * channels
+    return bits

@@ -14,7 +14,7 @@ import kvsqueeze
 
 ROOT = Path(kvsqueeze.__file__).parent
 NUMERICS = {"datatypes", "affine", "quantizer", "turbo", "outliers", "packing", "rope", "methods", "shape", "recipe",
-            "budget", "config"}
+            "budget", "storage", "config"}
 
 
 def _module_name(path: Path) -> str:

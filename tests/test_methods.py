@@ -8,16 +8,23 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsqueeze.methods import (
-    FAMILIES,
-    MethodError,
-    MethodSpec,
-    average_bits,
-    canonical_name,
-    parse_method,
-    parse_methods,
-    storage_bits,
-)
+from kvsqueeze import storage
+from kvsqueeze.methods import (FAMILIES, MethodError, MethodSpec, cache_bytes, canonical_name, needs_recipe, parse_method,
+                               parse_methods)
+from kvsqueeze.storage import Rows
+
+
+def storage_bits(spec: MethodSpec, tokens: int, channels: int, head_dim: int | None = None) -> dict:
+    """One layer's components in bits (the registry's count), with the total and the element count."""
+    b = {k: 8 * v for k, v in cache_bytes(spec, 1, channels, head_dim or channels, Rows(tokens)).items()}
+    b["total"] = sum(b.values())
+    b["elements"] = 2 * tokens * channels
+    return b
+
+
+def average_bits(spec: MethodSpec, tokens: int, channels: int, head_dim: int | None = None) -> float:
+    b = storage_bits(spec, tokens, channels, head_dim)
+    return b["total"] / b["elements"]
 
 DOCUMENTED = [
     "fp16", "int3", "nf4", "nuq3", "nuq3-1%", "nuq-k3v2-1%", "kivi2", "group3:g64", "int3:kchan:pre",
@@ -27,8 +34,7 @@ DOCUMENTED = [
     "nf3-1%:kchan:pre", "int-k4v2", "nuq-k2v4", "int3:sink1", "group3:sink2", "kivi2:r64", "nuq3-1%:r16",
 ]
 
-COMPONENTS = ("codes", "scales", "outlier_values", "outlier_indices", "pointers", "sinks", "codebook",
-              "fp16_window")
+COMPONENTS = storage.COMPONENTS
 
 
 @pytest.mark.parametrize("name", DOCUMENTED)
@@ -62,9 +68,9 @@ def test_names_are_case_and_space_insensitive():
 
 def test_needs_recipe():
     for name in ("nuq3", "nuq2-1%", "int3:kchan:pre", "int3:vchan", "int3-1%:pm"):
-        assert parse_method(name).needs_recipe, name
+        assert needs_recipe(parse_method(name)), name
     for name in ("fp16", "int3", "nf3-1%", "kivi2", "group3"):
-        assert not parse_method(name).needs_recipe, name
+        assert not needs_recipe(parse_method(name)), name
 
 
 # ---- property: every name the grammar accepts round-trips --------------------------------------
@@ -167,19 +173,24 @@ def test_fp16_is_16_bits(tokens, channels):
 
 
 def test_nuq3_1pct_matches_hand_count():
+    """Every byte the compressed cache holds for one layer of nuq3-1%, counted by hand."""
     t, c = 4096, 512
     q = t - 1  # one sink
     p = 0.01
-    expected = (
-        q * c * (3 + 3)  # codes
-        + 32 * (c + q)  # per-channel key (s, z) + per-token value (s, z), fp16 each
-        + 2 * p * q * c * (16 + 16)  # K and V outliers: fp16 value + 16-bit index
-        + 32 * (q + 1)  # CSC key pointers (value rows hold exactly k outliers each: implicit CSR pointers)
-        + 16 * (8 + 8)  # two 3-bit codebooks in fp16
-        + 2 * 1 * c * 16  # the sink token's K and V in fp16
+    k_out = round(p * q * c)  # per-channel thresholds keep about the nominal fraction
+    v_out = 2 * 3 * q  # per-token top-k: floor(0.01 * 512 / 2 + 0.5) = 3 above and 3 below, every token
+    expected = 8 * (
+        q * (c * 3 // 32 * 4) * 2  # codes, K and V, in int32 words (512 channels: no padding)
+        + 2 * 2 * c + 2 * 2 * q  # per-channel key (s, z) + per-token value (s, z), fp16 each
+        + (2 + 2) * (k_out + v_out)  # K and V outliers: fp16 value + int16 index
+        + 4 * (q + 1)  # CSC key pointers, int32 (value rows hold exactly 6 outliers each: implicit pointers)
+        + 4 * (8 + 8) + 2 * 4 * c  # two 3-bit codebooks in float32, the key range [C] twice in float32
+        + 2 * 2 * c  # the sink token's K and V in fp16
+        + (c * 3 // 32 * 4) * 2 + 4 + 2 * 2 + (2 + 2) * 6 + 4  # its slot: codes, pointer, (s, z), 6 padded outliers,
+        + 4 * t  # and its entry in the sink table; the positions, int32 per token
     )
     b = storage_bits(parse_method("nuq3-1%"), t, c)
-    assert b["total"] == pytest.approx(expected, rel=1e-12)
+    assert b["total"] == expected
     avg = average_bits(parse_method("nuq3-1%"), t, c)
     assert 3 + 32 * p < avg < 3 + 32 * p + 0.2  # ~3.33 plus small overheads (paper: ~3.33)
 
@@ -230,14 +241,6 @@ def test_sinks_counted_in_fp16():
     # more sinks than tokens: everything is fp16, nothing negative
     b = storage_bits(parse_method("nuq3:sink5"), 3, c)
     assert b["codes"] == 0 and b["sinks"] == 2 * 3 * c * 16
-
-
-def test_actual_outlier_counts_override_the_nominal_fraction():
-    spec = parse_method("nuq3-1%")
-    nominal = storage_bits(spec, 1000, 64)
-    actual = storage_bits(spec, 1000, 64, k_outliers=10, v_outliers=0)
-    assert actual["outlier_values"] == 16 * 10 and actual["outlier_indices"] == 16 * 10
-    assert nominal["outlier_values"] == pytest.approx(16 * 2 * 0.01 * 999 * 64)
 
 
 def test_group_scales_per_group_per_token():

@@ -198,7 +198,7 @@ def test_missing_calibration_setting_is_named(tiny_llama, tiny_recipe):
 
 
 def test_wrong_channel_count_is_rejected(tiny_recipe):
-    from kvsqueeze.quantizer import build_quantizers
+    from kvsqueeze.methods import build_quantizers
 
     with pytest.raises(RecipeError, match=r"has 32 k_pre channels, the model has 64"):
         build_quantizers(parse_method("nuq3"), tiny_recipe, 0, 64)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvsqueeze.methods import MethodError, average_bits, parse_method
+from kvsqueeze.methods import MethodError, average_bits, needs_recipe, parse_method
 from kvsqueeze.turbo import TurboQuantizer, random_rotation, sphere_levels
 
 # Lloyd-Max levels of the standard normal (Max 1960): a coordinate of a rotated unit vector in high
@@ -85,12 +85,12 @@ def test_split_gives_the_prompts_high_rms_half_one_more_bit():
 
 def test_turbo_method_names_and_bits():
     spec = parse_method("turbo3")
-    assert (spec.family, spec.k_bits, spec.key_rope, spec.sinks, spec.needs_recipe) == ("turbo", 3, "post", 0, False)
+    assert (spec.family, spec.k_bits, spec.key_rope, spec.sinks, needs_recipe(spec)) == ("turbo", 3, "post", 0, False)
     assert parse_method("turbo2:split").name == "turbo2:split" and parse_method("turbo2:split").split
-    assert average_bits(spec, 1000, 128, head_dim=64) == pytest.approx(3 + 16 / 64)
-    assert average_bits(parse_method("turbo3:split"), 1000, 128, head_dim=64) == pytest.approx(3.5 + 2 * 16 / 64)
+    assert average_bits(spec, 1, 128, 64, 1000) == pytest.approx(3 + 16 / 64)
+    assert average_bits(parse_method("turbo3:split"), 1, 128, 64, 1000) == pytest.approx(3.5 + 2 * 16 / 64)
     with pytest.raises(ValueError, match="head dimension"):
-        average_bits(spec, 1000, 128)
+        average_bits(spec, 1, 128, 48, 1000)
     for bad, match in (("turbo3-1%", "no outlier option"), ("turbo3:kchan", "fixed axes"),
                        ("nuq3:split", "turbo's outlier half")):
         with pytest.raises(MethodError, match=match):
@@ -111,8 +111,8 @@ def test_turbo_runs_in_the_simulation_and_is_refused_by_the_compressed_cache(tin
                 got = tiny_llama(ids, cache=sim.new_cache(), use_cache=True).logits
                 bits = sim.storage(48)
             errs[name] = float((got - own).abs().mean())
-            assert bits["total"] / bits["elements"] == pytest.approx(average_bits(parse_method(name), 48, 32,
-                                                                                  head_dim=16))
+            assert 8 * sum(bits.values()) / (2 * 48 * 32 * 2) == pytest.approx(
+                average_bits(parse_method(name), 2, 32, 16, 48))
     assert errs["turbo4"] < errs["turbo2:split"] < errs["turbo2"]
     with pytest.raises(MethodError, match="turbo stores rotated head vectors"):
         kvsqueeze.cache_for(tiny_llama, None, "turbo3")

@@ -2,8 +2,10 @@
 
 A method `nuq@B` (e.g. `nuq@3.5`) stores every layer's keys and values with the bit width (2, 3 or 4) and
 outlier fraction (those the recipe was calibrated with) that minimise the summed predicted loss while the
-cache holds B bits per K/V element on average, every byte counted (codes, scales and zero-points, outlier
-values, indices and pointers, codebooks, the fp16 sinks).
+cache holds B bits per K/V element on average at the context it is chosen for, every byte the compressed cache
+holds counted as `kvsqueeze.storage` counts it (codes in whole int32 words, scales and zero-points, outlier
+values, indices and pointers, codebooks and decode tables, the fp16 sinks and window, the slot tables and
+positions).
 
 The predicted loss of quantizing one layer's keys (or values) with one choice is its codebook's objective,
 which the recipe stores: the Fisher-weighted squared error sum_i F_i (x_i - x^_i)^2 over the calibration
@@ -31,16 +33,17 @@ widths of one layer, well (they come from the same tokens), but their level from
 estimate a measurement can correct: on the default model the scales differ by a factor of 6.8 between units
 (the first layer's values cost most per unit of Fisher error). One width measured per unit (3 bits, with and
 without outliers: 120 runs of 512 tokens on the default model) places the units about as well as all three:
-the choice it gives predicts, on the all-width scales, 0.3% more loss (`benchmarks/kl_widths.py`).
+the choice it gives predicts, on the all-width scales, 0.3% more loss (`experiments/kl_widths.py`).
 
 `nuq@B:rN` (any of the above with `:rN`) keeps each row's N most recent tokens in fp16 beside their codes
 (the simulated path and the compressed cache read them in fp16 for the queries whose window they are in): their
 bits, 2 * N * C * 16 per layer, count against B like the sinks, so the codes get what is left.
 
 Everything here reads calibration data only (the recipe); evaluation text never shapes the choice. The
-choice depends on the cached length through the per-channel and per-layer metadata, so it is made for
-`TOKENS` tokens (the calibration and evaluation length); `calibrate --avg-bits` stores it in the recipe,
-and a recipe without a stored choice gets the same one computed on load.
+choice depends on the cached length through the per-channel and per-layer metadata and the window, so it is
+made for one context: `methods.spec.DEFAULT_CONTEXT` tokens (the calibration and evaluation length) or the
+one the method names (`:ctxN`); `calibrate --avg-bits` stores it in the recipe, and a recipe without a stored
+choice gets the same one computed on load.
 """
 
 from __future__ import annotations
@@ -51,39 +54,26 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .methods import (FP16_BITS, POINTER_BITS, SCALE_ZERO_BITS, SUPPORTED_BITS, MethodError, MethodSpec,
-                      topk_per_side)
+from . import storage
+from .methods import SUPPORTED_BITS, MethodError, MethodSpec
+from .methods.spec import DEFAULT_CONTEXT, context_flag
 from .recipe import Recipe, RecipeError, codebook_key
+from .storage import Choice, Layout, Rows
 
-TOKENS = 2048  # cached tokens the choice is made for
-INDEX_BITS = 16  # an outlier's channel index
 CHANNEL_BITS = (1, 2, 3, 4, 5, 6)  # widths a ':chan' budget gives channels (the kernels' tables hold 64 levels)
-WIDTH_BITS = 8  # a channel's width, stored once per layer with its codebooks
+CAPS = (4, 5, 6)  # the widest width a ':chan' unit may use: its decode table holds 2**cap levels per channel
 
-
-@dataclass(frozen=True)
-class Choice:
-    """How one layer stores its keys or its values."""
-
-    bits: int  # the width of every channel; with `widths`, the widest
-    fraction: float  # outliers kept exactly (per channel for keys, per token for values)
-    widths: tuple[int, ...] | None = None  # ':chan' budgets: each channel's own width
-
-    def label(self) -> str:
-        bits = f"{self.mean_bits:.2f}" if self.widths is not None else f"{self.bits}"
-        return bits + (f"-{100 * self.fraction:g}%" if self.fraction else "")
-
-    @property
-    def mean_bits(self) -> float:
-        return float(np.mean(self.widths)) if self.widths is not None else float(self.bits)
+__all__ = ["Choice", "Allocation", "allocate", "allocate_channels", "recipe_allocation", "layer_choices",
+           "unit_bits", "shared_bits", "budget_key", "describe", "measured_scales", "check_widths", "CHANNEL_BITS"]
 
 
 @dataclass(frozen=True)
 class Allocation:
     """The choice of every layer for keys and for values, at `avg_bits` for `tokens` cached tokens.
 
-    predicted: the summed objective of the choice; bits: the average it stores (nominal outlier counts);
-    window: the recent tokens it holds in fp16 beside their codes (counted in `bits`).
+    predicted: the summed objective of the choice; bits: the average it stores at `tokens` tokens (nominal outlier
+    counts), every component of `kvsqueeze.storage` counted; window: the recent tokens it holds in fp16 beside
+    their codes (counted in `bits`).
     """
 
     avg_bits: float
@@ -100,7 +90,7 @@ class Allocation:
 
         return {"avg_bits": self.avg_bits, "tokens": self.tokens, "predicted": self.predicted, "bits": self.bits,
                 "keys": [row(c) for c in self.keys], "values": [row(c) for c in self.values],
-                **({"window": self.window} if self.window else {})}
+                **({"window": self.window} if self.window else {}), "storage": STORAGE_VERSION}
 
     @classmethod
     def from_dict(cls, d: dict) -> Allocation:
@@ -115,44 +105,46 @@ class Allocation:
         return self.keys[i], self.values[i]
 
 
-def tensor_bits(kv: str, choice: Choice, tokens: int, channels: int, sinks: int,
-                outliers: float | None = None, window: int = 0) -> dict[str, float]:
-    """Bits one layer's keys ("k") or values ("v") hold, by the components of `methods.storage_bits`.
-
-    Keys: codes, an fp16 scale and zero-point per channel, the codebook, outliers (fp16 value, 16-bit index)
-    with a CSC pointer per token; values: the same with a scale and zero-point per token and exactly the
-    per-token top-k outliers (no pointers). `outliers`: the count actually kept (default: nominal). `window`:
-    the most recent tokens' fp16 copies (`:rN`), held beside their codes."""
-    sinks = min(sinks, tokens)
-    q = tokens - sinks
-    if choice.widths is not None:  # every codebook ':chan' may use, and each channel's width
-        codes, codebook = q * sum(choice.widths), FP16_BITS * sum(2**w for w in CHANNEL_BITS) + WIDTH_BITS * channels
-    else:
-        codes, codebook = q * channels * choice.bits, FP16_BITS * 2**choice.bits
-    out = dict(codes=float(codes), scales=float(SCALE_ZERO_BITS * (channels if kv == "k" else q)),
-               outlier_values=0.0, outlier_indices=0.0, pointers=0.0, sinks=float(sinks * channels * FP16_BITS),
-               codebook=float(codebook), fp16_window=float(min(window, q) * channels * FP16_BITS))
-    if choice.fraction > 0:
-        if outliers is None:
-            outliers = (choice.fraction * q * channels if kv == "k"
-                        else 2 * topk_per_side(choice.fraction, channels) * q)
-        out["outlier_values"] = FP16_BITS * outliers
-        out["outlier_indices"] = INDEX_BITS * outliers
-        if kv == "k":
-            out["pointers"] = float(POINTER_BITS * (q + 1))
-    out["total"] = sum(out.values())
-    return out
+# Keys keep the elements beyond per-channel thresholds fitted on the calibration tokens, so on other tokens they
+# keep a little more than their fraction: 1.09x on the default model's BBC evaluation windows at 2,048 tokens and
+# 1.10x at 32K (`benchmarks/results/memory.json`, the memory report against the nominal count). A budget charges
+# its keys this much more, so that the bits in its name hold in the cache on text like its calibration text.
+KEY_OUTLIER_HEADROOM = 1.2
 
 
-def layer_storage_bits(spec: MethodSpec, recipe: Recipe, layer: int, tokens: int, channels: int,
-                       k_outliers: float | None = None, v_outliers: float | None = None) -> dict[str, float]:
-    """`methods.storage_bits` of one layer of a budgeted method (its own choice for keys and for values)."""
-    k, v = layer_choices(spec, recipe, layer)
-    kb = tensor_bits("k", k, tokens, channels, spec.sinks, k_outliers if k.fraction else None, spec.window)
-    vb = tensor_bits("v", v, tokens, channels, spec.sinks, v_outliers if v.fraction else None, spec.window)
-    out = {key: kb[key] + vb[key] for key in kb}
-    out["elements"] = 2 * tokens * channels
-    return out
+def unit_bits(kv: str, choice: Choice, tokens: int, channels: int, sinks: int) -> float:
+    """Bits one layer's keys ("k") or values ("v") hold in the compressed cache at `tokens` tokens (one row):
+    `storage.tensor_bytes`, the count the cache's memory report equals, the sink slots' share included, with the
+    keys' outliers at `KEY_OUTLIER_HEADROOM` times their nominal count."""
+    n_sinks = min(sinks, tokens)
+    layout = Layout(kv, choice)
+    held = None
+    if kv == "k" and choice.fraction > 0:
+        held = math.ceil(KEY_OUTLIER_HEADROOM * storage.nominal_outliers(layout, channels, tokens - n_sinks))
+    return 8.0 * storage.total(storage.tensor_bytes(layout, channels, tokens, n_sinks, held))
+
+
+def shared_bits(tokens: int, channels: int, layers: int, sinks: int, window: int) -> float:
+    """Bits every choice pays alike at `tokens` tokens (one row): each layer's fp16 sinks and window and its table
+    of their slots, and the cache's position log."""
+    rows = Rows(tokens)
+    n_sinks, n_window = rows.counts(sinks, window)
+    per_layer = 2 * storage.FP16_BYTES * (n_sinks + n_window) * channels + 4 * (sinks + window)
+    return 8.0 * (layers * per_layer + storage.positions_bytes(rows))
+
+
+def _units_budget(avg_bits: float, tokens: int, channels: int, layers: int, sinks: int, window: int,
+                  name: str) -> float:
+    """What the units (every layer's keys and values) may store in all: the budget less the shared part."""
+    budget = avg_bits * 2 * tokens * channels * layers - shared_bits(tokens, channels, layers, sinks, window)
+    if budget <= 0:
+        raise MethodError(f"{name}: the fp16 sinks and window alone store more than {avg_bits:g} bits per element at "
+                          f"{tokens} tokens; give a larger average, a smaller window or a longer context")
+    return budget
+
+
+def _average(spent_units: float, tokens: int, channels: int, layers: int, sinks: int, window: int) -> float:
+    return (spent_units + shared_bits(tokens, channels, layers, sinks, window)) / (2 * tokens * channels * layers)
 
 
 def _sensitivities(recipe: Recipe, sinks: int) -> dict:
@@ -204,9 +196,10 @@ def _fitting_multiplier(fits: Callable[[float], bool], start: float) -> float:
     return hi
 
 
-def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKENS,
+def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = DEFAULT_CONTEXT,
              proxy: str = "fisher", window: int = 0) -> Allocation:
-    """The choice of every layer's keys and values minimising the summed predicted loss at `avg_bits`.
+    """The choice of every layer's keys and values minimising the summed predicted loss at `avg_bits` stored bits
+    per element in a cache of `tokens` tokens (`unit_bits`, `shared_bits`: every byte the cache holds).
 
     proxy: "fisher", the codebooks' Fisher-weighted objectives; "kl", the same times each unit's measured scale
     (`measured_scales`, from the KL divergences `calibrate.sensitivity.measure_sensitivity` stored in the recipe).
@@ -223,7 +216,7 @@ def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKE
     # per unit, the options that are not dominated (less loss for no more bits); cost in bits, loss
     table = []
     for layer, kv in units:
-        rows = sorted(((tensor_bits(kv, c, tokens, channels, sinks, window=window)["total"],
+        rows = sorted(((unit_bits(kv, c, tokens, channels, sinks),
                         scales[layer, "kv".index(kv)] * _objective(recipe, layer, kv, c), c) for c in options),
                       key=lambda r: (r[0], r[1]))
         kept = []
@@ -231,11 +224,13 @@ def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKE
             if not kept or loss < kept[-1][1]:
                 kept.append((cost, loss, c))
         table.append(kept)
-    budget = avg_bits * 2 * tokens * channels * layers
+    name = f"nuq@{avg_bits:g}"
+    budget = _units_budget(avg_bits, tokens, channels, layers, sinks, window, name)
     cheapest = sum(rows[0][0] for rows in table)
     if cheapest > budget:
-        raise MethodError(f"nuq@{avg_bits:g}: below what this recipe can store ({cheapest / budget * avg_bits:.3f} "
-                          "bits with every layer at its cheapest choice); give a larger average")
+        least = _average(cheapest, tokens, channels, layers, sinks, window)
+        raise MethodError(f"{name}: below what this recipe can store at {tokens} tokens ({least:.3f} bits with every "
+                          "layer at its cheapest choice); give a larger average")
 
     def pick(lam: float) -> list[int]:
         return [min(range(len(rows)), key=lambda j: rows[j][1] + lam * rows[j][0]) for rows in table]
@@ -261,7 +256,7 @@ def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKE
     chosen = [rows[j][2] for rows, j in zip(table, idx)]
     predicted = sum(rows[j][1] for rows, j in zip(table, idx))
     return Allocation(float(avg_bits), tokens, tuple(chosen[0::2]), tuple(chosen[1::2]), predicted,
-                      spent / (2 * tokens * channels * layers), window)
+                      _average(spent, tokens, channels, layers, sinks, window), window)
 
 
 def check_widths(widths, what: str) -> None:
@@ -302,11 +297,17 @@ def measured_scales(recipe: Recipe, sinks: int = 1) -> np.ndarray:
     return scales
 
 
-def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = TOKENS,
+def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = DEFAULT_CONTEXT,
                       proxy: str = "fisher", window: int = 0) -> Allocation:
     """Each channel's width (`CHANNEL_BITS`) and each layer's key / value outlier fraction minimising the summed
-    per-channel Fisher-weighted error at `avg_bits` (see the module docstring). proxy "kl": each unit's errors
-    weighted by its measured scale (`measured_scales`). window: as `allocate`.
+    per-channel Fisher-weighted error at `avg_bits` stored bits per element at `tokens` tokens (see the module
+    docstring). proxy "kl": each unit's errors weighted by its measured scale (`measured_scales`). window: as
+    `allocate`.
+
+    What a unit with widths of its own stores besides its codes is counted as the cache holds it: every codebook
+    up to its widest width (`CAPS`: a unit may stop at 4 or 5 bits, and its decode table then holds 16 or 32
+    levels per channel instead of 64), the table, and each slot's codes packed into whole 32-bit words, whose
+    padding the choice fills with the one-bit upgrades that save the most.
 
     A layer's keys (or values) may also take one width for all their channels, as a plain method stores them:
     no width table and only that width's codebook, so it costs less metadata than the same widths given one
@@ -320,10 +321,9 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
     fp = recipe.meta["model"]["fingerprint"]
     layers, channels = int(fp["layers"]), int(fp["kv_heads"]) * int(fp["head_dim"])
     fractions = sorted(float(f) for f in recipe.meta.get("settings", {}).get("fractions", (0.0,)))
-    q = tokens - min(sinks, tokens)  # quantized tokens: a channel one bit wider costs q bits
     units = [(layer, kv) for layer in range(layers) for kv in ("k", "v")]
     rows = np.arange(len(units))
-    # err [U, F, C, W]; fixed [U, F]: what a unit stores besides its codes
+    # err [U, F, C, W]: each channel's Fisher-weighted error at each width
     err = np.stack([np.stack([recipe.channel_errors(layer, kv, f).double().numpy() for f in fractions])
                     for layer, kv in units])
     if err.shape[2] != channels or not 4 <= err.shape[3] <= len(CHANNEL_BITS):
@@ -335,93 +335,182 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
         raise RecipeError("the recipe's per-channel errors hold NaN, Inf or negative values: recalibrate it")
     if proxy == "kl":
         err = err * measured_scales(recipe, sinks).reshape(-1)[:, None, None, None]
-    fixed = np.array([[tensor_bits(kv, Choice(max(CHANNEL_BITS), f, (0,) * channels), tokens, channels, sinks,
-                                   window=window)["total"] for f in fractions] for _, kv in units])
+    # per-channel variants: (fraction, cap); a slot's codes cost `tokens` bits per bit, rounded up to whole words
+    variants = [(fi, cap) for fi in range(len(fractions)) for cap in CAPS if cap <= widths[-1]]
+    v_frac = np.array([fi for fi, _ in variants])
+    allowed = np.array([widths <= cap for _, cap in variants])  # [V, W]
+    var_err = np.where(allowed[None, :, None, :], err[:, v_frac], np.inf)  # [U, V, C, W]
+    word = 32.0 * tokens  # one more int32 word in every slot
+
+    def reference(cap: int) -> tuple[int, ...]:  # widths that use every codebook up to `cap`
+        return tuple(range(1, cap + 1)) + (1,) * (channels - cap)
+
+    fixed = np.array([[unit_bits(kv, Choice(cap, fractions[fi], reference(cap)), tokens, channels, sinks)
+                       - word * storage.slot_words(channels, Choice(cap, 0.0, reference(cap)))
+                       for fi, cap in variants] for _, kv in units])  # [U, V]: all but the codes
     # one width for the whole unit [U, F, W]: its loss and everything it stores (read where `whole` allows it)
     uniform_loss = err.sum(2)
-    uniform_cost = np.array([[[tensor_bits(kv, Choice(int(w), f), tokens, channels, sinks, window=window)["total"]
-                               for w in widths] for f in fractions] for _, kv in units])
-    budget = avg_bits * 2 * tokens * channels * layers
-    cheapest = float(np.minimum((fixed + q * channels * widths[0]).min(1),
+    uniform_cost = np.array([[[unit_bits(kv, Choice(int(w), f), tokens, channels, sinks) for w in widths]
+                              for f in fractions] for _, kv in units])
+    name = f"nuq@{avg_bits:g}:chan"
+    budget = _units_budget(avg_bits, tokens, channels, layers, sinks, window, name)
+    cheapest = float(np.minimum((fixed + word * math.ceil(channels * widths[0] / 32)).min(1),
                                 uniform_cost[..., whole].min((1, 2))).sum())
     if cheapest > budget:
-        raise MethodError(f"nuq@{avg_bits:g}:chan: below what this recipe can store ({cheapest / budget * avg_bits:.3f} "
-                          f"bits with every channel at {widths[0]} bit); give a larger average")
+        least = _average(cheapest, tokens, channels, layers, sinks, window)
+        raise MethodError(f"{name}: below what this recipe can store at {tokens} tokens ({least:.3f} bits with every "
+                          f"channel at {widths[0]} bit); give a larger average")
+
+    def channel_cost(w_idx: np.ndarray) -> np.ndarray:
+        return word * np.ceil(widths[w_idx].sum(-1) / 32)
 
     def pick(lam: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Per unit: its fraction [U], its channels' widths [U, C] and whether it takes one width for all [U]."""
-        w_idx = np.argmin(err + lam * q * widths, axis=-1)  # [U, F, C]
-        per_channel = np.take_along_axis(err, w_idx[..., None], -1)[..., 0].sum(-1) + lam * (
-            q * widths[w_idx].sum(-1) + fixed)  # [U, F]
-        f_idx = per_channel.argmin(1)
-        best = per_channel[rows, f_idx]
+        """Per unit: its variant (or, taking one width for all, its fraction) [U], its channels' widths [U, C] and
+        whether it takes one width for all [U]."""
+        w_idx = np.argmin(var_err + lam * tokens * widths, axis=-1)  # [U, V, C]
+        per_channel = np.take_along_axis(var_err, w_idx[..., None], -1)[..., 0].sum(-1) + lam * (
+            channel_cost(w_idx) + fixed)  # [U, V]
+        v_idx = per_channel.argmin(1)
+        best = per_channel[rows, v_idx]
         flat = np.where(whole, uniform_loss + lam * uniform_cost, np.inf).reshape(len(units), -1)  # [U, F * W]
         u_idx = flat.argmin(1)
         uniform = flat[rows, u_idx] <= best * (1 + 1e-12)  # an equal loss: the cheaper, plain, choice
         u_f, u_w = np.divmod(u_idx, len(widths))
-        w_idx = np.where(uniform[:, None], u_w[:, None], w_idx[rows, f_idx])
-        return np.where(uniform, u_f, f_idx), w_idx, uniform
+        w_idx = np.where(uniform[:, None], u_w[:, None], w_idx[rows, v_idx])
+        return np.where(uniform, u_f, v_idx), w_idx, uniform
 
-    def cost(f_idx: np.ndarray, w_idx: np.ndarray, uniform: np.ndarray) -> float:
-        per_unit = np.where(uniform, uniform_cost[rows, f_idx, w_idx[:, 0]],
-                            fixed[rows, f_idx] + q * widths[w_idx].sum(-1))
-        return float(per_unit.sum())
+    def cost(sel: np.ndarray, w_idx: np.ndarray, uniform: np.ndarray) -> np.ndarray:
+        """[U]: what each unit stores."""
+        u_f = np.minimum(sel, len(fractions) - 1)
+        return np.where(uniform, uniform_cost[rows, u_f, w_idx[:, 0]], fixed[rows, np.minimum(sel, len(variants) - 1)]
+                        + channel_cost(w_idx))
 
     # errors are sums of F (x - x^)^2, small numbers: the multiplier search starts low
-    f_idx, w_idx, uniform = pick(_fitting_multiplier(lambda lam: cost(*pick(lam)) <= budget, start=1e-12))
-    chosen = err[rows, f_idx]  # [U, C, W] at each unit's fraction
-    spent = cost(f_idx, w_idx, uniform)
-    while spent + q <= budget:  # what is left: the one-bit upgrades that save the most (in per-channel units)
-        now = np.take_along_axis(chosen, w_idx[..., None], -1)[..., 0]
-        up = np.take_along_axis(chosen, np.minimum(w_idx + 1, len(widths) - 1)[..., None], -1)[..., 0]
-        gain = np.where((w_idx + 1 < len(widths)) & ~uniform[:, None], now - up, -np.inf)
-        u, c = np.unravel_index(int(gain.argmax()), gain.shape)
-        if not gain[u, c] > 0:
+    sel, w_idx, uniform = pick(_fitting_multiplier(lambda lam: cost(*pick(lam)).sum() <= budget, start=1e-12))
+    # what is left, counted exactly (each unit's codebooks and table as its widths need them): a word more for a
+    # unit with widths of its own, filled with its best one-bit upgrades, or a wider plain choice
+    frac = np.where(uniform, sel, v_frac[np.minimum(sel, len(variants) - 1)])  # [U]: each unit's fraction index
+    chosen = err[rows, frac]  # [U, C, W]: errors at each unit's fraction, every width in reach
+
+    def gains(u: int, w: np.ndarray) -> np.ndarray:
+        """[C]: what one bit more saves in each channel of unit u at widths w (-inf where it cannot grow)."""
+        now = np.take_along_axis(chosen[u], w[:, None], -1)[:, 0]
+        up = np.take_along_axis(chosen[u], np.minimum(w + 1, len(widths) - 1)[:, None], -1)[:, 0]
+        return np.where(w + 1 < len(widths), now - up, -np.inf)
+
+    def filled(u: int, w: np.ndarray) -> np.ndarray:
+        """Widths w with the padding of their last code word spent on the best one-bit upgrades (free bits)."""
+        w, top = w.copy(), w.max()  # free bits: the widest width (its decode table) stays
+        for _ in range(int(32 * math.ceil(widths[w].sum() / 32) - widths[w].sum())):
+            g = np.where(w < top, gains(u, w), -np.inf)
+            c = int(g.argmax())
+            if not g[c] > 0:
+                break
+            w[c] += 1
+        return w
+
+    def exact(u: int, w: np.ndarray) -> float:
+        kv, f = units[u][1], fractions[frac[u]]
+        return unit_bits(kv, Choice(int(widths[w].max()), f, tuple(int(x) for x in widths[w])), tokens, channels, sinks)
+
+    def loss(u: int, w: np.ndarray) -> float:
+        return float(np.take_along_axis(chosen[u], w[:, None], -1).sum())
+
+    held = np.array([float(uniform_cost[u, frac[u], w_idx[u, 0]]) if uniform[u] else 0.0 for u in range(len(units))])
+    for u in np.flatnonzero(~uniform):
+        w_idx[u] = filled(u, w_idx[u])
+        held[u] = exact(u, w_idx[u])
+    while True:
+        spent = float(held.sum())
+        best = None  # (loss saved per bit, unit, new widths or new plain (fraction, width), its cost)
+        for u in range(len(units)):
+            if uniform[u]:
+                f, w = int(frac[u]), int(w_idx[u, 0])
+                extra = uniform_cost[u] - uniform_cost[u, f, w]
+                saved = uniform_loss[u, f, w] - uniform_loss[u]
+                ok = whole[None, :] & (extra > 0) & (saved > 0) & (spent + extra <= budget)
+                if ok.any():
+                    ratio = np.where(ok, saved / np.where(extra > 0, extra, 1), -np.inf)
+                    j = np.unravel_index(int(ratio.argmax()), ratio.shape)
+                    if best is None or ratio[j] > best[0]:
+                        best = (float(ratio[j]), u, (int(j[0]), int(j[1])), float(uniform_cost[u][j]))
+                continue
+            g = gains(u, w_idx[u])
+            if not g.max() > 0:
+                continue
+            w = w_idx[u].copy()
+            w[int(g.argmax())] += 1
+            w = filled(u, w)
+            extra = exact(u, w) - held[u]
+            saved = loss(u, w_idx[u]) - loss(u, w)
+            if extra > 0 and saved > 0 and spent + extra <= budget and (best is None or saved / extra > best[0]):
+                best = (saved / extra, u, w, exact(u, w))
+        if best is None:
             break
-        w_idx[u, c] += 1
-        spent += q
-    predicted = float(np.take_along_axis(chosen, w_idx[..., None], -1).sum())
-    picks = [Choice(int(widths[w[0]]), fractions[f]) if one else
-             Choice(int(widths[w].max()), fractions[f], tuple(int(x) for x in widths[w]))
-             for f, w, one in zip(f_idx, w_idx, uniform)]
+        _, u, new, held[u] = best
+        if uniform[u]:
+            frac[u], w_idx[u] = new
+        else:
+            w_idx[u] = new
+    predicted = float(sum(uniform_loss[u, frac[u], w_idx[u, 0]] if uniform[u] else loss(u, w_idx[u])
+                          for u in range(len(units))))
+    picks = []
+    for u in range(len(units)):
+        if uniform[u]:
+            picks.append(Choice(int(widths[w_idx[u, 0]]), fractions[frac[u]]))
+        else:
+            w = widths[w_idx[u]]
+            picks.append(Choice(int(w.max()), fractions[frac[u]], tuple(int(x) for x in w)))
+    # what the choice holds: the codebooks and the table of the widths it uses (charged above up to each cap)
+    spent = sum(unit_bits(kv, c, tokens, channels, sinks) for (_, kv), c in zip(units, picks))
     return Allocation(float(avg_bits), tokens, tuple(picks[0::2]), tuple(picks[1::2]), predicted,
-                      spent / (2 * tokens * channels * layers), window)
+                      _average(spent, tokens, channels, layers, sinks, window), window)
+
+
+STORAGE_VERSION = 3  # stored choices counted as `unit_bits` counts (words, tables, key headroom); older ones are redone
 
 
 def recipe_allocation(recipe: Recipe, avg_bits: float, sinks: int = 1, proxy: str = "fisher",
-                      unit: str = "layer", window: int = 0) -> Allocation:
-    """The recipe's stored choice for this budget, sink count, proxy and unit (`calibrate --avg-bits`,
-    `kvsqueeze budget`), or the same computed now."""
-    stored = recipe.meta.get("budgets", {}).get(budget_key(avg_bits, sinks, proxy, unit, window))
-    if stored is not None:
+                      unit: str = "layer", window: int = 0, tokens: int = DEFAULT_CONTEXT) -> Allocation:
+    """The recipe's stored choice for this budget, sink count, proxy, unit, window and context (`calibrate
+    --avg-bits`, `kvsqueeze budget`), or the same computed now (a choice stored by a version that counted storage
+    otherwise is computed again)."""
+    stored = recipe.meta.get("budgets", {}).get(budget_key(avg_bits, sinks, proxy, unit, window, tokens))
+    if stored is not None and stored.get("storage") == STORAGE_VERSION:
         return Allocation.from_dict(stored)
-    key = (id(recipe), float(avg_bits), sinks, proxy, unit, window)
+    key = (id(recipe), float(avg_bits), sinks, proxy, unit, window, tokens)
     held = _COMPUTED.get(key)
     if held is None or held[0] is not recipe:
-        alloc = (allocate_channels(recipe, avg_bits, sinks, proxy=proxy, window=window) if unit == "channel"
-                 else allocate(recipe, avg_bits, sinks, proxy=proxy, window=window))
+        fn = allocate_channels if unit == "channel" else allocate
+        alloc = fn(recipe, avg_bits, sinks, tokens=tokens, proxy=proxy, window=window)
         held = _COMPUTED[key] = (recipe, alloc)
     return held[1]
 
 
-_COMPUTED: dict[tuple, tuple[Recipe, Allocation]] = {}  # (recipe id, budget, sinks, proxy, unit, window) -> ...
+_COMPUTED: dict[tuple, tuple[Recipe, Allocation]] = {}  # (recipe id, budget, ..., tokens) -> (recipe, choice)
 
 
-def budget_key(avg_bits: float, sinks: int, proxy: str = "fisher", unit: str = "layer", window: int = 0) -> str:
+def budget_key(avg_bits: float, sinks: int, proxy: str = "fisher", unit: str = "layer", window: int = 0,
+               tokens: int = DEFAULT_CONTEXT) -> str:
+    """The name a choice is stored under in a recipe: the budget's method name without 'nuq@'."""
     return (f"{avg_bits:g}" + (f":sink{sinks}" if sinks != 1 else "") + (f":r{window}" if window else "")
-            + (":kl" if proxy == "kl" else "")
-            + (":chan" if unit == "channel" else ""))
+            + (":kl" if proxy == "kl" else "") + (":chan" if unit == "channel" else "") + context_flag(tokens))
+
+
+def spec_allocation(spec: MethodSpec, recipe: Recipe) -> Allocation:
+    """The choice of a budgeted method (`nuq@B...`) for the context it names."""
+    if recipe is None:
+        raise RecipeError(f"method {spec.name!r} chooses each layer's bits from the recipe's Fisher objectives: "
+                          "pass --recipe DIR")
+    return recipe_allocation(recipe, spec.budget, spec.sinks, spec.budget_proxy, spec.budget_unit, spec.window,
+                             spec.budget_context)
 
 
 def layer_choices(spec: MethodSpec, recipe: Recipe, layer: int) -> tuple[Choice, Choice]:
     """The key and value choice of one layer for a budgeted method."""
     if spec.budget is None:
         return Choice(spec.k_bits, spec.outlier_fraction), Choice(spec.v_bits, spec.outlier_fraction)
-    if recipe is None:
-        raise RecipeError(f"method {spec.name!r} chooses each layer's bits from the recipe's Fisher objectives: "
-                          "pass --recipe DIR")
-    return recipe_allocation(recipe, spec.budget, spec.sinks, spec.budget_proxy, spec.budget_unit,
-                             spec.window).layer(layer)
+    return spec_allocation(spec, recipe).layer(layer)
 
 
 def describe(alloc: Allocation) -> str:

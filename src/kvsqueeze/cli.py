@@ -44,9 +44,10 @@ def _int_list(text: str, what: str) -> list[int]:
 
 def _recipe_for(specs, path: str | None):
     """Load the recipe, or fail before any work when a method needs one and none was given."""
+    from .methods import needs_recipe
     from .recipe import Recipe, RecipeError
 
-    need = [s.name for s in specs if s.needs_recipe]
+    need = [s.name for s in specs if needs_recipe(s)]
     if need and not path:
         raise RecipeError(
             f"methods {', '.join(need)} use offline calibration statistics: pass --recipe DIR "
@@ -182,7 +183,7 @@ def cmd_eval(args) -> None:
     from .eval.perplexity import evaluate, format_table
     from .eval.texts import evaluation_windows, load_text
     from .integrations.loading import load_model
-    from .methods import parse_methods
+    from .methods import needs_recipe, parse_methods
 
     specs = parse_methods(args.methods)
     seqlens = _int_list(args.seqlen, "--seqlen")
@@ -192,7 +193,7 @@ def cmd_eval(args) -> None:
     text = load_text(args.text)
     calibrated_sinks = recipe.meta.get("settings", {}).get("sinks") if recipe is not None else None
     for s in specs:
-        if s.needs_recipe and calibrated_sinks is not None and s.sinks < calibrated_sinks:
+        if needs_recipe(s) and calibrated_sinks is not None and s.sinks < calibrated_sinks:
             print(f"note: {s.name} quantizes the first {calibrated_sinks - s.sinks} token(s) of each sequence, which "
                   f"the recipe's statistics left out (calibrated with --sinks {calibrated_sinks}); calibrate with "
                   f"--sinks {s.sinks} to measure it like for like", file=sys.stderr)
@@ -271,7 +272,7 @@ def cmd_memory(args) -> None:
     from .eval.planner import run_memory_command
 
     run_memory_command(args.model, args.context, args.methods, batch=args.batch, gpus=args.gpus,
-                       gpu_mem=args.gpu_mem, json_out=args.json)
+                       gpu_mem=args.gpu_mem, json_out=args.json, recipe=args.recipe)
 
 
 def cmd_passkey(args) -> None:
@@ -507,6 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--batch", type=int, default=_MEM.batch)
     m.add_argument("--gpus", type=int, default=_MEM.gpus)
     m.add_argument("--gpu-mem", default=_MEM.gpu_mem)
+    m.add_argument("--recipe", help="a recipe of the model: what bit budgets (nuq@B) read their choice from")
     m.add_argument("--json")
     m.set_defaults(fn=cmd_memory)
 

@@ -4,9 +4,9 @@ A `VectorQuantizer` quantizes a [N, C] matrix of N tokens by C channels
 (C = kv_heads * head_dim): along the channel axis one (scale, zero) per channel
 comes from offline calibration; along the token axis one per token (or per
 group of channels) is computed online. Outliers outside the per-vector or
-per-matrix thresholds are kept exactly in fp16. `build_quantizers` turns a
-`MethodSpec` plus a `Recipe` into the key and value quantizers of one layer;
-the simulated evaluation and the compressed cache both use them. The
+per-matrix thresholds are kept exactly in fp16. A method's family builds them
+from a `Recipe` (`methods.build_quantizers`); the simulated evaluation and the
+compressed cache both use them. The
 arithmetic itself (scale, zero-point, nearest level) is `affine.py`.
 """
 
@@ -19,14 +19,11 @@ from dataclasses import dataclass
 import torch
 
 from .affine import choose_qparams, dequantize, quantize
-from .budget import check_widths, layer_choices
-from .datatypes import check_codebook, standard_levels, uniform_levels
-from .methods import SUPPORTED_BITS, MethodError, MethodSpec, fixed_outlier_count, topk_per_side
+from .budget import check_widths
+from .datatypes import check_codebook
+from .methods import fixed_outlier_count, topk_per_side
 from .outliers import clamp_range, online_thresholds, outlier_mask
 from .recipe import Recipe, RecipeError
-from .turbo import TurboQuantizer
-
-TURBO_SEEDS = 1000  # rotation seeds: layer l draws keys from 2000 l, values from 2000 l + 1000
 
 
 @dataclass(frozen=True)
@@ -188,91 +185,5 @@ def with_widths(q: VectorQuantizer, widths: tuple[int, ...], recipe: Recipe, lay
                           f"has {channels} channels: this recipe belongs to another model")
     check_widths(widths, f"layer {layer} {kv}")
     books = {w: check_codebook(recipe.codebook(layer, kv, w, q.fraction, "vector", "fs2"), w) for w in set(widths)}
-    return dataclasses.replace(q, levels=books[max(widths)], widths=torch.tensor(widths, dtype=torch.int64),
+    return dataclasses.replace(q, levels=books[max(widths)], widths=torch.tensor(widths, dtype=torch.uint8),
                                codebooks=books)
-
-
-def _levels(spec: MethodSpec, recipe: Recipe | None, layer: int, kv: str, bits: int) -> torch.Tensor:
-    if spec.family in ("int", "nf"):
-        return standard_levels(spec.family, bits)
-    if spec.family in ("group", "kivi"):
-        return uniform_levels(bits)
-    cb = recipe.codebook(layer, kv, bits, spec.outlier_fraction, spec.outlier_scope, spec.fit)
-    return check_codebook(cb, bits)
-
-
-def _channel_range(spec: MethodSpec, recipe: Recipe, layer: int, tensor: str) -> tuple[torch.Tensor, torch.Tensor]:
-    if spec.outlier_fraction > 0 and spec.outlier_scope == "matrix":
-        lo, hi = recipe.channel_range(layer, tensor, 0.0)
-        t_lo, t_hi = recipe.matrix_thresholds(layer, tensor, spec.outlier_fraction)
-        return torch.maximum(lo, t_lo), torch.minimum(hi, t_hi)
-    return recipe.channel_range(layer, tensor, spec.outlier_fraction)
-
-
-def build_quantizers(
-    spec: MethodSpec, recipe: Recipe | None, layer: int, channels: int, head_dim: int | None = None
-) -> tuple[VectorQuantizer | None, VectorQuantizer | None]:
-    """Key and value quantizers of one layer (None for fp16; KIVI keys are handled by `kivi.py`; turbo's are
-    `turbo.TurboQuantizer`s, which need `head_dim`, with a rotation of their own per layer and tensor).
-
-    Raises:
-        RecipeError: the method needs offline statistics and no recipe (or the
-            wrong one) was given.
-        MethodError: a combination the method family cannot do.
-    """
-    if not spec.quantized:
-        return None, None
-    if spec.budget is not None:  # this layer's own key and value choice
-        k, v = layer_choices(spec, recipe, layer)
-        plain = dict(budget=None, outlier_scope="vector")
-        # a ':chan' choice is built at a supported width, then given its channels' own codebooks (up to 6 bits)
-        kb, vb = (min(max(c.bits, min(SUPPORTED_BITS)), max(SUPPORTED_BITS)) for c in (k, v))
-        ks = dataclasses.replace(spec, k_bits=kb, v_bits=kb, outlier_fraction=k.fraction, **plain)
-        vs = dataclasses.replace(spec, k_bits=vb, v_bits=vb, outlier_fraction=v.fraction, **plain)
-        kq = build_quantizers(ks, recipe, layer, channels, head_dim)[0]
-        vq = build_quantizers(vs, recipe, layer, channels, head_dim)[1]
-        if k.widths is not None:
-            kq = with_widths(kq, k.widths, recipe, layer, "k", channels)
-        if v.widths is not None:
-            vq = with_widths(vq, v.widths, recipe, layer, "v", channels)
-        return kq, vq
-    if spec.needs_recipe and recipe is None:
-        raise RecipeError(
-            f"method {spec.name!r} uses offline calibration statistics: pass --recipe DIR "
-            "(create one with `kvsqueeze calibrate`)"
-        )
-    if spec.family == "nuq" and (spec.key_axis, spec.key_rope, spec.value_axis) != ("channel", "pre", "token"):
-        raise MethodError(
-            f"method {spec.name!r}: nuq codebooks are calibrated for per-channel pre-RoPE keys and "
-            "per-token values; use int/nf for other axes"
-        )
-    if spec.family == "group":
-        g = spec.group_size
-        return (VectorQuantizer(uniform_levels(spec.k_bits), "token", group=g),
-                VectorQuantizer(uniform_levels(spec.v_bits), "token", group=g))
-    if spec.family == "kivi":
-        return None, VectorQuantizer(uniform_levels(spec.v_bits), "token", group=spec.group_size)
-    if spec.family == "turbo":
-        if not head_dim or channels % head_dim:
-            raise MethodError(f"method {spec.name!r} rotates each head vector: give the head dimension")
-        return (TurboQuantizer(spec.k_bits, head_dim, seed=2 * TURBO_SEEDS * layer, split=spec.split),
-                TurboQuantizer(spec.v_bits, head_dim, seed=2 * TURBO_SEEDS * layer + TURBO_SEEDS, split=spec.split))
-
-    def one(kv: str, bits: int, axis: str, tensor: str) -> VectorQuantizer:
-        levels = _levels(spec, recipe, layer, kv, bits)
-        common = dict(levels=levels, axis=axis, fraction=spec.outlier_fraction, scope=spec.outlier_scope)
-        if axis == "channel":
-            lo, hi = _channel_range(spec, recipe, layer, tensor)
-            if lo.numel() != channels:
-                raise RecipeError(
-                    f"recipe layer {layer} has {lo.numel()} {tensor} channels, the model has {channels}: "
-                    "this recipe belongs to another model"
-                )
-            return VectorQuantizer(lo=lo.float(), hi=hi.float(), slots=spec.key_slots, **common)
-        if spec.outlier_fraction > 0 and spec.outlier_scope == "matrix":
-            t_lo, t_hi = recipe.matrix_thresholds(layer, tensor, spec.outlier_fraction)
-            return VectorQuantizer(mat_lo=float(t_lo), mat_hi=float(t_hi), **common)
-        return VectorQuantizer(**common)
-
-    k_tensor = "k_pre" if spec.key_rope == "pre" else "k_post"
-    return one("k", spec.k_bits, spec.key_axis, k_tensor), one("v", spec.v_bits, spec.value_axis, "v")

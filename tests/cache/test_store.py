@@ -9,6 +9,7 @@ token, so chunking must not matter) and fp16 for each row's first real tokens.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import pickle
 
 import numpy as np
@@ -22,7 +23,8 @@ from kvsqueeze.cache.buffers import GrowableTensor
 from kvsqueeze.cache.sparse import TokenOutliers
 from kvsqueeze.cache.store import KVStore
 from kvsqueeze.datatypes import normal_float_levels, uniform_levels
-from kvsqueeze.methods import parse_method, storage_bits
+from kvsqueeze import storage
+from kvsqueeze.methods import parse_method
 from kvsqueeze.packing import unpack_codes
 from kvsqueeze.quantizer import VectorQuantizer
 
@@ -332,12 +334,16 @@ def test_store_reset_empties_it():
     assert torch.equal(store.dequantize()[0].transpose(0, 1), k_ref)
 
 
-@pytest.mark.parametrize("method", ["nuq3-1%", "nuq2-1%", "nuq4", "nuq3-1%:pm", "nf3-1%:kchan:pre:sink2"])
+@pytest.mark.parametrize("method", ["nuq3-1%", "nuq2-1%", "nuq4", "nuq3-1%:pm", "nf3-1%:kchan:pre:sink2",
+                                    "nuq3-1%:kslots3"])
 @pytest.mark.parametrize("padded", [False, True])
-def test_store_memory_is_exact_and_matches_storage_bits(method, padded):
+def test_store_memory_is_exact_and_equals_the_storage_count(method, padded):
+    """Every byte the store's arrays hold is in its report, once, and the report is `storage.layer_bytes` of the
+    method's layout (padding tokens are stored like any other; the first real token is the sink)."""
     spec = parse_method(method)
     c, t = 64, 37
     kq, vq = _quantizers(c, spec.k_bits, spec.outlier_fraction, spec.outlier_scope, spec.family)
+    kq = dataclasses.replace(kq, slots=spec.key_slots)
     store = KVStore(kq, vq, c, spec.sinks)
     k, v = _tokens(1, t, c, 3)
     real = (torch.arange(t) >= 4).view(1, -1) if padded else None
@@ -350,15 +356,14 @@ def test_store_memory_is_exact_and_matches_storage_bits(method, padded):
     n_k = store.k_outliers.nnz if store.k_outliers is not None else 0
     fixed = store.v_fixed or 0  # per-token top-k value outliers: implicit row pointers, sinks padded
     n_v = store.v_outliers.nnz - spec.sinks * fixed if store.v_outliers is not None else 0
-    # storage_bits counts padding tokens like any other: the first real token is the sink either way
-    bits = storage_bits(spec, t, c, k_outliers=n_k, v_outliers=n_v)
-    for name in ("codes", "scales", "outlier_values", "outlier_indices", "pointers", "sinks"):
-        assert mem[name] * 8 == bits[name], name
-    levels = 4 * (2**spec.k_bits + 2**spec.v_bits)
-    assert mem["codebook"] == levels + 8 * c + (8 if spec.outlier_scope == "matrix" and spec.outlier_fraction else 0)
-    pointers = (4 if spec.outlier_fraction else 0) + (4 if spec.outlier_fraction and store.v_fixed is None else 0)
-    per_sink = 4 * (c * (spec.k_bits + spec.v_bits) // 32) + 4 + pointers + 4 * fixed
-    assert mem["sink_slots"] == spec.sinks * per_sink + 4 * spec.sinks
+    k_layout = storage.Layout("k", storage.Choice(spec.k_bits, spec.outlier_fraction), spec.outlier_scope,
+                              spec.key_slots)
+    v_layout = storage.Layout("v", storage.Choice(spec.v_bits, spec.outlier_fraction), spec.outlier_scope)
+    want = storage.layer_bytes(k_layout, v_layout, c, storage.Rows(t, (4 if padded else 0,)), spec.sinks, 0,
+                               k_outliers=n_k, v_outliers=n_v)
+    assert {k: v for k, v in want.items() if k != "positions"} == mem
+    if spec.key_slots:
+        assert n_k == spec.key_slots * (t - spec.sinks)  # exactly that many per quantized token
 
 
 def test_store_rejects_other_axes():

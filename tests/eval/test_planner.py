@@ -18,7 +18,8 @@ from kvsqueeze.eval.planner import (
     shape_from_config,
     weight_bytes,
 )
-from kvsqueeze.methods import parse_method, storage_bits
+from kvsqueeze.methods import cache_bytes, parse_method
+from kvsqueeze.storage import Rows
 
 LLAMA_7B = BUILTIN_SHAPES["llama-7b"]
 FP16 = parse_method("fp16")
@@ -57,19 +58,20 @@ def test_nuq3_1pct_compression_llama7b_128k():
     assert 4.4 <= ratio <= 5.0
 
 
-def test_kv_bytes_is_layers_times_storage_bits():
+def test_kv_bytes_are_the_registrys_count_of_the_whole_cache():
     spec = parse_method("nuq4-1%")
-    per_layer = storage_bits(spec, 4096, LLAMA_7B.channels)["total"]
-    assert kv_cache_bytes(LLAMA_7B, spec, 4096) == pytest.approx(32 * per_layer / 8, abs=1)
+    whole = sum(cache_bytes(spec, 32, LLAMA_7B.channels, 128, Rows(4096)).values())
+    assert kv_cache_bytes(LLAMA_7B, spec, 4096) == whole
 
 
 def test_batch_shares_offline_key_scales_and_codebook():
     spec = parse_method("nuq3-1%")
     one, four = (kv_cache_bytes(LLAMA_7B, spec, 1000, b) for b in (1, 4))
-    empty = storage_bits(spec, 0, LLAMA_7B.channels)
-    shared_bytes = 32 * (empty["scales"] + empty["codebook"]) / 8
-    assert shared_bytes > 0
-    assert four == pytest.approx(4 * one - 3 * shared_bytes, abs=4)
+    c = LLAMA_7B.channels
+    # per layer: the key scale and zero-point (fp16 [C] each), the key range (float32 [C] twice), two 3-bit
+    # codebooks (float32) and the pointer array's leading entry, held once for the whole batch
+    shared_bytes = 32 * (2 * 2 * c + 2 * 4 * c + 2 * 8 * 4 + 4)
+    assert four == 4 * one - 3 * shared_bytes
     assert kv_cache_bytes(LLAMA_7B, FP16, 1000, 4) == 4 * kv_cache_bytes(LLAMA_7B, FP16, 1000)
 
 

@@ -21,7 +21,8 @@ from kvsqueeze.calibrate.collect import collect
 from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
 from kvsqueeze.rope import apply_rope
 from kvsqueeze.integrations.simulate import SimulatedQuantization
-from kvsqueeze.methods import MethodError, parse_method, storage_bits
+from kvsqueeze.methods import MethodError, cache_bytes, parse_method
+from kvsqueeze.storage import Rows
 from kvsqueeze.recipe import RecipeError
 
 SMALL_CAL = CalibrationConfig(samples=2, seqlen=64, bits=(2, 3), fractions=(0.0, 0.01), fits=("fs2",))
@@ -166,7 +167,7 @@ def test_crop_and_reset(llama):
 
 
 # ---- memory report ----------------------------------------------------------------------------
-def test_memory_report_sums_and_matches_storage_bits(llama):
+def test_memory_report_sums_and_matches_the_registry(llama):
     model, recipe = llama
     spec = parse_method("nuq3-1%")
     cache = cache_for(model, recipe, spec)
@@ -178,14 +179,9 @@ def test_memory_report_sums_and_matches_storage_bits(llama):
     assert rep.fp16_bytes == 2 * 2 * t * 32 * 2  # K and V, 2 layers, 32 channels, 2 bytes
     assert rep.compression == pytest.approx(rep.fp16_bytes / rep.total_bytes)
     assert rep.components["positions"] == 4 * t
-    expected: dict[str, float] = {}
-    for layer in cache.layers:
-        s = layer.store
-        bits = storage_bits(spec, t, 32, k_outliers=s.k_outliers.nnz, v_outliers=s.v_outliers.nnz)
-        for k, v in bits.items():
-            expected[k] = expected.get(k, 0) + v
-    for name in ("codes", "scales", "outlier_values", "outlier_indices", "pointers", "sinks"):
-        assert rep.components[name] * 8 == expected[name], name
+    held = [(s.k_outliers.nnz, s.v_outliers.nnz - int(s.sink_count.sum()) * s.v_fixed)
+            for s in (layer.store for layer in cache.layers)]
+    assert rep.components == cache_bytes(spec, 2, 32, 16, Rows(t), recipe, outliers=held)
     text = rep.format()
     assert "fp16 cache" in text and "B/token" in text
     d = rep.as_dict()

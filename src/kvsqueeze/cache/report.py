@@ -1,24 +1,24 @@
 """What a compressed cache really occupies: exact bytes by component, against an fp16 DynamicCache.
 
 Components (bytes in use, summed over layers; growth slack is reported apart
-as `capacity_bytes`). The first eight are those of `methods.storage_bits`, and
-for a single unpadded sequence with C a multiple of 32 they equal its figures
-(divided by 8), all but `codebook`:
+as `capacity_bytes`), the same names and the same bytes as `storage.layer_bytes`
+(`methods.cache_bytes` for a whole model), which `tests/test_storage.py` holds
+equal byte for byte:
 
-* codes: packed K and V codes of the quantized tokens.
+* codes: packed K and V codes of the quantized tokens (whole int32 words, the
+  padding of each slot's last word included).
 * scales: fp16 (scale, zero-point) of every key channel and every value token.
 * outlier_values: fp16 values of the sparse K and V outliers.
 * outlier_indices: their 16-bit channel indices.
-* pointers: CSC (keys) and CSR (values) pointers, one per quantized token plus one.
+* pointers: CSC (keys) and CSR (values) pointers, one per quantized token plus
+  one (none for values that keep the same top-k count every token).
 * sinks: fp16 keys and values of the attention-sink tokens.
 * fp16_window: fp16 copies of each row's most recent tokens (`:rN` methods),
   held beside their codes.
-* codebook: the levels decoding reads (float32, bit-exact with the recipe,
-  where `storage_bits` assumes fp16 nuq levels and none for int/nf) and the
-  per-channel key thresholds encoding reads (float32 lo/hi).
-
-and two that `storage_bits` does not model:
-
+* codebook: the levels decoding reads (float32, bit-exact with the recipe) and
+  the per-channel key thresholds encoding reads (float32 lo/hi).
+* decode_tables: the per-channel tables the kernels read for per-channel widths
+  (`[C, 2^maxw]` float32 and int32 offsets per layer and tensor).
 * sink_slots: what sink tokens leave in the rectangular grids (zero codes,
   zero value scales, repeated pointers) plus each sink's slot index.
 * positions: the RoPE position of each token (int32 per token and row, once
@@ -35,9 +35,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-COMPONENTS = ("codes", "scales", "outlier_values", "outlier_indices", "pointers", "sinks", "fp16_window",
-              "codebook", "sink_slots", "positions")
-FP16_BYTES = 2
+from ..storage import COMPONENTS, FP16_BYTES
 
 
 @dataclass(frozen=True)

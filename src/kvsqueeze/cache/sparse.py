@@ -11,8 +11,8 @@ one for keys (read as CSC of K^T) and one for values (CSR of V).
 Layout (all three arrays grow by capacity doubling, see `buffers.py`):
 
 * `pointers` int32 [tokens + 1], `pointers[0] = 0`: the outliers of token n
-  are entries `pointers[n] : pointers[n + 1]`. 32 bits as in
-  `methods.storage_bits`; promoted to int64 if one array ever passes 2^31 - 1
+  are entries `pointers[n] : pointers[n + 1]`. 32 bits as
+  `storage.tensor_bytes` counts them; promoted to int64 if one array ever passes 2^31 - 1
   outliers.
 * `channels` int16 [nnz]: channel index in [0, C). Indices 32,768..65,535 are
   kept as their 16-bit pattern (read back with `& 0xFFFF`).

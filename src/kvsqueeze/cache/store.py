@@ -135,7 +135,7 @@ class KVStore:
         self.k_codes = GrowableTensor((batch, self._words("k")), torch.int32, dev)
         self.v_codes = GrowableTensor((batch, self._words("v")), torch.int32, dev)
         self.v_scale_zero = GrowableTensor((batch, 2), torch.float16, dev)
-        # methods without outliers store no sparse arrays at all (storage_bits counts no pointers then)
+        # methods without outliers store no sparse arrays at all (`storage.tensor_bytes` counts none then)
         self.k_outliers = TokenOutliers(c, dev) if self.key_quantizer.fraction > 0 else None
         # per-token top-k value outliers: the same count every token, so CSR row pointers are implicit
         self.v_fixed = self.value_quantizer.fixed_outliers(c)
@@ -391,7 +391,8 @@ class KVStore:
 
     # ---- bytes ---------------------------------------------------------------------------
     def component_bytes(self) -> dict[str, int]:
-        """Bytes in use by component (see `report.py` for what each one holds)."""
+        """Bytes in use by component, measured on the arrays held (`kvsqueeze.storage` says what each one holds and
+        counts the same from the method's layout)."""
         n_sinks = int(self.sink_count.sum())
         slots = self.tokens * self.batch
         c = self.channels
@@ -408,6 +409,7 @@ class KVStore:
             "sinks": n_sinks * c * 2 * 2,  # K and V, fp16
             "fp16_window": int(self.window_count.sum()) * c * 2 * 2,  # K and V, fp16, beside their codes
             "codebook": self._quantizer_nbytes(),
+            "decode_tables": self._decode_table_nbytes(),
             "sink_slots": n_sinks * (slot_code_bytes + 4 + ptr) + 2 * pad + self.sink_slot.nbytes,
         }
 
@@ -416,15 +418,11 @@ class KVStore:
         grids = sum(buf.capacity_nbytes for buf in (self.k_codes, self.v_codes, self.v_scale_zero))
         sparse = sum(s.capacity_nbytes for s in self._sparse())
         fixed = sum(x.nbytes for x in (self.k_scale, self.k_zero, self.sink_k, self.sink_v, self.sink_slot))
-        derived = sum(levels.nbytes + offsets.nbytes for levels, offsets in
-                      ((self.k_levels, self.k_offsets), (self.v_levels, self.v_offsets)) if offsets is not None)
-        return grids + sparse + fixed + self._quantizer_nbytes() + derived  # channel widths: their tables too
+        return grids + sparse + fixed + self._quantizer_nbytes() + self._decode_table_nbytes()
 
     def _quantizer_nbytes(self) -> int:
-        """Codebooks (float32 levels, exactly what decoding reads) and the key thresholds encoding reads. Where
-        channels have widths of their own: every codebook they use and a byte per channel for its width; the
-        per-channel tables and bit offsets the kernels read are derived from those (as the kernels' own lookup
-        tables are), allocated but not counted as stored (`capacity_nbytes` counts them)."""
+        """Codebooks (float32 levels, exactly what decoding reads) and the key thresholds encoding reads; where
+        channels have widths of their own, every codebook they use and a byte per channel for its width."""
         kq, vq = self.key_quantizer, self.value_quantizer
         n = sum(x.nbytes for x in (kq.lo, kq.hi))
         for q in (kq, vq):
@@ -435,3 +433,9 @@ class KVStore:
         if vq.mat_lo is not None:
             n += 8  # per-matrix value thresholds, two float32
         return n
+
+    def _decode_table_nbytes(self) -> int:
+        """The per-channel level tables and bit offsets the kernels read where channels have widths of their own:
+        derived from the codebooks, and held for as long as the store."""
+        return sum(levels.nbytes + offsets.nbytes for levels, offsets in
+                   ((self.k_levels, self.k_offsets), (self.v_levels, self.v_offsets)) if offsets is not None)

@@ -14,7 +14,7 @@ from tqdm.auto import tqdm
 from ..budget import _options, unit_key
 from ..integrations.simulate import SimulatedQuantization
 from ..methods import parse_method
-from ..quantizer import build_quantizers
+from ..methods import build_quantizers
 from ..recipe import Recipe
 from ..shape import kv_shape
 

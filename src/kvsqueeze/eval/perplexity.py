@@ -149,13 +149,13 @@ def evaluate(
             a = acc[spec.name]
             with sims[spec.name] as sim:
                 logp = ref if spec == fp16 else window_logits(model, ids, sim)[0]
-                st = sim.storage(w.numel())
+                held = 8 * sum(sim.storage(w.numel()).values())  # bits, every component counted
             nll, kld, top1 = against_reference(ref, ref_p, ref_top, logp, target)
             a["nll"].append(nll)
             a["tok"].append(int(target.numel()))
             a["kld"].append(kld)
             a["top1"] += top1
-            a["bits"], a["elems"] = a["bits"] + st["total"], a["elems"] + st["elements"]
+            a["bits"], a["elems"] = a["bits"] + held, a["elems"] + 2 * w.numel() * sim.shape.channels * sim.shape.layers
             bar.update(1)
     bar.close()
     return [row_from_windows(s.name, acc[s.name]["bits"] / acc[s.name]["elems"], acc[s.name]["nll"],

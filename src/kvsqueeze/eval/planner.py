@@ -7,9 +7,11 @@ weight bytes at 16 and 4 bits, and whether weights plus cache fit on G GPUs of
 M bytes each. It is a *paper* estimate: activations, temporary buffers and
 allocator fragmentation are not counted.
 
-The per-layer accounting is `kvsqueeze.methods.storage_bits` (codes, scales and
-zero-points, outlier values, indices and pointers, sinks, codebooks, fp16
-windows); this file only multiplies it out over layers and batch.
+The accounting is the method registry's `cache_bytes`: for the methods the
+compressed cache holds, exactly the bytes its memory report gives (codes in
+whole words, scales and zero-points, outlier values, indices and pointers,
+sinks, fp16 windows, codebooks and decode tables, slot tables, positions);
+a bit budget reads its choice from a recipe of the model.
 
 Units are binary throughout, as in the paper's table: a context of `128K` is
 131,072 tokens, `1M` is 1,048,576, and sizes are reported in GiB. (One
@@ -28,7 +30,8 @@ from fractions import Fraction
 from pathlib import Path
 
 from ..config import MemoryConfig
-from ..methods import MethodError, MethodSpec, parse_method, parse_methods, storage_bits
+from ..methods import MethodError, MethodSpec, cache_bytes, parse_method, parse_methods
+from ..storage import Rows
 from ..shape import KVShape, kv_shape, positive_int
 from .tables import text_table
 
@@ -216,27 +219,19 @@ def parse_bytes(text: str) -> int:
 # ---------------------------------------------------------------- accounting
 
 
-def _kv_bits(shape: ModelShape, spec: MethodSpec, tokens: int, batch: int) -> float:
-    """Bits of the whole cache: `storage_bits` per layer and sequence, over layers and batch.
-
-    Per-channel scales/zero-points and codebooks of the KVQuant families
-    (int, nf, nuq) are offline calibration statistics, one set per layer that
-    every sequence of a batch shares; they are counted once, not `batch`
-    times. `storage_bits` at zero tokens is exactly that fixed part.
-    """
-    per_seq = storage_bits(spec, tokens, shape.channels, head_dim=shape.head_dim)["total"]
-    shared = 0.0
-    if spec.family in ("int", "nf", "nuq"):
-        empty = storage_bits(spec, 0, shape.channels, head_dim=shape.head_dim)
-        shared = empty["scales"] + empty["codebook"]
-    return shape.layers * (batch * (per_seq - shared) + shared)
+def _kv_bytes(shape: ModelShape, spec: MethodSpec, tokens: int, batch: int, recipe=None) -> float:
+    """Bytes of the whole cache for `batch` rows of `tokens` tokens: the method's `cache_bytes` (per-layer
+    codebooks, key ranges and tables counted once for the batch, as the cache holds them)."""
+    rows = Rows(tokens, (0,) * batch)
+    return float(sum(cache_bytes(spec, shape.layers, shape.channels, shape.head_dim, rows, recipe).values()))
 
 
-def kv_cache_bytes(shape: ModelShape, spec: MethodSpec, tokens: int, batch: int = 1) -> int:
-    """Bytes of K and V cache for `batch` sequences of `tokens` tokens (rounded up)."""
+def kv_cache_bytes(shape: ModelShape, spec: MethodSpec, tokens: int, batch: int = 1, recipe=None) -> int:
+    """Bytes of K and V cache for `batch` sequences of `tokens` tokens (rounded up); a bit budget reads its
+    choice from `recipe`."""
     if tokens < 1 or batch < 1:
         raise ValueError(f"tokens and batch must be positive, got tokens={tokens}, batch={batch}")
-    return math.ceil(_kv_bits(shape, spec, tokens, batch) / 8)
+    return math.ceil(_kv_bytes(shape, spec, tokens, batch, recipe))
 
 
 def weight_bytes(shape: ModelShape, bits: int = 16) -> int:
@@ -255,6 +250,7 @@ def plan(
     batch: int = MemoryConfig.batch,
     gpus: int = MemoryConfig.gpus,
     gpu_mem_bytes: int | None = None,
+    recipe=None,
 ) -> list[dict]:
     """One row per (method, context): cache and weight bytes and whether they fit.
 
@@ -275,7 +271,7 @@ def plan(
     rows = []
     for spec in specs:
         for label, tokens in contexts:
-            kv = kv_cache_bytes(shape, spec, tokens, batch)
+            kv = kv_cache_bytes(shape, spec, tokens, batch, recipe)
             fp16 = kv_cache_bytes(shape, FP16, tokens, batch)
             elements = 2 * batch * shape.layers * tokens * shape.channels
             total = w16 + kv
@@ -287,7 +283,7 @@ def plan(
                 fits=total <= capacity,
                 context_label=label,
                 batch=batch,
-                avg_bits=_kv_bits(shape, spec, tokens, batch) / elements,
+                avg_bits=8 * _kv_bytes(shape, spec, tokens, batch, recipe) / elements,
                 compression_vs_fp16=fp16 / kv,
                 weight_bytes_4bit=w4,
                 total_bytes=total,
@@ -333,6 +329,7 @@ def run_memory_command(
     gpus: int = MemoryConfig.gpus,
     gpu_mem: str = MemoryConfig.gpu_mem,
     json_out: str | None = None,
+    recipe: str | None = None,
 ) -> dict:
     """`kvsqueeze memory`: print the plan as a table, optionally write it as JSON, return it.
 
@@ -343,6 +340,7 @@ def run_memory_command(
         batch: sequences cached at once.
         gpus, gpu_mem: G GPUs of `gpu_mem` each (GB read as GiB).
         json_out: path to write `{"model": NAME, "rows": [...]}` to.
+        recipe: a recipe directory of this model, which bit budgets (`nuq@B`) read their choice from.
 
     Returns:
         `{"model": NAME, "rows": [{"method", "context", "kv_bytes",
@@ -351,13 +349,9 @@ def run_memory_command(
     shape = resolve_model(model)
     ctx = parse_contexts(contexts)
     specs = parse_methods(methods)
-    for spec in specs:
-        if spec.budget is not None:
-            raise MethodError(f"method {spec.name!r}: the planner needs a method of fixed bits, and a budget's "
-                              "bits per layer come from its recipe; plan with the average it stores "
-                              f"(`kvsqueeze eval` reports it) or a fixed method such as nuq3-1%")
+    loaded = _budget_recipe(shape, specs, recipe)
     mem = parse_bytes(gpu_mem)
-    rows = plan(shape, specs, ctx, batch=batch, gpus=gpus, gpu_mem_bytes=mem)
+    rows = plan(shape, specs, ctx, batch=batch, gpus=gpus, gpu_mem_bytes=mem, recipe=loaded)
     print(format_table(shape, rows, gpus, gpu_mem.strip()))
     result = {"model": shape.name, "rows": rows}
     if json_out:
@@ -365,6 +359,27 @@ def run_memory_command(
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
     return result
+
+
+def _budget_recipe(shape: ModelShape, specs: list[MethodSpec], recipe: str | None):
+    """The recipe bit budgets read, checked against the shape planned; None when no method needs one."""
+    budgets = [s.name for s in specs if s.budget is not None]
+    if not budgets:
+        return None
+    if not recipe:
+        raise MethodError(f"methods {', '.join(budgets)}: a bit budget's widths per layer and channel come from a "
+                          "recipe of the model; pass --recipe DIR (made by `kvsqueeze calibrate`), or plan a fixed "
+                          "method such as nuq3-1%")
+    from ..recipe import Recipe
+
+    loaded = Recipe.load(recipe)
+    fp = loaded.meta["model"]["fingerprint"]
+    have = (int(fp["layers"]), int(fp["kv_heads"]), int(fp["head_dim"]))
+    if have != (shape.layers, shape.kv_heads, shape.head_dim):
+        raise MethodError(f"recipe {recipe} is of a model with {have[0]} layers, {have[1]} KV heads of {have[2]} "
+                          f"channels; {shape.name} has {shape.layers}, {shape.kv_heads} of {shape.head_dim}: plan "
+                          "budgets with a recipe of the model planned")
+    return loaded
 
 
 __all__ = [

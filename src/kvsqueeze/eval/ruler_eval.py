@@ -179,7 +179,7 @@ class _Method:
     def answer(self, cache, ids: torch.Tensor, max_new_tokens: int) -> str:
         start = cache.get_seq_length()
         try:
-            if self.real and self.spec.family != "fp16":
+            if self.real and self.spec.quantized:
                 from ..integrations.fused import fused_decode
 
                 with fused_decode(self.model, cache):

@@ -30,8 +30,9 @@ from ..cache.positions import PositionLog
 from ..cache.report import COMPONENTS, MemoryReport
 from ..cache.store import KVStore
 from ..config import DEFAULT_METHOD
-from ..methods import MethodError, MethodSpec, parse_method
-from ..quantizer import VectorQuantizer, build_quantizers
+from ..methods import MethodError, MethodSpec, family, parse_method
+from ..methods import build_quantizers
+from ..quantizer import VectorQuantizer
 from ..recipe import Recipe
 from ..shape import KVShape, kv_shape
 from .attention import register_handler, switch_attention
@@ -43,27 +44,17 @@ from .preflight import UnsupportedModelError, preflight
 from .simulate import window_handler
 
 SUPPORTED = ("fp16, and int / nf / nuq with keys per channel before RoPE and values per token, outliers per "
-             "vector or per matrix, any sinks: e.g. 'nuq3-1%', 'nuq4', 'nuq2-1%:pm', 'nf3-1%:kchan:pre', "
-             "'int4:kchan:pre:sink1'")
+             "vector or per matrix, any sinks, bit budgets and fp16 windows: e.g. 'nuq3-1%', 'nuq4', 'nuq2-1%:pm', "
+             "'nf3-1%:kchan:pre', 'nuq@3.49:r32:chan'")
 
 
 def check_supported(spec: MethodSpec) -> None:
-    """Raise MethodError unless the compressed cache can store `spec`."""
-    if spec.family == "fp16":
-        return
-    why = None
-    if spec.family in ("kivi", "group"):
-        why = f"{spec.family} quantizes in groups with an fp16 window, which this cache does not store"
-    elif spec.family == "turbo":
-        why = "turbo stores rotated head vectors (codes and an fp16 norm each), which this cache does not store"
-    elif spec.key_rope != "pre" or spec.key_axis != "channel":
-        why = f"its keys are quantized per {spec.key_axis} {spec.key_rope}-RoPE"
-    elif spec.value_axis != "token":
-        why = f"its values are quantized per {spec.value_axis}"
-    if why:
+    """Raise MethodError unless the compressed cache can store `spec` (its family says, `methods.families`)."""
+    reason = family(spec).why_not(spec, "cache")
+    if reason:
         raise MethodError(
-            f"method {spec.name!r} has no compressed cache: {why}. Supported: {SUPPORTED}. Evaluate other methods "
-            "with the simulated path (`kvsqueeze eval --methods ...` or `SimulatedQuantization`)"
+            f"method {spec.name!r} has no compressed cache: {reason}. Supported: {SUPPORTED}. Evaluate other "
+            "methods with the simulated path (`kvsqueeze eval --methods ...` or `SimulatedQuantization`)"
         )
 
 
@@ -192,7 +183,7 @@ def cache_for(model, recipe: Recipe | str | Path | None = None,
         windows = layer_windows(model)  # sliding-window layers keep what DynamicCache keeps
     except ValueError as exc:
         raise UnsupportedModelError(str(exc)) from exc
-    if spec.family == "fp16":
+    if not spec.quantized:
         return CompressedCache([Fp16Layer(w) for w in windows], spec, shape, None, None)
     preflight(model)  # keys read where the model rotates them, or a clear refusal now
     attn = attention_modules(model)

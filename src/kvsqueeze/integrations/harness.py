@@ -41,7 +41,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
                       f"(lm-eval==0.4.13); the import failed with: {exc}") from exc
 
 from ..config import DEFAULT_DTYPE, DEFAULT_METHOD, DEFAULT_MODEL
-from ..methods import parse_method
+from ..methods import needs_recipe, parse_method
 from ..recipe import Recipe
 from .loading import load_model
 from .prefill import compressed
@@ -65,7 +65,7 @@ class KVSqueezeLM(HFLM):
         from .cache import cache_for  # noqa: F401  (import errors now, not at the first generation)
 
         self.spec = parse_method(str(method))
-        if self.spec.needs_recipe and not recipe:
+        if needs_recipe(self.spec) and not recipe:
             raise ValueError(f"method {self.spec.name!r} uses offline calibration statistics: add recipe=DIR to "
                              "--model_args (create one with `kvsqueeze calibrate --out DIR`)")
         if decode not in ("auto", "dense", "numba", "reference", "triton"):

@@ -157,7 +157,7 @@ def filled_cache(model, recipe: Recipe | None, spec: MethodSpec, prefill: DenseP
     if sim is None:
         cache = cache_for(model, recipe, spec)
         for i, layer in enumerate(cache.layers):
-            if spec.family == "fp16":
+            if not spec.quantized:
                 heads, d = prefill.post_keys[i].shape[1], prefill.post_keys[i].shape[3]
                 layer.update(prefill.post_keys[i], prefill.values[i].view(b, t, heads, d).transpose(1, 2))
             else:

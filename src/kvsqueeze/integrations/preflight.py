@@ -142,7 +142,7 @@ def check_methods(model, specs, recipe) -> None:
     """Everything a run of `specs` on `model` needs, checked before minutes of work: the recipe belongs to the
     model, the keys and values are read where the model rotates and caches them, and every layer's quantizers
     build for every method (a bad combination of method, recipe and layer fails here)."""
-    from ..quantizer import build_quantizers
+    from ..methods import build_quantizers
     from .fingerprint import check_recipe
 
     if recipe is not None:

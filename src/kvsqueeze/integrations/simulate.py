@@ -30,9 +30,9 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from ..affine import check_finite
-from ..budget import layer_storage_bits
-from ..methods import MethodSpec, storage_bits
-from ..quantizer import VectorQuantizer, build_quantizers
+from ..methods import MethodSpec, build_quantizers, cache_bytes, family
+from ..storage import Rows
+from ..quantizer import VectorQuantizer
 from ..recipe import Recipe
 from ..shape import kv_shape
 from .attention import register_handler, switch_attention
@@ -153,10 +153,11 @@ class SimulatedQuantization:
         self.k_pre = [k if pre else None for k, _ in qs]
         self.k_post = [None if pre else k for k, _ in qs]
         self.v = [v for _, v in qs]
-        if spec.family == "kivi":
+        self.in_attention = family(spec).quantizes_in_attention
+        if self.in_attention:
             self.v = [None] * self.shape.layers  # KIVI quantizes K and V in attention (fp16 window)
-        # nuq's fp16 window: attention reads recent tokens in fp16, older ones quantized
-        self.window = spec.window if spec.family == "nuq" else 0
+        # an fp16 window beside the codes (nuq): attention reads recent tokens in fp16, older ones quantized
+        self.window = spec.window if family(spec).window_beside_codes else 0
         self.rotary = layer_rotaries(model, self.shape.head_dim) if self.window else None
         self._quantized: dict = {}  # (layer, "k" / "v") -> the last projection's quantized copy [B, T, C]
         self.counter = _Counter(self.shape.layers)
@@ -216,7 +217,7 @@ class SimulatedQuantization:
     def __enter__(self) -> "SimulatedQuantization":
         self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
         self._handles += hook_projections(self.model, self._quantize_projection)
-        if self.spec.family == "kivi":
+        if self.in_attention:
             register_handler(kivi_handler)
             self._saved_attn = switch_attention(self.model)
             for a in self.attn:
@@ -251,22 +252,13 @@ class SimulatedQuantization:
         return Cache(layers=[SimulatedLayer(self, i) for i in range(self.shape.layers)])
 
     def storage(self, tokens: int, batch: int = 1) -> dict[str, float]:
-        """Bits the cache holds for `tokens` tokens per row, with the outliers actually kept."""
-        total: dict[str, float] = {}
-        for i in range(self.shape.layers):
-            if self.spec.budget is not None:  # each layer's own choice
-                b = layer_storage_bits(self.spec, self.recipe, i, tokens, self.shape.channels,
-                                       self.counter.k[i] / batch, self.counter.v[i] / batch)
-            else:
-                b = storage_bits(
-                    self.spec, tokens, self.shape.channels,
-                    k_outliers=self.counter.k[i] / batch if self.spec.outlier_fraction else None,
-                    v_outliers=self.counter.v[i] / batch if self.spec.outlier_fraction else None,
-                    head_dim=self.shape.head_dim,
-                )
-            for k, v in b.items():
-                total[k] = total.get(k, 0.0) + v
-        return total
+        """Bytes the cache holds for `batch` rows of `tokens` tokens, by component, with the outliers this
+        simulation kept (the method's `cache_bytes`: for a method the compressed cache holds, what its memory
+        report would say)."""
+        shape = self.shape
+        outliers = [(self.counter.k[i], self.counter.v[i]) for i in range(shape.layers)]
+        return cache_bytes(self.spec, shape.layers, shape.channels, shape.head_dim, Rows(tokens, (0,) * batch),
+                           self.recipe, outliers=outliers)
 
 
 def window_handler(module, query, key, value, attention_mask, scaling, **kwargs):

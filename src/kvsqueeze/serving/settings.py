@@ -19,7 +19,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..methods import MethodError, MethodSpec, parse_method, topk_per_side
+from ..methods import MethodError, MethodSpec, family, parse_method, topk_per_side
 from ..paged.layout import PageLayout, page_bytes, regions
 
 DEFAULT_METHOD = "nuq3-1%"
@@ -65,20 +65,9 @@ class ServingConfig:
         except MethodError as exc:
             raise ServingError(f"KVSQUEEZE_METHOD={self.method!r}: {exc}") from None
         problems = []
-        if not spec.quantized:
-            problems.append("fp16 is the engine's own cache; serve it without the kvsqueeze backend")
-        elif spec.budget is not None:
-            problems.append("a bit budget gives layers different bits, and pages of one engine have one size; use a "
-                            "plain method such as nuq3-1%")
-        elif spec.family not in ("nuq", "int", "nf") or (spec.key_axis, spec.key_rope, spec.value_axis) != (
-                "channel", "pre", "token"):
-            problems.append("pages hold per-channel pre-RoPE keys and per-token values: use nuq (or int/nf with "
-                            "those axes), e.g. nuq3-1%")
-        elif spec.outlier_fraction and spec.outlier_scope != "vector":
-            problems.append("per-matrix outliers vary in count per token; use per-vector ones (drop ':pm')")
-        elif spec.window:
-            problems.append(f"pages hold no fp16 window of recent tokens; drop ':r{spec.window}' (kvsqueeze's own "
-                            "cache, `kvsqueeze.cache_for`, holds it)")
+        reason = family(spec).why_not(spec, "pages")
+        if reason:
+            problems.append(reason)
         if problems:
             raise ServingError(f"KVSQUEEZE_METHOD={self.method!r}: " + "; ".join(problems))
         if spec.outlier_fraction and not spec.key_slots:
@@ -110,7 +99,7 @@ class ServingConfig:
                           block_size)
 
     def layout(self, layer: int, channels: int, head_dim: int, block_size: int) -> PageLayout:
-        from ..quantizer import build_quantizers
+        from ..methods import build_quantizers
 
         kq, vq = build_quantizers(self.spec, self._recipe, layer, channels, head_dim)
         out = PageLayout(kq, vq, channels, head_dim, block_size, sinks=self.spec.sinks)

@@ -1,7 +1,7 @@
 """How much a Fisher-weighted search of each key channel's range, or a codebook per KV head, would lower the
 held-out Fisher-weighted quantization error (a probe, not a method).
 
-    python benchmarks/key_probes.py [--samples 8] [--json benchmarks/results/key_probes.json]
+    python experiments/key_probes.py [--samples 8] [--json experiments/results/key_probes.json]
 
 On the default model: `--samples` calibration windows of 2,048 tokens (the first token of each left out, as a
 sink), their keys (pre-RoPE) and values with their Fisher information gathered as `kvsqueeze calibrate` does.
@@ -41,8 +41,8 @@ from kvsqueeze.integrations.loading import load_model
 from kvsqueeze.outliers import calibrated_thresholds, online_thresholds, outlier_mask
 from kvsqueeze.shape import kv_shape
 
-sys.path.insert(0, str(Path(__file__).parent))
-from models import machine  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from common import machine  # noqa: E402
 
 RATIOS = torch.tensor([1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5])
 BITS = (3, 4, 5)
@@ -137,7 +137,7 @@ def main() -> None:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--samples", type=int, default=8, help="calibration windows (even: fit, odd: held out)")
     ap.add_argument("--recipe", help="also split nuq@4.58:chan's predicted error into keys and values")
-    ap.add_argument("--json", default="benchmarks/results/key_probes.json")
+    ap.add_argument("--json", default="experiments/results/key_probes.json")
     args = ap.parse_args()
     if args.samples < 2:
         raise SystemExit("--samples must be at least 2: half the windows fit, half are held out")

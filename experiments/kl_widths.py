@@ -1,7 +1,7 @@
 """How many widths the sensitivity measurement needs: `nuq@B:kl:chan` with scales from a subset of the choices.
 
-    python benchmarks/kl_widths.py --recipe out/recipe-all [--budgets 2.5,3.49,4.58]
-        [--json benchmarks/results/kl_widths.json]
+    python experiments/kl_widths.py --recipe out/recipe-all [--budgets 2.5,3.49,4.58]
+        [--json experiments/results/kl_widths.json]
 
 The recipe must hold sensitivities measured at every width (`kvsqueeze budget --bits 2,3,4 --outliers 1`).
 For each subset of the measured choices (widths x outlier fractions), the per-unit scales
@@ -60,7 +60,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipe", required=True, help="a recipe with sensitivities measured at widths 2, 3 and 4")
     ap.add_argument("--budgets", default="2.5,3.49,4.58")
-    ap.add_argument("--json", default="benchmarks/results/kl_widths.json")
+    ap.add_argument("--json", default="experiments/results/kl_widths.json")
     args = ap.parse_args()
 
     recipe = Recipe.load(args.recipe)

@@ -1,4 +1,4 @@
-"""`benchmarks/key_probes.py` measures the recipe's own error: its plain quantizer's Fisher-weighted error is the
+"""`experiments/key_probes.py` measures the recipe's own error: its plain quantizer's Fisher-weighted error is the
 per-channel error calibration records, and its per-head and range-searched variants reduce to it."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from kvsqueeze.calibrate.fit import _channel_errors, _normalized
 
-SCRIPT = Path(__file__).parent.parent / "benchmarks" / "key_probes.py"
+SCRIPT = Path(__file__).parents[2] / "experiments" / "key_probes.py"
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,6 @@
 """How far two exact implementations of the same quantized cache agree, token by token: the floor for vllm.json.
 
-    python benchmarks/vllm_controls.py [--json benchmarks/results/vllm_controls.json]
+    python experiments/vllm_controls.py [--json experiments/results/vllm_controls.json]
 
 Reads the prompts' HF-path greedy tokens from `benchmarks/results/vllm.json` (written by benchmarks/vllm.py) and
 asks the HF path itself, teacher-forced (the prompt followed by those tokens, one forward through the compressed
@@ -32,7 +32,7 @@ from kvsqueeze.rope import unapply_rope
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vllm-json", default="benchmarks/results/vllm.json")
-    ap.add_argument("--json", default="benchmarks/results/vllm_controls.json")
+    ap.add_argument("--json", default="experiments/results/vllm_controls.json")
     args = ap.parse_args()
     ref = json.loads(Path(args.vllm_json).read_text())
     want, n = ref["tokens"]["hf"], ref["tokens"]["prompt_tokens"]

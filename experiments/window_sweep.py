@@ -1,7 +1,7 @@
 """How many recent tokens a bit budget should keep in fp16 (`:rN`), chosen on calibration text only.
 
-    python benchmarks/window_sweep.py --recipe out/recipe [--budgets 2.5,3.49,4.58] [--sizes 0,8,16,32,64]
-        [--windows 4] [--json benchmarks/results/window_sweep.json]
+    python experiments/window_sweep.py --recipe out/recipe [--budgets 2.5,3.49,4.58] [--sizes 0,8,16,32,64]
+        [--windows 4] [--json experiments/results/window_sweep.json]
 
 For each budget B and window size N, `nuq@B:rN:chan` (`nuq@B:chan` for N = 0) on `--windows` windows of 2,048
 tokens spread over bbc's calibration part (the text the recipe was calibrated on; the evaluation part is never
@@ -27,8 +27,8 @@ from kvsqueeze.integrations.loading import load_model
 from kvsqueeze.methods import parse_method
 from kvsqueeze.recipe import Recipe
 
-sys.path.insert(0, str(Path(__file__).parent))
-from models import machine  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from common import machine  # noqa: E402
 
 
 def method(budget: str, size: int) -> str:
@@ -43,7 +43,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="0,8,16,32,64")
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--seqlen", type=int, default=2048)
-    ap.add_argument("--json", default="benchmarks/results/window_sweep.json")
+    ap.add_argument("--json", default="experiments/results/window_sweep.json")
     args = ap.parse_args()
     torch.manual_seed(0)
     model, tok = load_model(args.model)

@@ -4,8 +4,8 @@ Calibration leaves the first token out of every statistic (it is a sink). This
 script measures, on evaluation windows, how far the first token's pre-RoPE keys
 fall outside the calibrated per-channel ranges, against the other tokens.
 
-    python benchmarks/sink_stats.py --recipe out/recipe [--seqlen 2048] [--windows 2]
-        [--json benchmarks/results/sink_stats.json]
+    python experiments/sink_stats.py --recipe out/recipe [--seqlen 2048] [--windows 2]
+        [--json experiments/results/sink_stats.json]
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def main() -> None:
     ap.add_argument("--recipe", required=True)
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--windows", type=int, default=2)
-    ap.add_argument("--json", default="benchmarks/results/sink_stats.json")
+    ap.add_argument("--json", default="experiments/results/sink_stats.json")
     args = ap.parse_args()
     model, tok = load_model(args.model)
     recipe = Recipe.load(args.recipe)

@@ -1,7 +1,7 @@
 """How much a Hadamard rotation of each value head would lower per-token quantization error (a probe, not a method).
 
-    python benchmarks/value_rotation.py [--recipe out/recipe] [--windows 5]
-        [--json benchmarks/results/value_rotation.json]
+    python experiments/value_rotation.py [--recipe out/recipe] [--windows 5]
+        [--json experiments/results/value_rotation.json]
 
 On the default model's values for one 2,048-token calibration window (the first token left out, as a sink),
 per layer: the relative squared error ||V^ - V||^2 / ||V||^2 of per-token quantization with NormalFloat levels
@@ -13,7 +13,7 @@ With `--recipe`, the end-to-end check: perplexity and KL divergence against fp16
 windows (as in ladder.json), nuq3-1% and nuq2-1% plain and with their values turned (the recipe's value
 codebooks, fitted on unturned values; the stored bits are the same), through the simulated path, with the paired
 95% interval of the PPL change. The rotation is applied by wrapping the simulated path's value quantizers here;
-it is not a method of the package, because it does not pay enough (see docs/results.md).
+it is not a method of the package, because it does not pay enough (see docs/notes.md).
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from kvsqueeze.quantizer import VectorQuantizer
 from kvsqueeze.recipe import Recipe
 from kvsqueeze.shape import kv_shape
 
-sys.path.insert(0, str(Path(__file__).parent))
-from models import machine  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from common import machine  # noqa: E402
 
 
 def hadamard(n: int) -> torch.Tensor:
@@ -86,7 +86,7 @@ def end_to_end(model, tok, recipe: Recipe, windows: int, h: torch.Tensor):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--json", default="benchmarks/results/value_rotation.json")
+    ap.add_argument("--json", default="experiments/results/value_rotation.json")
     ap.add_argument("--recipe", help="also measure PPL and KLD end to end with this recipe")
     ap.add_argument("--windows", type=int, default=5)
     args = ap.parse_args()

@@ -4,13 +4,12 @@ A method fixes everything about how the KV cache is quantized: the datatype
 family (uniform int, NormalFloat, learned nuq codebooks, KIVI, grouped uniform),
 key and value bit widths, the axis each is quantized along, whether keys are
 quantized before or after RoPE, the outlier fraction and its scope, and how
-many attention-sink tokens stay in fp16. It also owns the honest storage
-accounting (`storage_bits`): codes, scales and zero-points, outlier values,
-indices and pointers, sinks, codebooks and fp16 windows all count.
+many attention-sink tokens stay in fp16. What a method stores, builds and
+runs on is its family's (`families.py`, the registry).
 
 Grammar::
 
-    FAMILY BITS [-PCT%] [:FLAG ...]      or      nuq@AVG [:sinkN] [:rN] [:kl] [:chan]
+    FAMILY BITS [-PCT%] [:FLAG ...]      or      nuq@AVG [:sinkN] [:rN] [:kl] [:chan] [:ctxN]
 
     FAMILY  fp16 | int | nf | nuq | kivi | group | turbo
     AVG     a bit budget, e.g. 3.5: average stored bits per K/V element, every byte counted; each
@@ -18,7 +17,8 @@ Grammar::
             from its Fisher objectives, or with `:kl` from measured sensitivities (`kvsqueeze budget`);
             with `:chan` every channel of every layer's keys and values gets its own width (1 to 6 bits)
             from the recipe's per-channel Fisher-weighted errors; `:kl:chan` scales each layer's key and
-            value errors by their measured sensitivity
+            value errors by their measured sensitivity; the choice holds AVG bits at the context it is chosen
+            for, `DEFAULT_CONTEXT` tokens or `:ctxN` (e.g. `:ctx32k`, 32,768 tokens)
     BITS    2 | 3 | 4 (both K and V)  or  k3v2 (keys 3 bits, values 2 bits)
     PCT     outlier percentage, e.g. 1 or 0.1 (kept exactly in fp16)
     FLAG    ktok | kchan       keys per token / per channel
@@ -51,19 +51,19 @@ import math
 import re
 from dataclasses import dataclass, field
 
+from ..storage import max_outliers_per_side, topk_per_side  # noqa: F401  (re-exported)
+
 FAMILIES = ("fp16", "int", "nf", "nuq", "kivi", "group", "turbo")
 FIXED_AXES = ("kivi", "group", "turbo")  # families whose axes and RoPE side the paper fixes
 SUPPORTED_BITS = (2, 3, 4)
+# the context a bit budget is chosen for unless its name says (`:ctxN`): the calibration and evaluation length. A
+# budget's metadata (codebooks, ranges, tables) is shared by every token, so the same choice stores more bits per
+# element at a shorter context and fewer at a longer one; each budget is therefore chosen for one length.
+DEFAULT_CONTEXT = 2048
+MAX_CONTEXT = 1 << 24  # tokens a budget may be chosen for (16M)
+MAX_FLAG = 1 << 20  # largest sink count, window, group or slot count a flag takes
 FIT_VARIANTS = ("fs2", "fisher", "unw")  # Fisher*s^2 (the paper's), Fisher only, unweighted
 
-# Storage widths, in bits. Scales and zero-points are fp16; an outlier is its
-# fp16 value plus a 16-bit index inside its vector (vectors are at most 65,536
-# wide); a compressed-sparse pointer is 32 bits per token so the cache can hold
-# more than 65,536 outliers.
-FP16_BITS = 16
-SCALE_ZERO_BITS = 2 * FP16_BITS
-OUTLIER_BITS = FP16_BITS + 16
-POINTER_BITS = 32
 
 
 class MethodError(ValueError):
@@ -94,6 +94,7 @@ class MethodSpec:
     budget: float | None = None  # nuq only: average stored bits; each layer's K / V choice from the recipe
     budget_proxy: str = "fisher"  # the loss a budget minimises: "fisher" objectives or measured "kl"
     budget_unit: str = "layer"  # what a budget gives its own bit width: each "layer" (K / V) or each "channel"
+    context: int | None = None  # budgets: the cached tokens the choice is made for (None: `DEFAULT_CONTEXT`)
     key_slots: int = 0  # per-channel keys: exact elements per token, a fixed count (0: every outlier, a count that varies)
     name: str = field(default="", init=False, compare=False)
 
@@ -103,6 +104,8 @@ class MethodSpec:
         for key, value in FAMILY_DEFAULTS[self.family].items():
             if getattr(self, key) is None:
                 object.__setattr__(self, key, value)
+        if self.budget is not None and self.context is None:
+            object.__setattr__(self, "context", DEFAULT_CONTEXT)
         if self.family != "fp16":
             for which, b in (("key", self.k_bits), ("value", self.v_bits)):
                 if b not in SUPPORTED_BITS:
@@ -126,18 +129,9 @@ class MethodSpec:
         return self.reads_model_tensors and self.key_rope == "pre" and self.family != "group"
 
     @property
-    def needs_recipe(self) -> bool:
-        """True when the method reads offline statistics from a calibration recipe."""
-        if self.family in ("fp16", "kivi", "group", "turbo"):
-            return False
-        if self.family == "nuq":
-            return True
-        # int/nf read offline per-channel statistics (and per-matrix thresholds)
-        return (
-            self.key_axis == "channel"
-            or self.value_axis == "channel"
-            or (self.outlier_fraction > 0 and self.outlier_scope == "matrix")
-        )
+    def budget_context(self) -> int:
+        """The cached tokens a budget's choice is made for."""
+        return self.context or DEFAULT_CONTEXT  # a plain method's bits do not depend on it
 
     @property
     def pct_label(self) -> str:
@@ -254,9 +248,18 @@ def _budget_method(name: str, family: str, m: re.Match) -> MethodSpec:
         if flag == "chan":
             unit = "channel"
             continue
+        m_ctx = re.fullmatch(r"ctx(\d+)(k?)", flag)
+        if m_ctx:
+            context = int(m_ctx[1]) * (1024 if m_ctx[2] else 1)
+            if not 1 <= context <= MAX_CONTEXT:
+                raise MethodError(f"method {name!r}: ':{flag}' chooses the budget for {context} cached tokens; give "
+                                  f"1 to {MAX_CONTEXT} (e.g. ':ctx32k')")
+            fields["context"] = context
+            continue
         if not re.fullmatch(r"(sink|r)\d+", flag):
             raise MethodError(f"method {name!r}: a bit budget takes a sink count (':sinkN'), an fp16 window "
-                              f"(':rN'), ':kl' (measured sensitivities) and ':chan' (a bit width per channel), "
+                              f"(':rN'), ':kl' (measured sensitivities), ':chan' (a bit width per channel) and the "
+                              f"context it is chosen for (':ctxN', e.g. ':ctx32k'), "
                               f"not ':{flag}'")
         _apply_flag(name, family, flag, fields)
     # the widest choice stands in for the spec's own bits; every consumer reads the layer's choice instead
@@ -298,6 +301,8 @@ def _apply_flag(name: str, family: str, flag: str, fields: dict) -> None:
             "pm pv sinkN unw fisher fs2 gN rN split kslotsN"
         )
     kind, n = m[1], int(m[2])
+    if n > MAX_FLAG:
+        raise MethodError(f"method {name!r}: ':{flag}' is out of range; {kind}N takes at most {MAX_FLAG}")
     if kind == "kslots":
         fields["key_slots"] = n
     elif kind == "sink":
@@ -321,7 +326,7 @@ def canonical_name(spec: MethodSpec) -> str:
         sinks = FAMILY_DEFAULTS[spec.family].get("sinks", 0)
         return (f"{spec.family}@{spec.budget:g}" + (f":sink{spec.sinks}" if spec.sinks != sinks else "")
                 + (f":r{spec.window}" if spec.window else "") + (":kl" if spec.budget_proxy == "kl" else "")
-                + (":chan" if spec.budget_unit == "channel" else ""))
+                + (":chan" if spec.budget_unit == "channel" else "") + context_flag(spec.budget_context))
     bits = str(spec.k_bits) if spec.k_bits == spec.v_bits else f"-k{spec.k_bits}v{spec.v_bits}"
     out = spec.family + bits
     if spec.outlier_fraction:
@@ -352,6 +357,13 @@ def canonical_name(spec: MethodSpec) -> str:
     return out + "".join(":" + f for f in flags)
 
 
+def context_flag(context: int) -> str:
+    """':ctxN' for a budget chosen for another context than `DEFAULT_CONTEXT` ('' for that one)."""
+    if context == DEFAULT_CONTEXT:
+        return ""
+    return f":ctx{context // 1024}k" if context % 1024 == 0 else f":ctx{context}"
+
+
 def parse_methods(text: str) -> list[MethodSpec]:
     """Parse a comma-separated list of method names, rejecting duplicates."""
     names = [t.strip() for t in text.split(",") if t.strip()]
@@ -366,98 +378,6 @@ def parse_methods(text: str) -> list[MethodSpec]:
     return specs
 
 
-def max_outliers_per_side(fraction: float, width: int) -> int:
-    """Outliers kept on each side (above / below) of one vector of `width` elements."""
-    return int(math.floor(fraction * width / 2 + 0.5))
-
-
-def topk_per_side(fraction: float, width: int) -> int:
-    """Outliers an online per-vector top-k keeps above (and below) one vector: at most half of it."""
-    return min(max_outliers_per_side(fraction, width), (width - 1) // 2)
-
-
 def fixed_outlier_count(axis: str, scope: str, fraction: float) -> bool:
     """Whether every vector keeps the same number of outliers: per-token top-k (row pointers then implicit)."""
     return axis == "token" and scope == "vector" and fraction > 0
-
-
-def storage_bits(
-    spec: MethodSpec,
-    tokens: int,
-    channels: int,
-    k_outliers: float | None = None,
-    v_outliers: float | None = None,
-    head_dim: int | None = None,
-) -> dict[str, float]:
-    """Bits one layer's K and V cache occupies, by component.
-
-    Args:
-        spec: the method.
-        tokens: cached tokens (sinks included).
-        channels: K (= V) channels per token in the layer, kv_heads * head_dim.
-        k_outliers, v_outliers: outliers actually stored; by default the
-            nominal fraction of the quantized elements.
-        head_dim: channels per head (turbo stores one fp16 norm per head vector; other families ignore it).
-
-    Returns:
-        dict with keys codes, scales, outlier_values, outlier_indices,
-        pointers, sinks, codebook, fp16_window and total (all in bits), and
-        elements (2 * tokens * channels, for an average).
-    """
-    if spec.budget is not None:
-        raise MethodError(f"method {spec.name!r}: its bits differ by layer, as its recipe chose them; count them "
-                          "with kvsqueeze.budget.layer_storage_bits")
-    out = dict(codes=0.0, scales=0.0, outlier_values=0.0, outlier_indices=0.0,
-               pointers=0.0, sinks=0.0, codebook=0.0, fp16_window=0.0)
-    elements = 2 * tokens * channels
-    if spec.family == "fp16":
-        out["codes"] = float(elements * FP16_BITS)
-        out["total"] = out["codes"]
-        out["elements"] = elements
-        return out
-    sinks = min(spec.sinks, tokens)
-    window = min(spec.window, tokens - sinks)
-    q = tokens - sinks - (window if spec.family == "kivi" else 0)  # tokens held as codes (nuq: the window's too)
-    out["sinks"] = 2.0 * sinks * channels * FP16_BITS
-    out["fp16_window"] = 2.0 * window * channels * FP16_BITS
-    out["codes"] = float(q * channels * (spec.k_bits + spec.v_bits))
-    if spec.family == "kivi":
-        g = spec.group_size
-        out["scales"] = SCALE_ZERO_BITS * (math.ceil(q / g) * channels + q * math.ceil(channels / g))
-    elif spec.family == "group":
-        out["scales"] = 2.0 * SCALE_ZERO_BITS * q * math.ceil(channels / spec.group_size)
-    elif spec.family == "turbo":
-        if not head_dim or channels % head_dim:
-            raise ValueError(f"turbo's storage needs the head dimension (one norm per head vector), got {head_dim}")
-        parts = 2 if spec.split else 1
-        out["codes"] += 2.0 * q * channels * 0.5 * spec.split  # the outlier half's extra bit, K and V
-        out["scales"] = 2.0 * FP16_BITS * q * (channels // head_dim) * parts  # fp16 norms, K and V
-    else:
-        k_vectors = channels if spec.key_axis == "channel" else q
-        v_vectors = channels if spec.value_axis == "channel" else q
-        out["scales"] = float(SCALE_ZERO_BITS * (k_vectors + v_vectors))
-        if spec.family == "nuq":
-            out["codebook"] = float(FP16_BITS * (2**spec.k_bits + 2**spec.v_bits))
-        if spec.outlier_fraction > 0:
-            nominal = spec.outlier_fraction * q * channels
-            ko = nominal if k_outliers is None else k_outliers
-            vo = nominal if v_outliers is None else v_outliers
-            if spec.key_slots:
-                ko = float(spec.key_slots * q)  # exactly that many per token
-            out["outlier_values"] = FP16_BITS * (ko + vo)
-            out["outlier_indices"] = 16.0 * (ko + vo)
-            # CSC for K, CSR for V: one pointer per token each, except where every token keeps the same
-            # number of outliers (per-token top-k, a key slot count), whose row pointers are implicit
-            fixed = [fixed_outlier_count(axis, spec.outlier_scope, spec.outlier_fraction)
-                     for axis in (spec.key_axis, spec.value_axis)]
-            fixed[0] = fixed[0] or bool(spec.key_slots)
-            out["pointers"] = float(POINTER_BITS * (q + 1) * fixed.count(False))
-    out["total"] = sum(v for k, v in out.items())
-    out["elements"] = elements
-    return out
-
-
-def average_bits(spec: MethodSpec, tokens: int, channels: int, **kw) -> float:
-    """Average stored bits per K/V element (see `storage_bits`)."""
-    b = storage_bits(spec, tokens, channels, **kw)
-    return b["total"] / max(b["elements"], 1)

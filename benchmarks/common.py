@@ -1,0 +1,209 @@
+"""What several benchmark scripts share, so that no script imports another.
+
+- `machine()`: the CPU, its core count and torch's version, the one-line description most result JSONs record;
+  `decode_machine()`: the fuller record of the CPU decode timings (threads, numba's threading layer, load average);
+- `DEFAULT_RECIPE`, where `make demo` writes the default model's recipe;
+- the synthetic stores the CPU decode timings run on (`prepare`, `quantizers`, `fill_store`, `shape`, `check`,
+  with the heavy-tailed activations' `TAIL_DF` and `TAIL_Q99`);
+- `tensor_bytes`, the bytes of a cache's tensors (quantized tensor subclasses included);
+- `window_note`, `models_table` and `peers_table`: the tables `models.py` and `peers.py` print when done, which
+  `report.py` writes into README.md and docs/results.md.
+
+A script in this folder imports it as `from common import ...` (its own folder is on `sys.path` when run as
+`python benchmarks/<script>.py`; each one also puts it there itself, so a test can load the script by path); a
+script in experiments/ puts this folder on `sys.path` first. Heavy imports (torch, numba, kvsqueeze) happen inside
+the functions that need them, so that `report.py` stays light.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+DEFAULT_RECIPE = "out/recipe"  # where `make demo` writes the default model's recipe
+TAIL_DF = 5.0  # Student-t degrees of freedom of the synthetic activations
+TAIL_Q99 = 4.032  # |t_5| exceeds this with probability 1%: scaled by it, 1% of a channel leaves its range
+
+
+# ---- the machine -------------------------------------------------------------------------------------
+def machine() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one), its core count and torch's version."""
+    import torch
+
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if name.startswith("AMD EPYC") or "Xeon" in name:  # one name covers CPU generations with and without it
+        try:
+            flags = Path("/proc/cpuinfo").read_text().split()
+            name += ", AVX-512" if "avx512f" in flags else ", no AVX-512"
+        except OSError:
+            pass
+    return f"{name}, {os.cpu_count()} cores, torch {torch.__version__}"
+
+
+def decode_machine() -> dict:
+    """The CPU, torch's and numba's threads and versions, the platform and the load average at the start."""
+    import numba
+    import torch
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
+    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "numba_threads": numba.get_num_threads(), "numba_threading_layer": numba.threading_layer(),
+            "torch": torch.__version__, "numba": numba.__version__, "platform": platform.platform(),
+            "load_average_start": os.getloadavg()}
+
+
+def prepare(threads: int, recipe_path: str | None):
+    """Set torch's and numba's threads, seed torch, and load the recipe (None without one)."""
+    import numba
+    import torch
+
+    torch.set_num_threads(threads)
+    numba.set_num_threads(threads)
+    torch.manual_seed(0)
+    if not recipe_path:
+        return None
+    from kvsqueeze.recipe import Recipe
+
+    return Recipe.load(recipe_path)
+
+
+# ---- synthetic stores --------------------------------------------------------------------------------
+def quantizers(method: str, recipe, channels: int, seed: int = 0) -> tuple[VectorQuantizer, VectorQuantizer]:
+    """Key and value quantizers: the recipe's (a middle layer) or synthetic ones with per-channel ranges."""
+    import torch
+
+    from kvsqueeze.datatypes import normal_float_levels
+    from kvsqueeze.methods import parse_method
+    from kvsqueeze.methods import build_quantizers
+    from kvsqueeze.quantizer import VectorQuantizer
+
+    spec = parse_method(method)
+    if recipe is not None:
+        layer = recipe.meta["model"]["fingerprint"]["layers"] // 2
+        return build_quantizers(spec, recipe, layer, channels)
+    g = torch.Generator().manual_seed(seed)
+    center, half = torch.randn(channels, generator=g) * 2, torch.rand(channels, generator=g) * 3 + 0.5
+    kq = VectorQuantizer(normal_float_levels(spec.k_bits), "channel", spec.outlier_fraction,
+                         lo=center - half, hi=center + half)
+    return kq, VectorQuantizer(normal_float_levels(spec.v_bits), "token", spec.outlier_fraction)
+
+
+def fill_store(kq: VectorQuantizer, vq: VectorQuantizer, tokens: int, channels: int, head_dim: int, sinks: int,
+               positions: PositionLog, seed: int = 0, chunk: int = 8192) -> KVStore:
+    """A one-row store of `tokens` heavy-tailed tokens whose keys fit the key quantizer's channel ranges."""
+    import torch
+
+    from kvsqueeze.cache.store import KVStore
+
+    g = torch.Generator().manual_seed(seed)
+    center, half = (kq.hi + kq.lo) / 2, (kq.hi - kq.lo) / 2
+    tdist = torch.distributions.StudentT(TAIL_DF)
+    store = KVStore(kq, vq, channels, sinks, head_dim=head_dim, positions=positions)
+    for start in range(0, tokens, chunk):
+        n = min(chunk, tokens - start)
+        torch.manual_seed(seed + start)
+        keys = center + half * tdist.sample((1, n, channels)) / TAIL_Q99
+        values = tdist.sample((1, n, channels)) * (0.5 + torch.rand(channels, generator=g))
+        store.append(keys.float(), values.float())
+    return store
+
+
+def shape(args, recipe) -> tuple[int, int, int]:
+    """(query heads, KV heads, head_dim): given, or the recipe's model's."""
+    given = (args.heads, args.kv_heads, args.head_dim)
+    if all(given):
+        return given
+    if recipe is None:
+        raise SystemExit("no recipe to read the layer shape from: pass --recipe DIR, or --heads, --kv-heads and "
+                         "--head-dim")
+    fp = recipe.meta["model"]["fingerprint"]
+    return tuple(g or fp[k] for g, k in zip(given, ("heads", "kv_heads", "head_dim")))
+
+
+def check(q, store: KVStore, rope: Rope, scaling: float, method: str, tokens: int) -> None:
+    """The fused result must equal the reference on the store it is timed on, before it is timed."""
+    import torch
+
+    from kvsqueeze.kernels import decode_attention
+
+    got = decode_attention(q, store.view(), rope, scaling, backend="numba")
+    want = decode_attention(q, store.view(), rope, scaling, backend="reference")
+    err = float((got - want).abs().max())
+    if not torch.allclose(got, want, atol=2e-5, rtol=1e-4):
+        raise SystemExit(f"{method} at {tokens} tokens: the numba backend differs from the reference by {err:.3g}")
+
+
+# ---- memory ------------------------------------------------------------------------------------------
+def tensor_bytes(x) -> int:
+    """Bytes of a tensor, of a quantized tensor subclass (its inner tensors) or of containers of them."""
+    import torch
+
+    if isinstance(x, (tuple, list)):
+        return sum(tensor_bytes(y) for y in x)
+    if isinstance(x, dict):
+        return sum(tensor_bytes(y) for y in x.values())
+    if isinstance(x, torch.Tensor):
+        if hasattr(x, "__tensor_flatten__") and type(x) is not torch.Tensor:
+            names, _ = x.__tensor_flatten__()
+            return sum(tensor_bytes(getattr(x, n)) for n in names)
+        return x.numel() * x.element_size()
+    return 0
+
+
+# ---- tables the measuring scripts print (report.py writes them into the documents) ---------------------
+def window_note(data: dict) -> str:
+    src = data.get("window_sources")
+    if not src:  # measured before windows were spread over the part
+        return f"the first {data['windows']} windows of {data['seqlen']} tokens of the part"
+    cats = f", covering {len(src['categories'])} categories" if src.get("categories") else ""
+    return f"{src['windows']} windows of {src['seqlen']} tokens spread over the {src['of']} of the part{cats}"
+
+
+def models_table(data: dict) -> str:
+    """PPL of each method on each bundled model (`benchmarks/models.py`), change against the model's own fp16."""
+    names = list(data["models"])
+    by = {(r["model"], r["method"]): r for r in data["rows"]}
+    methods = data["settings"]["methods"]
+    st = data["settings"]
+    out = [f"BBC evaluation part, {st['eval']}, recipes from {st['calibration']} of the calibration part "
+           f"({data['machine']})\n",
+           "| method | " + " | ".join(f"`{n}`" for n in names) + " |", "|---|" + "---:|" * len(names)]
+    for m in methods:
+        cells = []
+        for n in names:
+            r, base = by.get((n, m)), by.get((n, "fp16"))
+            if r is None:
+                cells.append("–")
+            elif m == "fp16":
+                cells.append(f"{r['ppl']:.3f}")
+            else:
+                cells.append(f"{r['ppl']:.3f} ({(r['ppl'] / base['ppl'] - 1) * 100:+.1f}%, {r['avg_bits']:.2f} b)")
+        out.append(f"| `{m}` | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def peers_table(data: dict) -> str:
+    """Every quantizer on the same windows (`benchmarks/peers.py`), sorted by bits within each engine."""
+    base = {r["engine"]: r["ppl"] for r in data["rows"] if r["method"] == "fp16"}
+    ours = next(iter(base.values()))
+    out = [f"{data['model']}, {data['text']}, {window_note(data)} ({data['machine']})\n",
+           "| method | engine | bits / element | PPL | vs fp16 | 95% CI | KLD mean | KLD p99 | top-1 |",
+           "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        ref = base.get(r["engine"], ours)
+        ci = f"{r['ci95'][0]:+.2f} … {r['ci95'][1]:+.2f}" if r.get("ci95") else "–"
+        out.append(f"| `{r['method']}` | {r['engine']} | {r['avg_bits']:.2f} | {r['ppl']:.3f} | "
+                   f"{(r['ppl'] / ref - 1) * 100:+.2f}% | {ci} | {r['kld_mean']:.4f} | {r['kld_p99']:.3f} | "
+                   f"{100 * r['top1']:.1f}% |")
+    for k, v in data.get("not_measured", {}).items():
+        out.append(f"\nNot measured — {k}: {v}")
+    return "\n".join(out)

@@ -1,0 +1,13 @@
+"""Methods: their names (`spec`: the grammar and `MethodSpec`) and the registry of their families (`families`:
+how each builds its quantizers, what it stores, which paths run it)."""
+
+from .spec import (FAMILIES, FAMILY_DEFAULTS, FIT_VARIANTS, FIXED_AXES, SUPPORTED_BITS, MethodError, MethodSpec,
+                   canonical_name, fixed_outlier_count, max_outliers_per_side, parse_method, parse_methods,
+                   topk_per_side)
+from .families import (PATHS, REGISTRY, average_bits, build_quantizers, cache_bytes, check_path, describe,
+                       family, needs_recipe)
+
+__all__ = ["FAMILIES", "FAMILY_DEFAULTS", "FIT_VARIANTS", "FIXED_AXES", "SUPPORTED_BITS", "MethodError", "MethodSpec",
+           "canonical_name", "fixed_outlier_count", "max_outliers_per_side", "parse_method", "parse_methods",
+           "topk_per_side", "PATHS", "REGISTRY", "average_bits", "build_quantizers", "cache_bytes", "check_path",
+           "describe", "family", "needs_recipe"]

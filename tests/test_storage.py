@@ -1,0 +1,197 @@
+"""What a method stores is counted once (`kvsqueeze.storage`, read through the method registry) and equals, byte
+for byte, what the compressed cache holds.
+
+For every method of the ladder the compressed cache can hold, on a tiny LLaMA, Qwen3 (k_norm) and Gemma-3 (k_norm,
+head_dim 256, a sliding layer beside a full one), at 100, 2,048 and 20,000 tokens, for one row and for a
+left-padded batch of two, the cache is filled through its layers' own append (as a prefill does) with keys and
+values that have outliers, and its `MemoryReport` components are compared with the registry's `cache_bytes` given
+the outlier counts the store kept. The counts are then shown to have the power to catch a miscount: dropping the
+code words' padding, or the decode tables, makes them disagree.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvsqueeze
+from conftest import HEAD_DIM, HIDDEN, INIT_STD, KV_HEADS, VOCAB, random_ids
+from kvsqueeze import storage
+from kvsqueeze.budget import allocate_channels, spec_allocation
+from kvsqueeze.calibrate.collect import collect
+from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
+from kvsqueeze.methods import MethodError, cache_bytes, check_path, family, parse_method
+from kvsqueeze.storage import Rows
+
+CACHED = ["fp16", "nuq3-1%", "nuq2-1%", "nuq4-1%", "nuq3", "nuq3-1%:kslots6", "nuq3-1%:pm", "nf3-1%:kchan:pre",
+          "int4:kchan:pre:sink2", "nuq3-1%:r16", "nuq@3.5", "nuq@3.49:r32:chan", "nuq@2.6:r32:chan",
+          "nuq@4.58:r32:chan", "nuq@3.5:chan:ctx32k"]
+MODELLED = ["kivi2", "turbo3:split", "int3", "group3:g64"]  # no compressed cache holds them
+CAL = CalibrationConfig(samples=2, seqlen=64, bits=(2, 3, 4), fractions=(0.0, 0.01), fits=("fs2",))
+
+
+def _model(arch: str):
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    common = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=2,
+                  num_attention_heads=HIDDEN // HEAD_DIM, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                  max_position_embeddings=1 << 15, initializer_range=INIT_STD, tie_word_embeddings=False,
+                  pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    if arch == "gemma3":
+        common.update(head_dim=256, query_pre_attn_scalar=256, sliding_window=8, num_key_value_heads=1,
+                      layer_types=["sliding_attention", "full_attention"])
+    cfg = getattr(transformers, {"llama": "LlamaConfig", "qwen3": "Qwen3Config",
+                                 "gemma3": "Gemma3TextConfig"}[arch])(**common)
+    torch.manual_seed(7)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen3", "gemma3"])
+def calibrated(request):
+    model = _model(request.param)
+    acts = collect(model, random_ids(CAL.samples, CAL.seqlen, seed=5), sinks=1, progress=False)
+    return request.param, model, fit_recipe(model, acts, CAL, f"tiny-{request.param}", "random", progress=False)
+
+
+def _fill(cache, tokens: int, padding: tuple[int, ...], seed: int) -> None:
+    """Keys and values with heavy-tailed channels appended to every layer as a prefill would, then each sliding
+    layer trimmed to its window as after a forward."""
+    g = torch.Generator().manual_seed(seed)
+    b = len(padding)
+    real = torch.arange(tokens).view(1, -1) >= torch.tensor(padding).view(-1, 1)  # [B, T], left padding
+    positions = (real.long().cumsum(1) - 1).clamp(min=0)
+    for layer in cache.layers:
+        c = layer.store.channels
+        k = torch.randn(b, tokens, c, generator=g) * (1 + 3 * torch.rand(c, generator=g))
+        v = torch.randn(b, tokens, c, generator=g)
+        k[torch.rand(b, tokens, c, generator=g) < 0.003] *= 8  # outliers past the calibrated ranges
+        layer.append_pre_rope(k, v, positions, real)
+        layer.slide()
+
+
+def _held(cache) -> tuple[list, list]:
+    """Per layer, what the registry needs of a filled cache: the slots a sliding layer keeps (None: a full one)
+    and the (key, value) outliers its store holds."""
+    held, outliers = [], []
+    for layer in cache.layers:
+        s = layer.store
+        held.append(None if layer.window is None else layer.kept_tokens())
+        n_sinks = int(s.sink_count.sum())
+        k = s.k_outliers.nnz if s.k_outliers is not None else 0
+        v = (s.v_outliers.nnz - n_sinks * (s.v_fixed or 0)) if s.v_outliers is not None else 0
+        outliers.append((k, v))
+    return held, outliers
+
+
+@pytest.mark.parametrize("tokens", [100, 2048, 20_000])
+@pytest.mark.parametrize("padding", [(0,), (0, 37)], ids=["batch1", "padded2"])
+def test_the_memory_report_equals_the_registry_byte_for_byte(calibrated, tokens, padding):
+    arch, model, recipe = calibrated
+    from kvsqueeze.shape import kv_shape
+
+    shape = kv_shape(model.config)
+    for i, name in enumerate(CACHED):
+        spec = parse_method(name)
+        with kvsqueeze.cache_for(model, recipe, spec) as cache:
+            if spec.quantized:
+                _fill(cache, tokens, padding, seed=i)
+                held, outliers = _held(cache)
+            else:  # the fp16 cache is filled by a forward of its own
+                ids = random_ids(len(padding), 40, seed=i)
+                with torch.no_grad():
+                    model(ids, cache=cache, use_cache=True)
+                tokens_here = 40
+                held = [None if layer.window is None else layer.kept_tokens() for layer in cache.layers]
+                outliers = None
+            report = cache.memory_report()
+            rows = Rows(tokens if spec.quantized else tokens_here, padding)
+            want = cache_bytes(spec, shape.layers, shape.channels, shape.head_dim, rows, recipe, held, outliers)
+            assert report.components == want, f"{arch} {name} at {tokens} tokens, padding {padding}"
+            assert report.total_bytes == storage.total(want)
+
+
+def test_the_counts_catch_a_miscount(calibrated, monkeypatch):
+    """The comparison above has power: a count that drops the last word's padding, or the decode tables, of a
+    method with a width per channel disagrees with the bytes held."""
+    arch, model, recipe = calibrated
+    from kvsqueeze.shape import kv_shape
+
+    shape = kv_shape(model.config)
+    spec = parse_method("nuq@3.49:r32:chan:ctx32k")  # at 32K every model's budget gives channels widths
+    alloc = spec_allocation(spec, recipe)
+    per_channel = [c for c in (*alloc.keys, *alloc.values) if c.widths is not None]
+    if arch == "llama":  # its channels differ enough that the budget gives them widths of their own
+        assert per_channel, "the budget gave no unit widths of its own; the checks below would not test them"
+    with kvsqueeze.cache_for(model, recipe, spec) as cache:
+        _fill(cache, 100, (0,), seed=1)
+        held, outliers = _held(cache)
+        report = cache.memory_report().components
+    rows = Rows(100)
+    assert cache_bytes(spec, shape.layers, shape.channels, shape.head_dim, rows, recipe, held, outliers) == report
+    unpadded = lambda channels, choice: -(-(sum(choice.widths) if choice.widths else channels * choice.bits) // 32)
+    monkeypatch.setattr(storage, "slot_words", lambda c, ch: unpadded(c, ch) - (ch.widths is not None
+                                                                                  and sum(ch.widths) % 32 != 0))
+    padded = any(sum(c.widths) % 32 for c in per_channel)
+    if padded:
+        assert cache_bytes(spec, shape.layers, shape.channels, shape.head_dim, rows, recipe, held, outliers) != report
+    monkeypatch.undo()
+    real = storage.tensor_bytes
+    for dropped in ("decode_tables", "sink_slots"):
+        def without(*args, _name=dropped, **kw):
+            out = real(*args, **kw)
+            out[_name] = 0
+            return out
+
+        monkeypatch.setattr(storage, "tensor_bytes", without)
+        counted = cache_bytes(spec, shape.layers, shape.channels, shape.head_dim, rows, recipe, held, outliers)
+        assert (counted != report) == (dropped == "sink_slots" or bool(per_channel)), dropped
+        monkeypatch.undo()
+
+
+@pytest.mark.parametrize("name", MODELLED)
+def test_methods_without_a_compressed_cache_are_refused_and_counted_as_modelled(name):
+    spec = parse_method(name)
+    with pytest.raises(MethodError, match="quantize|stores|keys"):  # the reason, named
+        check_path(spec, "cache")
+    assert family(spec).source(spec) == "model"
+    bytes_ = cache_bytes(spec, 2, 64, 32, Rows(1000))
+    assert storage.total(bytes_) > 0
+
+
+def test_a_budget_holds_its_bits_at_the_context_it_is_chosen_for(tiny_recipe):
+    """The choice counts every byte the cache holds at its context: the average held there is at most the budget
+    (and within one word per slot of it), and a choice made for 32K tokens holds its budget at 32K."""
+    from kvsqueeze.methods import average_bits
+
+    for name in ("nuq@3.49:r32:chan", "nuq@2.6:r32:chan", "nuq@4.58:r32:chan", "nuq@3.5", "nuq@3.5:chan:ctx32k",
+                 "nuq@3.49:r32:chan:ctx128k"):
+        spec = parse_method(name)
+        t = spec.budget_context
+        held = average_bits(spec, 2, 32, 16, t, tiny_recipe)
+        assert held <= spec.budget + 1e-9, name
+        assert held > spec.budget - 0.35, name  # the choice spends its budget (tiny layers: coarse steps)
+        assert spec_allocation(spec, tiny_recipe).bits == pytest.approx(held, rel=1e-12), name
+    short = average_bits(parse_method("nuq@3.49:r32:chan"), 2, 32, 16, 32768, tiny_recipe)
+    long = average_bits(parse_method("nuq@3.49:r32:chan:ctx32k"), 2, 32, 16, 32768, tiny_recipe)
+    assert short < long <= 3.49  # chosen for 2K, it leaves bits unspent at 32K; chosen for 32K, it spends them
+
+
+def test_a_budget_names_its_context():
+    spec = parse_method("nuq@3.5:r32:chan:ctx32k")
+    assert spec.budget_context == 32768 and spec.name == "nuq@3.5:r32:chan:ctx32k"
+    assert parse_method("nuq@3.5:ctx2048").name == "nuq@3.5"  # the default context is not written
+    assert parse_method("nuq@3.5:ctx3000").name == "nuq@3.5:ctx3000"
+    for bad in ("nuq@3.5:ctx0", "nuq@3.5:ctx99999999999"):
+        with pytest.raises(MethodError, match="ctx"):
+            parse_method(bad)
+    with pytest.raises(MethodError, match="out of range"):
+        parse_method("nuq3:r99999999999999999999")
+
+
+def test_padding_words_are_filled_with_upgrades(tiny_recipe):
+    """A unit with widths of its own leaves no bit of its last word unused where an upgrade still saves error."""
+    alloc = allocate_channels(tiny_recipe, 3.49, window=32)
+    for c in (*alloc.keys, *alloc.values):
+        if c.widths is not None and sum(c.widths) % 32:
+            assert max(c.widths) == 6 or all(w == max(c.widths) for w in c.widths), c
