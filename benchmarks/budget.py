@@ -40,7 +40,7 @@ import torch
 from kvsqueeze.eval.perplexity import evaluate, paired_interval
 from kvsqueeze.eval.texts import evaluation_windows, load_text
 from kvsqueeze.integrations.loading import load_model
-from kvsqueeze.budget import sensitivity_key
+from kvsqueeze.methods.budget import sensitivity_key
 from kvsqueeze.methods import average_bits, parse_method
 from kvsqueeze.recipe import Recipe
 

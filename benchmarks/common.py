@@ -81,10 +81,10 @@ def quantizers(method: str, recipe, channels: int, seed: int = 0) -> tuple[Vecto
     """Key and value quantizers: the recipe's (a middle layer) or synthetic ones with per-channel ranges."""
     import torch
 
-    from kvsqueeze.datatypes import normal_float_levels
+    from kvsqueeze.numerics.datatypes import normal_float_levels
     from kvsqueeze.methods import parse_method
     from kvsqueeze.methods import build_quantizers
-    from kvsqueeze.quantizer import VectorQuantizer
+    from kvsqueeze.numerics.quantizer import VectorQuantizer
 
     spec = parse_method(method)
     if recipe is not None:

@@ -49,10 +49,10 @@ import torch.nn.functional as F
 
 from kvsqueeze.cache.positions import PositionLog
 from kvsqueeze.cache.store import KVStore
-from kvsqueeze.datatypes import normal_float_levels
+from kvsqueeze.numerics.datatypes import normal_float_levels
 from kvsqueeze.kernels import Rope, decode_attention
 from kvsqueeze.methods import parse_method
-from kvsqueeze.quantizer import VectorQuantizer
+from kvsqueeze.numerics.quantizer import VectorQuantizer
 
 TAIL_DF = 5.0  # Student-t degrees of freedom of the synthetic activations
 TAIL_Q99 = 4.032  # |t_5| exceeds this with probability 1%: scaled by it, 1% of a channel leaves its range

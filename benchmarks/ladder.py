@@ -51,7 +51,7 @@ BITS = [
     for fam, suffix in (("int", ""), ("nf", ""), ("int", ":kchan:pre:sink1"), ("nf", ":kchan:pre:sink1"),
                         ("nuq", ""), ("nuq", "-1%"))
 ]
-BUDGETS = [  # quality per bit: each layer's K / V bits and outliers chosen from the recipe (kvsqueeze.budget)
+BUDGETS = [  # quality per bit: each layer's K / V bits and outliers chosen from the recipe (kvsqueeze.methods.budget)
     ("nuq@2.5", "bit budget 2.5: per-layer K/V bits and outliers from the Fisher objectives"),
     ("nuq@2.6", "bit budget 2.6"),
     ("nuq@3", "bit budget 3.0"),

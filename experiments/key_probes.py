@@ -32,13 +32,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kvsqueeze.affine import choose_qparams
+from kvsqueeze.numerics.affine import choose_qparams
 from kvsqueeze.calibrate.collect import collect
 from kvsqueeze.calibrate.kmeans import WeightedHistogram, fit_codebook
 from kvsqueeze.config import CalibrationConfig
 from kvsqueeze.eval.texts import calibration_windows, load_text
 from kvsqueeze.integrations.loading import load_model
-from kvsqueeze.outliers import calibrated_thresholds, online_thresholds, outlier_mask
+from kvsqueeze.numerics.outliers import calibrated_thresholds, online_thresholds, outlier_mask
 from kvsqueeze.shape import kv_shape
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
@@ -116,7 +116,7 @@ def probe_layer(fit: Part, held: Part, kind: str, bits: int, head_dim: int) -> d
 
 def budget_split(recipe_dir: str, avg_bits: float) -> dict:
     """The key and value shares of the predicted error of `nuq@<avg_bits>:chan` on a recipe."""
-    from kvsqueeze import budget
+    from kvsqueeze.methods import budget
     from kvsqueeze.recipe import Recipe
 
     recipe = Recipe.load(recipe_dir)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvsqueeze.budget import CHANNEL_BITS, allocate_channels, measured_scales, sensitivity_key
+from kvsqueeze.methods.budget import CHANNEL_BITS, allocate_channels, measured_scales, sensitivity_key
 from kvsqueeze.recipe import Recipe
 
 SUBSETS = [  # (widths, outlier fractions) measured

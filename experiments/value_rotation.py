@@ -26,13 +26,13 @@ from pathlib import Path
 import torch
 
 import kvsqueeze.eval.perplexity as perplexity
-from kvsqueeze.datatypes import normal_float_levels
+from kvsqueeze.numerics.datatypes import normal_float_levels
 from kvsqueeze.eval.plots import capture_kv
 from kvsqueeze.eval.texts import calibration_windows, evaluation_windows, load_text
 from kvsqueeze.integrations.loading import load_model
 from kvsqueeze.integrations.simulate import SimulatedQuantization
 from kvsqueeze.methods import parse_method
-from kvsqueeze.quantizer import VectorQuantizer
+from kvsqueeze.numerics.quantizer import VectorQuantizer
 from kvsqueeze.recipe import Recipe
 from kvsqueeze.shape import kv_shape
 

@@ -26,7 +26,7 @@ import kvsqueeze
 from kvsqueeze.eval.texts import load_text
 from kvsqueeze.integrations import layers
 from kvsqueeze.integrations.loading import load_model
-from kvsqueeze.rope import unapply_rope
+from kvsqueeze.numerics.rope import unapply_rope
 
 
 def main() -> None:

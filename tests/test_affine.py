@@ -1,4 +1,4 @@
-"""Tests for kvsqueeze.quantizer: scale/zero-point choice, quantize, dequantize, fake_quantize."""
+"""Tests for kvsqueeze.numerics.quantizer: scale/zero-point choice, quantize, dequantize, fake_quantize."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsqueeze.datatypes import standard_levels, normal_float_levels, uniform_levels
-from kvsqueeze.affine import check_finite, choose_qparams, dequantize, fake_quantize, quantize
+from kvsqueeze.numerics.datatypes import standard_levels, normal_float_levels, uniform_levels
+from kvsqueeze.numerics.affine import check_finite, choose_qparams, dequantize, fake_quantize, quantize
 
 FAST = settings(max_examples=40, deadline=None)
 

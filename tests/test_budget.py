@@ -1,4 +1,4 @@
-"""Tests for kvsqueeze.budget: the per-layer bit choice of `nuq@AVG` methods.
+"""Tests for kvsqueeze.methods.budget: the per-layer bit choice of `nuq@AVG` methods.
 
 Its storage model is the compressed cache's own count (`kvsqueeze.storage`, per unit and shared); the choice fits its budget, beats every plain
 nuq method of no more bits on the recipe's own predicted loss, grows with the budget, and reaches every path
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvsqueeze import storage
-from kvsqueeze.budget import KEY_OUTLIER_HEADROOM, Choice, allocate, layer_choices, recipe_allocation, shared_bits, unit_bits
+from kvsqueeze.methods.budget import KEY_OUTLIER_HEADROOM, Choice, allocate, layer_choices, recipe_allocation, shared_bits, unit_bits
 from kvsqueeze.methods import MethodError, average_bits, cache_bytes, parse_method
 from kvsqueeze.storage import Rows
 
@@ -139,7 +139,7 @@ def test_measured_sensitivities_drive_kl_budgets(tiny_llama, tiny_recipe):
 
     from conftest import random_ids
 
-    from kvsqueeze.budget import sensitivity_key
+    from kvsqueeze.methods.budget import sensitivity_key
     from kvsqueeze.calibrate.sensitivity import measure_sensitivity
     from kvsqueeze.recipe import RecipeError
 
@@ -169,7 +169,7 @@ def test_sensitivities_of_one_width_scale_every_choice(tiny_llama, tiny_recipe):
 
     from conftest import random_ids
 
-    from kvsqueeze.budget import _objective, _options, measured_scales, sensitivity_key
+    from kvsqueeze.methods.budget import _objective, _options, measured_scales, sensitivity_key
     from kvsqueeze.calibrate.sensitivity import measure_sensitivity
 
     ids = random_ids(1, 40, seed=4)
@@ -200,7 +200,7 @@ def _with_sensitivities(recipe, scale):
     """A copy of `recipe` whose measured KL of every choice is `scale(layer, kv, choice)` times its Fisher objective."""
     import copy
 
-    from kvsqueeze.budget import _objective, _options, sensitivity_key, unit_key
+    from kvsqueeze.methods.budget import _objective, _options, sensitivity_key, unit_key
 
     recipe = copy.deepcopy(recipe)
     layers = recipe.meta["model"]["fingerprint"]["layers"]
@@ -218,7 +218,7 @@ def test_measured_scales_weigh_whole_units_of_a_channel_budget(tiny_recipe, avg)
     measurements is refused with the command that adds them."""
     import numpy as np
 
-    from kvsqueeze.budget import allocate_channels, measured_scales
+    from kvsqueeze.methods.budget import allocate_channels, measured_scales
     from kvsqueeze.recipe import RecipeError
 
     with pytest.raises(RecipeError, match="kvsqueeze budget"):
@@ -268,7 +268,7 @@ def test_sensitivity_runs_that_skip_the_unchanged_layers_equal_whole_forwards(ti
 # ---- a width per channel (nuq@AVG:chan) -------------------------------------------------------------------------
 def _table_loss(recipe, alloc) -> float:
     """The summed per-channel errors of an allocation, read from the recipe's tables."""
-    from kvsqueeze.budget import CHANNEL_BITS
+    from kvsqueeze.methods.budget import CHANNEL_BITS
 
     total = 0.0
     for layer, (k, v) in enumerate(zip(alloc.keys, alloc.values)):
@@ -282,7 +282,7 @@ def _table_loss(recipe, alloc) -> float:
 def test_channel_errors_split_each_codebook_objective_by_channel(tiny_recipe):
     """Summed over channels, a width's per-channel errors are its codebook's Fisher-weighted objective (computed
     there on a histogram, so within its binning); fewer bits never cost a channel less."""
-    from kvsqueeze.budget import CHANNEL_BITS
+    from kvsqueeze.methods.budget import CHANNEL_BITS
 
     objective = tiny_recipe.meta["kmeans_objective"]
     for layer in (0, 1):
@@ -300,7 +300,7 @@ def test_channel_errors_split_each_codebook_objective_by_channel(tiny_recipe):
 def test_channel_budgets_fit_and_predict_no_more_loss_than_layer_budgets(tiny_recipe, avg):
     """A width per layer is one of the choices a width per channel has: at the same bits, the per-channel choice
     predicts at most the per-layer one's loss, and it fits its budget, every byte counted."""
-    from kvsqueeze.budget import CHANNEL_BITS, allocate_channels
+    from kvsqueeze.methods.budget import CHANNEL_BITS, allocate_channels
 
     chan = allocate_channels(tiny_recipe, avg)
     # the budget spent, not left over, to within a step: on the tiny model (32 channels, 2 layers) one more code word
@@ -330,7 +330,7 @@ def test_channel_budgets_at_a_plain_methods_bits_afford_it_and_predict_no_more_l
     import copy
     import math
 
-    from kvsqueeze.budget import Allocation, allocate_channels
+    from kvsqueeze.methods.budget import Allocation, allocate_channels
     from kvsqueeze.methods import build_quantizers
 
     spec = parse_method(plain)
@@ -363,7 +363,7 @@ def test_channel_budgets_at_a_plain_methods_bits_afford_it_and_predict_no_more_l
 def test_channel_budgets_round_trip_and_refuse_what_they_cannot_do(tiny_recipe):
     import copy
 
-    from kvsqueeze.budget import Allocation, allocate_channels
+    from kvsqueeze.methods.budget import Allocation, allocate_channels
 
     alloc = recipe_allocation(tiny_recipe, 3.0, unit="channel")
     assert alloc == allocate_channels(tiny_recipe, 3.0)
@@ -397,7 +397,7 @@ def test_channel_widths_quantize_each_channel_with_its_own_codebook(tiny_recipe)
             for w in set(choice.widths):
                 plain = parse_method(f"nuq{max(w, 2)}" + (f"-{100 * choice.fraction:g}%" if choice.fraction else ""))
                 pq = build_quantizers(plain, tiny_recipe, layer, 32, 8)[side]
-                from kvsqueeze.quantizer import with_widths
+                from kvsqueeze.methods.families import with_widths
 
                 pq = with_widths(pq, (w,) * 32, tiny_recipe, layer, "kv"[side], 32)  # that width everywhere
                 want, want_kept = pq.fake(x)
@@ -415,7 +415,7 @@ def _mixed(recipe, avg: float):
     import copy
     import dataclasses
 
-    from kvsqueeze.budget import budget_key
+    from kvsqueeze.methods.budget import budget_key
 
     alloc = recipe_allocation(recipe, avg, unit="channel")
     c = len(alloc.keys[0].widths or ()) or recipe.meta["model"]["fingerprint"]["kv_heads"] * \
@@ -484,7 +484,7 @@ def test_channel_widths_the_kernels_cannot_read_and_broken_tables_are_refused(ti
     import copy
     import dataclasses
 
-    from kvsqueeze.budget import allocate_channels
+    from kvsqueeze.methods.budget import allocate_channels
     from kvsqueeze.cache.store import KVStore
     from kvsqueeze.paged.layout import PageLayout
     from kvsqueeze.methods import build_quantizers

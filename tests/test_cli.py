@@ -138,7 +138,7 @@ def test_device_reaches_the_model_or_is_refused_with_the_reason(tiny_model_dir, 
 
 
 def test_calibrate_stores_bit_budgets_that_eval_and_inspect_read(tiny_model_dir, text_file, tmp_path, capsys):
-    from kvsqueeze.budget import allocate, allocate_channels, recipe_allocation
+    from kvsqueeze.methods.budget import allocate, allocate_channels, recipe_allocation
     from kvsqueeze.recipe import Recipe
 
     out = tmp_path / "recipe"
@@ -185,7 +185,7 @@ def test_calibrate_stores_bit_budgets_that_eval_and_inspect_read(tiny_model_dir,
 def test_calibrate_kl_measures_what_budget_measures(tiny_model_dir, text_file, tmp_path, capsys):
     """`calibrate --kl` is calibration then `kvsqueeze budget` in one command: the same sensitivities (the
     recipe's middle width, with and without its largest outlier fraction) and the ':kl' choices stored."""
-    from kvsqueeze.budget import allocate_channels, budget_key, sensitivity_key
+    from kvsqueeze.methods.budget import allocate_channels, budget_key, sensitivity_key
     from kvsqueeze.recipe import Recipe
 
     out = tmp_path / "recipe"

@@ -1,4 +1,4 @@
-"""Tests for kvsqueeze.datatypes: uniform intX, NormalFloat nfX levels and codebook validation."""
+"""Tests for kvsqueeze.numerics.datatypes: uniform intX, NormalFloat nfX levels and codebook validation."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from statistics import NormalDist
 import pytest
 import torch
 
-from kvsqueeze.datatypes import check_codebook, standard_levels, normal_float_levels, uniform_levels
+from kvsqueeze.numerics.datatypes import check_codebook, standard_levels, normal_float_levels, uniform_levels
 
 # NF4 as published with QLoRA (Dettmers et al., 2023, Appendix E / bitsandbytes' table).
 QLORA_NF4 = [

@@ -1,8 +1,17 @@
 """The package's layers and the one-way arrows between them, read from the source (every import, lazy ones too).
 
-numerics (datatypes, affine, quantizer, turbo, outliers, packing, rope, methods, shape,
-recipe, budget, config) <- cache (the store) <- kernels' view; only `integrations/`,
-`calibrate/`, `eval/` and the CLI may import transformers.
+From the bottom (docs/architecture.md draws the same):
+
+    numerics/                            datatypes, affine, outliers, quantizer, turbo, packing, rope
+    storage  recipe  shape  config       bytes held, calibrated statistics, model shapes, defaults
+    methods/   kernels/                  names, registry and budgets | decode attention over a store's view
+    cache/                               the store (reads the kernels' view type, builds with the registry)
+    paged/   integrations/               pages for a serving engine | transformers' side
+    serving/  calibrate/  eval/
+    cli
+
+A module imports its own group and the rows below it only; only `integrations/`, `calibrate/`, `eval/`,
+the CLI and vLLM's backend may import transformers.
 """
 
 from __future__ import annotations
@@ -13,8 +22,10 @@ from pathlib import Path
 import kvsqueeze
 
 ROOT = Path(kvsqueeze.__file__).parent
-NUMERICS = {"datatypes", "affine", "quantizer", "turbo", "outliers", "packing", "rope", "methods", "shape", "recipe",
-            "budget", "storage", "config"}
+LAYERS = [("numerics",), ("storage", "recipe", "shape", "config"), ("methods", "kernels"), ("cache",),
+          ("paged", "integrations"), ("serving", "calibrate", "eval"), ("cli",)]
+RANK = {group: i for i, row in enumerate(LAYERS) for group in row}
+NUMERICS = {"numerics", "storage", "recipe", "shape", "config", "methods"}  # what neither cache nor kernels are
 
 
 def _module_name(path: Path) -> str:
@@ -58,9 +69,27 @@ def _external(name: str) -> set[str]:
 
 
 def _lower(name: str) -> bool:
-    """Numerics, the cache store and the kernels: the layers that must not know transformers."""
+    """The numerics and methods, the cache store and the kernels: the layers that must not know transformers."""
     top = name.split(".")[0]
     return top in NUMERICS or top in ("cache", "kernels")
+
+
+def test_every_module_belongs_to_a_layer_and_imports_only_its_own_group_and_the_rows_below():
+    graph = _graph()
+    for name, deps in graph.items():
+        group = name.split(".")[0]
+        assert group in RANK, f"kvsqueeze.{name} is in no layer of LAYERS: add its group to the layout"
+        for dep in deps:
+            other = dep.split(".")[0]
+            assert other == group or RANK[other] < RANK[group], (
+                f"kvsqueeze.{name} imports kvsqueeze.{dep}: {other} is not below {group}")
+
+
+def test_the_numerics_know_nothing_above_them():
+    graph = _graph()
+    for name, deps in graph.items():
+        if name.startswith("numerics"):
+            assert all(d.startswith("numerics") for d in deps), f"kvsqueeze.{name} imports {sorted(deps)}"
 
 
 def test_no_import_cycles():

@@ -1,4 +1,4 @@
-"""Tests for kvsqueeze.outliers (dense-and-sparse thresholds) and outlier handling in VectorQuantizer."""
+"""Tests for kvsqueeze.numerics.outliers (dense-and-sparse thresholds) and outlier handling in VectorQuantizer."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsqueeze.datatypes import standard_levels, uniform_levels
+from kvsqueeze.numerics.datatypes import standard_levels, uniform_levels
 from kvsqueeze.methods import max_outliers_per_side
-from kvsqueeze.outliers import calibrated_thresholds, clamp_range, online_thresholds, outlier_mask
-from kvsqueeze.affine import choose_qparams
-from kvsqueeze.quantizer import VectorQuantizer
+from kvsqueeze.numerics.outliers import calibrated_thresholds, clamp_range, online_thresholds, outlier_mask
+from kvsqueeze.numerics.affine import choose_qparams
+from kvsqueeze.numerics.quantizer import VectorQuantizer
 
 FAST = settings(max_examples=40, deadline=None)
 

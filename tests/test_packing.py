@@ -1,4 +1,4 @@
-"""Tests for kvsqueeze.packing: exact round trips, the on-disk bit layout, and errors."""
+"""Tests for kvsqueeze.numerics.packing: exact round trips, the on-disk bit layout, and errors."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvsqueeze.packing import (
+from kvsqueeze.numerics.packing import (
     _WORD_MASK,
     _check_bits,
     _check_codes,
@@ -287,7 +287,7 @@ def test_negative_n_raises():
 # ---- a width per code -------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [1, 31, 64, 70, 192])
 def test_mixed_widths_round_trip_and_equal_widths_are_pack_codes(n):
-    from kvsqueeze.packing import code_offsets, mixed_words, pack_mixed, unpack_mixed
+    from kvsqueeze.numerics.packing import code_offsets, mixed_words, pack_mixed, unpack_mixed
 
     g = torch.Generator().manual_seed(n)
     widths = torch.randint(1, 5, (n,), generator=g)
@@ -303,7 +303,7 @@ def test_mixed_widths_round_trip_and_equal_widths_are_pack_codes(n):
 
 
 def test_mixed_widths_refuse_codes_wider_than_their_channel_and_bad_widths():
-    from kvsqueeze.packing import code_offsets, pack_mixed, unpack_mixed
+    from kvsqueeze.numerics.packing import code_offsets, pack_mixed, unpack_mixed
 
     offsets = code_offsets(torch.tensor([1, 3, 2]))
     with pytest.raises(ValueError, match="wider than its channel"):

@@ -8,12 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from conftest import CHANNELS
-from kvsqueeze.datatypes import normal_float_levels, uniform_levels
+from kvsqueeze.numerics.datatypes import normal_float_levels, uniform_levels
 from kvsqueeze.methods import MethodError, parse_method
-from kvsqueeze.affine import choose_qparams
+from kvsqueeze.numerics.affine import choose_qparams
 from kvsqueeze.recipe import RecipeError
 from kvsqueeze.methods import build_quantizers
-from kvsqueeze.quantizer import VectorQuantizer
+from kvsqueeze.numerics.quantizer import VectorQuantizer
 
 
 def test_fp16_has_no_quantizers():
@@ -140,7 +140,7 @@ def test_bits_property():
 def test_key_slots_keep_a_fixed_count_outliers_first():
     """':kslotsN': every token keeps exactly N exact key elements, its outliers first (the farthest when it has
     more), then the in-range elements its codes round worst; its storage counts N per token, no pointers."""
-    from kvsqueeze.datatypes import uniform_levels
+    from kvsqueeze.numerics.datatypes import uniform_levels
     from conftest import layer_bits as storage_bits
     from kvsqueeze.methods import parse_method
 

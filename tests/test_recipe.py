@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import CHANNELS, LAYERS, tiny_model
-from kvsqueeze.datatypes import check_codebook
+from kvsqueeze.numerics.datatypes import check_codebook
 from kvsqueeze.integrations.fingerprint import check_recipe, model_fingerprint
 from kvsqueeze.integrations.simulate import SimulatedQuantization
 from kvsqueeze.methods import parse_method

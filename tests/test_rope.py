@@ -1,11 +1,11 @@
-"""kvsqueeze.rope: one rotation for every path, at full or half width, and its inverse."""
+"""kvsqueeze.numerics.rope: one rotation for every path, at full or half width, and its inverse."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvsqueeze.rope import Rope, apply_rope, rotate_half, unapply_rope
+from kvsqueeze.numerics.rope import Rope, apply_rope, rotate_half, unapply_rope
 
 
 def test_half_and_full_width_angles_give_the_same_bits():
@@ -30,7 +30,7 @@ def test_unapply_inverts_apply_and_rotation_keeps_norms():
 
 @pytest.mark.parametrize("scaling, half", [(1.0, 16), (1.3, 16), (0.8, 8)])
 def test_unapply_inverts_apply_scaled_and_partial(scaling, half):
-    from kvsqueeze.rope import Rope
+    from kvsqueeze.numerics.rope import Rope
 
     g = torch.Generator().manual_seed(1)
     rope = Rope(torch.rand(half, generator=g), scaling)

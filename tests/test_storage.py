@@ -17,7 +17,7 @@ import torch
 import kvsqueeze
 from conftest import HEAD_DIM, HIDDEN, INIT_STD, KV_HEADS, VOCAB, random_ids
 from kvsqueeze import storage
-from kvsqueeze.budget import allocate_channels, spec_allocation
+from kvsqueeze.methods.budget import allocate_channels, spec_allocation
 from kvsqueeze.calibrate.collect import collect
 from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
 from kvsqueeze.methods import MethodError, cache_bytes, check_path, family, parse_method

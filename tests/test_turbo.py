@@ -1,4 +1,4 @@
-"""kvsqueeze.turbo: TurboQuant's MSE quantizer (rotation, the sphere's Lloyd-Max levels, fp16 norms)."""
+"""kvsqueeze.numerics.turbo: TurboQuant's MSE quantizer (rotation, the sphere's Lloyd-Max levels, fp16 norms)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvsqueeze.methods import MethodError, average_bits, needs_recipe, parse_method
-from kvsqueeze.turbo import TurboQuantizer, random_rotation, sphere_levels
+from kvsqueeze.numerics.turbo import TurboQuantizer, random_rotation, sphere_levels
 
 # Lloyd-Max levels of the standard normal (Max 1960): a coordinate of a rotated unit vector in high
 # dimension is about N(0, 1/D)

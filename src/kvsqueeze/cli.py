@@ -117,7 +117,7 @@ def _measure_sensitivities(model, tok, recipe, text, args) -> dict:
     """`kvsqueeze budget` / `calibrate --kl`: each layer's K and V measured at the chosen widths and outlier
     fractions (default: the recipe's middle width, with none and its largest fraction) on calibration windows;
     the table goes into the recipe."""
-    from .budget import _options, sensitivity_key
+    from .methods.budget import _options, sensitivity_key
     from .calibrate.sensitivity import measure_sensitivity
     from .eval.texts import calibration_windows
 
@@ -142,7 +142,7 @@ def _measure_sensitivities(model, tok, recipe, text, args) -> dict:
 
 def _store_budgets(recipe, budgets: list[float], sinks: int, proxies: tuple[str, ...]) -> None:
     """Each budget's choice, per layer and per channel, for each proxy, stored in the recipe and summarised."""
-    from .budget import allocate, allocate_channels, budget_key
+    from .methods.budget import allocate, allocate_channels, budget_key
 
     for avg in budgets:
         for proxy in proxies:
@@ -247,7 +247,7 @@ def cmd_inspect(args) -> None:
 
     budgets = _budgets(args.avg_bits)
     if budgets:  # the recipe's choice for each budget; no model run needed
-        from .budget import describe, recipe_allocation
+        from .methods.budget import describe, recipe_allocation
         from .eval.plots import plot_budget
         from .recipe import Recipe
 

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .numerics.outliers import max_outliers_per_side, topk_per_side  # noqa: F401  (used and re-exported)
+
 COMPONENTS = ("codes", "scales", "outlier_values", "outlier_indices", "pointers", "sinks", "fp16_window",
               "codebook", "decode_tables", "sink_slots", "positions")
 FP16_BYTES = 2
@@ -75,16 +77,6 @@ class Layout:
     def fixed_outliers(self) -> bool:
         """Whether every slot keeps the same count of outliers (per-token top-k values): no pointers then."""
         return self.kv == "v" and self.scope == "vector" and self.choice.fraction > 0
-
-
-def max_outliers_per_side(fraction: float, width: int) -> int:
-    """Outliers kept on each side (above / below) of one vector of `width` elements."""
-    return int(math.floor(fraction * width / 2 + 0.5))
-
-
-def topk_per_side(fraction: float, width: int) -> int:
-    """Outliers an online per-vector top-k keeps above (and below) one vector: at most half of it."""
-    return min(max_outliers_per_side(fraction, width), (width - 1) // 2)
 
 
 def slot_words(channels: int, choice: Choice) -> int:

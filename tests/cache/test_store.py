@@ -22,11 +22,11 @@ from kvsqueeze.cache import sparse as sparse_mod
 from kvsqueeze.cache.buffers import GrowableTensor
 from kvsqueeze.cache.sparse import TokenOutliers
 from kvsqueeze.cache.store import KVStore
-from kvsqueeze.datatypes import normal_float_levels, uniform_levels
+from kvsqueeze.numerics.datatypes import normal_float_levels, uniform_levels
 from kvsqueeze import storage
 from kvsqueeze.methods import parse_method
-from kvsqueeze.packing import unpack_codes
-from kvsqueeze.quantizer import VectorQuantizer
+from kvsqueeze.numerics.packing import unpack_codes
+from kvsqueeze.numerics.quantizer import VectorQuantizer
 
 FAST = settings(max_examples=40, deadline=None)
 

@@ -19,7 +19,7 @@ from conftest import random_ids
 from kvsqueeze.integrations.cache import CompressedCache
 from kvsqueeze.calibrate.collect import collect
 from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
-from kvsqueeze.rope import apply_rope
+from kvsqueeze.numerics.rope import apply_rope
 from kvsqueeze.integrations.simulate import SimulatedQuantization
 from kvsqueeze.methods import MethodError, cache_bytes, parse_method
 from kvsqueeze.storage import Rows

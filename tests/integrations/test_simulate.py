@@ -13,7 +13,7 @@ from kvsqueeze.integrations.kivi import fake_quantize_channel_groups, fake_quant
 from kvsqueeze.integrations.simulate import SimulatedQuantization
 from conftest import layer_bits as storage_bits
 from kvsqueeze.methods import parse_method
-from kvsqueeze.affine import choose_qparams
+from kvsqueeze.numerics.affine import choose_qparams
 
 BROAD = [
     "int3", "nf3", "int3:kchan:pre", "nuq2", "nuq3", "nuq4", "nuq2-1%", "nuq3-1%", "nuq4-1%",

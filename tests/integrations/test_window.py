@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import random_ids
-from kvsqueeze.budget import allocate, allocate_channels
+from kvsqueeze.methods.budget import allocate, allocate_channels
 from kvsqueeze.integrations.cache import cache_for
 from kvsqueeze.integrations.kivi import mixed_attention
 from kvsqueeze.integrations.simulate import SimulatedQuantization

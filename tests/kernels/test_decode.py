@@ -19,11 +19,11 @@ import torch
 
 from kvsqueeze.cache.positions import PositionLog
 from kvsqueeze.cache.store import KVStore
-from kvsqueeze.datatypes import normal_float_levels, uniform_levels
+from kvsqueeze.numerics.datatypes import normal_float_levels, uniform_levels
 from kvsqueeze.integrations.layers import CompressedLayer
 from kvsqueeze.kernels import Backend, Rope, StoreView, available_backends, decode_attention, resolve_backend
 from kvsqueeze.kernels import api as kernels_api
-from kvsqueeze.quantizer import VectorQuantizer
+from kvsqueeze.numerics.quantizer import VectorQuantizer
 
 # The fast backends are held to the reference; a fast backend that fails to import fails these tests instead of
 # leaving them out, unless KVSQUEEZE_ALLOW_NO_NUMBA=1 says this machine is known to lack numba. The triton

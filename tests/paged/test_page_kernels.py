@@ -12,7 +12,7 @@ from kvsqueeze.kernels.numba import pages as page_kernels  # a numba that cannot
 from kvsqueeze.kernels.numba.simd import half_bits
 from kvsqueeze.kernels.reference import dequantize_view
 from kvsqueeze.paged.layout import PageLayout
-from kvsqueeze.rope import Rope
+from kvsqueeze.numerics.rope import Rope
 
 from test_pages import _quantizers
 

@@ -9,8 +9,8 @@ from kvsqueeze.cache.store import KVStore
 from kvsqueeze.kernels import decode_attention
 from kvsqueeze.kernels.reference import dequantize_view
 from kvsqueeze.paged.layout import PageLayout
-from kvsqueeze.quantizer import VectorQuantizer
-from kvsqueeze.rope import Rope
+from kvsqueeze.numerics.quantizer import VectorQuantizer
+from kvsqueeze.numerics.rope import Rope
 
 
 def _quantizers(c: int, bits: int, fraction: float, seed: int = 0, slots: int = 0):

@@ -11,7 +11,7 @@ path, so the store reproduces it exactly.
 Layout, token-major (a slot is one token of one batch row; slot n = t * B + b):
 
 * `k_codes`, `v_codes` int32 [T, B, W]: each slot's C = kv_heads * head_dim
-  codes packed along channels as one bit stream (`packing.py`, W =
+  codes packed along channels as one bit stream (`numerics/packing.py`, W =
   ceil(C / 32) * bits). With head_dim a multiple of 32, every head starts on a
   word boundary, so a per-head kernel can read its slice directly; otherwise
   only the token's last group is padded. Where channels have widths of their
@@ -52,12 +52,12 @@ import os
 
 import torch
 
-from ..affine import choose_qparams
-from ..budget import check_widths
+from ..numerics.affine import choose_qparams
+from ..methods.budget import check_widths
 from ..kernels.reference import dequantize_view
 from ..kernels.view import Outliers, StoreView
-from ..packing import code_offsets, mixed_words, pack_codes, pack_mixed, words_per_vector
-from ..quantizer import VectorQuantizer
+from ..numerics.packing import OUTLIER_CODE, code_offsets, mixed_words, pack_codes, pack_mixed, words_per_vector
+from ..numerics.quantizer import VectorQuantizer
 from .buffers import GrowableTensor
 from .positions import PositionLog
 from .sparse import TokenOutliers
@@ -79,7 +79,7 @@ class KVStore:
             "auto" (triton for a store on a CUDA device, torch elsewhere). Both write the same bits.
     """
 
-    OUTLIER_CODE = 0  # the code stored under every outlier (and in sink slots)
+    OUTLIER_CODE = OUTLIER_CODE  # the code stored under every outlier (and in sink slots)
 
     def __init__(self, k_quant: VectorQuantizer, v_quant: VectorQuantizer, channels: int, sinks: int = 0,
                  device: torch.device | str = "cpu", head_dim: int | None = None,
@@ -225,9 +225,8 @@ class KVStore:
 
     def _append_fused(self, xk: torch.Tensor, xv: torch.Tensor, flat_sink: torch.Tensor, t: int, b: int) -> None:
         """`append`'s encoding in one Triton program per slot (`kernels.triton.encode`); the same bits."""
-        from ..kernels.triton.encode import OUTLIER_CODE, encode
+        from ..kernels.triton.encode import encode
 
-        assert OUTLIER_CODE == self.OUTLIER_CODE
         kq, vq = self.key_quantizer, self.value_quantizer
         side = self.v_fixed // 2 if self.v_outliers is not None else 0
         enc = encode(xk, xv, flat_sink.view(-1), kq.lo, kq.hi, self.k_scale, self.k_zero, kq.levels, vq.levels,

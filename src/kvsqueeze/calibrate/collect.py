@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from tqdm.auto import tqdm
 
-from ..affine import check_finite
+from ..numerics.affine import check_finite
 from ..integrations.parts import attention_modules, hook_projections
 from ..integrations.preflight import preflight
 from ..shape import kv_shape

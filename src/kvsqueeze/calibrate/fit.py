@@ -18,13 +18,13 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from ..affine import choose_qparams
-from ..budget import CHANNEL_BITS
+from ..numerics.affine import choose_qparams
+from ..methods.budget import CHANNEL_BITS
 from ..config import CalibrationConfig
-from ..datatypes import normal_float_levels, uniform_levels
+from ..numerics.datatypes import normal_float_levels, uniform_levels
 from ..integrations.fingerprint import model_fingerprint
 from ..integrations.parts import layer_rotaries
-from ..outliers import calibrated_thresholds, clamp_range, online_thresholds, outlier_mask
+from ..numerics.outliers import calibrated_thresholds, clamp_range, online_thresholds, outlier_mask
 from ..recipe import Recipe, channel_error_key, codebook_key, matrix_key, range_key
 from ..shape import kv_shape
 from .collect import Activations

@@ -1,7 +1,7 @@
 """Measured sensitivities for bit budgets: the loss each layer's keys or values cost at each choice.
 
 `kvsqueeze budget` runs this and stores the table in the recipe; `nuq@AVG:kl` methods read it
-(`kvsqueeze.budget`).
+(`kvsqueeze.methods.budget`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import dataclasses
 import torch
 from tqdm.auto import tqdm
 
-from ..budget import _options, unit_key
+from ..methods.budget import _options, unit_key
 from ..integrations.simulate import SimulatedQuantization
 from ..methods import parse_method
 from ..methods import build_quantizers

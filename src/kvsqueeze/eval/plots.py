@@ -112,10 +112,10 @@ def plot_ppl_by_length(runs: list[dict], path: str) -> None:
 
 
 def plot_budget(alloc, path: str) -> str:
-    """Bits per layer of a bit budget (`kvsqueeze.budget.Allocation`): keys and values side by side, the
+    """Bits per layer of a bit budget (`kvsqueeze.methods.budget.Allocation`): keys and values side by side, the
     layers that keep 1% (or 0.1%) outliers hatched; with a width per channel (':chan'), each layer's mean width,
     and a second panel with every channel's width (layers down, channels across; keys left, values right)."""
-    from ..budget import CHANNEL_BITS
+    from ..methods.budget import CHANNEL_BITS
 
     plt = _plt()
     layers = range(len(alloc.keys))

@@ -32,7 +32,7 @@ from ..cache.store import KVStore
 from ..config import DEFAULT_METHOD
 from ..methods import MethodError, MethodSpec, family, parse_method
 from ..methods import build_quantizers
-from ..quantizer import VectorQuantizer
+from ..numerics.quantizer import VectorQuantizer
 from ..recipe import Recipe
 from ..shape import KVShape, kv_shape
 from .attention import register_handler, switch_attention

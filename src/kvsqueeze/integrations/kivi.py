@@ -14,8 +14,8 @@ import weakref
 
 import torch
 
-from ..affine import choose_qparams, dequantize, quantize
-from ..datatypes import uniform_levels
+from ..numerics.affine import choose_qparams, dequantize, quantize
+from ..numerics.datatypes import uniform_levels
 from ..methods import MethodSpec
 from .attention import causal_bool_mask
 

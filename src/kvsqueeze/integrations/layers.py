@@ -51,7 +51,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..cache.buffers import GrowableTensor
 from ..cache.store import KVStore
-from ..rope import Rope
+from ..numerics.rope import Rope
 from .attention import ATTN_NAME, EAGER_NAME
 from .parts import LayerRotary
 

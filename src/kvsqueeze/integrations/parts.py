@@ -2,7 +2,7 @@
 
 LLaMA, Mistral and Qwen2 (and most decoders in transformers) expose attention
 modules with `k_proj` / `v_proj` linears and a rotary-embedding module that
-returns (cos, sin) for position ids (the rotation itself: `kvsqueeze.rope`).
+returns (cos, sin) for position ids (the rotation itself: `kvsqueeze.numerics.rope`).
 How each layer turns its keys is its `LayerRotary`: the model's rotary module
 called as the model calls it for that layer (with its layer type where the
 module keeps one set of frequencies per type, as Gemma-3's local and global
@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..rope import Rope, apply_rope
+from ..numerics.rope import Rope, apply_rope
 
 
 FUSED = "qkv_proj"  # one linear making queries, keys and values, in that order along its output (Phi-3)

@@ -29,10 +29,10 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from ..affine import check_finite
+from ..numerics.affine import check_finite
 from ..methods import MethodSpec, build_quantizers, cache_bytes, family
 from ..storage import Rows
-from ..quantizer import VectorQuantizer
+from ..numerics.quantizer import VectorQuantizer
 from ..recipe import Recipe
 from ..shape import kv_shape
 from .attention import register_handler, switch_attention

@@ -1,6 +1,6 @@
 """Decode attention over the compressed KV cache: one op (`decode_attention`), explicit backends (`Backend`)."""
 
-from ..rope import Rope
+from ..numerics.rope import Rope
 from .api import Backend, available_backends, decode_attention, resolve_backend
 from .view import Outliers, StoreView
 

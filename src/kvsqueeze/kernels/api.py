@@ -26,7 +26,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..rope import Rope
+from ..numerics.rope import Rope
 from .view import StoreView
 
 

@@ -5,16 +5,16 @@ against and runs on any device. The reconstruction is the store's own
 (`KVStore.dequantize` reads the same view through `dequantize_view`): element =
 level[code] * scale + zero in float32; each outlier replaces the element at its
 channel; each sink replaces its whole slot. Then RoPE at the tokens' positions
-(`kvsqueeze.rope`) and attention.
+(`kvsqueeze.numerics.rope`) and attention.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..affine import dequantize
-from ..packing import unpack_codes, unpack_mixed
-from ..rope import Rope
+from ..numerics.affine import dequantize
+from ..numerics.packing import unpack_codes, unpack_mixed
+from ..numerics.rope import Rope
 from .view import Outliers, StoreView
 
 

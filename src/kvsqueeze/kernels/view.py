@@ -97,7 +97,7 @@ class StoreView(NamedTuple):
         heads, head_dim: KV heads H and their width D; C = H * D channels per token.
         k_bits, v_bits: code widths.
         tokens: T, the rows in use of every token-major array; B rows each.
-        k_codes, v_codes: int32 [>= T, B, W]: each slot's C codes packed along channels (`kvsqueeze.packing`).
+        k_codes, v_codes: int32 [>= T, B, W]: each slot's C codes packed along channels (`kvsqueeze.numerics.packing`).
         k_scale, k_zero: fp16 [C], offline per-channel key scale and zero-point.
         k_levels, v_levels: float32 [2**bits], the layer's codebooks; element = scale * level + zero. With a
             width per channel, [C, 2**bits]: row c is channel c's codebook (its 2**w_c levels, repeated).

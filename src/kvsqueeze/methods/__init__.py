@@ -1,5 +1,6 @@
-"""Methods: their names (`spec`: the grammar and `MethodSpec`) and the registry of their families (`families`:
-how each builds its quantizers, what it stores, which paths run it)."""
+"""Methods: their names (`spec`: the grammar and `MethodSpec`), the registry of their families (`families`: how
+each builds its quantizers, what it stores, which paths run it) and the bit budgets of `nuq@B` (`budget`: which
+width and outliers each layer, or each channel, gets)."""
 
 from .spec import (FAMILIES, FAMILY_DEFAULTS, FIT_VARIANTS, FIXED_AXES, SUPPORTED_BITS, MethodError, MethodSpec,
                    canonical_name, fixed_outlier_count, max_outliers_per_side, parse_method, parse_methods,

@@ -120,7 +120,7 @@ class KVQuant(Family):
         return None
 
     def levels(self, spec, recipe, layer, kv, bits):
-        from ..datatypes import standard_levels
+        from ..numerics.datatypes import standard_levels
 
         return standard_levels(spec.family, bits)
 
@@ -134,7 +134,7 @@ class KVQuant(Family):
                 Layout("v", v, spec.outlier_scope))
 
     def quantizers(self, spec, recipe, layer, channels, head_dim):
-        from ..quantizer import VectorQuantizer
+        from ..numerics.quantizer import VectorQuantizer
         from ..recipe import RecipeError
 
         if self.needs_recipe(spec) and recipe is None:
@@ -177,7 +177,7 @@ class NormalFloat(KVQuant):
 
 class Nuq(KVQuant):
     """nuq: Fisher-weighted k-means codebooks from the recipe; a bit budget (`nuq@B`) takes each layer's key and
-    value choice, and maybe a width per channel, from the recipe (`kvsqueeze.budget`)."""
+    value choice, and maybe a width per channel, from the recipe (`kvsqueeze.methods.budget`)."""
 
     name = "nuq"
     window_beside_codes = True
@@ -205,7 +205,7 @@ class Nuq(KVQuant):
         return super().why_not(spec, path)
 
     def levels(self, spec, recipe, layer, kv, bits):
-        from ..datatypes import check_codebook
+        from ..numerics.datatypes import check_codebook
 
         cb = recipe.codebook(layer, kv, bits, spec.outlier_fraction, spec.outlier_scope, spec.fit)
         return check_codebook(cb, bits)
@@ -213,7 +213,7 @@ class Nuq(KVQuant):
     def choices(self, spec, recipe, layer):
         if spec.budget is None:
             return super().choices(spec, recipe, layer)
-        from ..budget import layer_choices
+        from .budget import layer_choices
 
         return layer_choices(spec, recipe, layer)
 
@@ -223,8 +223,6 @@ class Nuq(KVQuant):
             raise MethodError(f"method {spec.name!r}: {reason}")
         if spec.budget is None:
             return super().quantizers(spec, recipe, layer, channels, head_dim)
-        from ..quantizer import with_widths
-
         k, v = self.choices(spec, recipe, layer)
         plain = dict(budget=None, outlier_scope="vector")
         # a ':chan' choice is built at a supported width, then given its channels' own codebooks (up to 6 bits)
@@ -263,8 +261,8 @@ class Kivi(Grouped):
         return f"KIVI, groups of {spec.group_size}, {spec.window} recent tokens fp16"
 
     def quantizers(self, spec, recipe, layer, channels, head_dim):
-        from ..datatypes import uniform_levels
-        from ..quantizer import VectorQuantizer
+        from ..numerics.datatypes import uniform_levels
+        from ..numerics.quantizer import VectorQuantizer
 
         # keys are quantized inside attention (`integrations.kivi`), values per token in groups
         return None, VectorQuantizer(uniform_levels(spec.v_bits), "token", group=spec.group_size)
@@ -278,8 +276,8 @@ class Group(Grouped):
         return f"uniform per token, groups of {spec.group_size} channels"
 
     def quantizers(self, spec, recipe, layer, channels, head_dim):
-        from ..datatypes import uniform_levels
-        from ..quantizer import VectorQuantizer
+        from ..numerics.datatypes import uniform_levels
+        from ..numerics.quantizer import VectorQuantizer
 
         g = spec.group_size
         return (VectorQuantizer(uniform_levels(spec.k_bits), "token", group=g),
@@ -295,12 +293,29 @@ class Turbo(Grouped):
         return f"TurboQuant-MSE: random rotation, sphere Lloyd-Max levels, fp16 norm per head{split}"
 
     def quantizers(self, spec, recipe, layer, channels, head_dim):
-        from ..turbo import TurboQuantizer
+        from ..numerics.turbo import TurboQuantizer
 
         if not head_dim or channels % head_dim:
             raise MethodError(f"method {spec.name!r} rotates each head vector: give the head dimension")
         return (TurboQuantizer(spec.k_bits, head_dim, seed=2 * TURBO_SEEDS * layer, split=spec.split),
                 TurboQuantizer(spec.v_bits, head_dim, seed=2 * TURBO_SEEDS * layer + TURBO_SEEDS, split=spec.split))
+
+
+def with_widths(q, widths: tuple[int, ...], recipe, layer: int, kv: str, channels: int):
+    """`q` with a code width per channel: the recipe's codebook of each width at q's outlier fraction."""
+    import torch
+
+    from .budget import check_widths
+    from ..numerics.datatypes import check_codebook
+    from ..recipe import RecipeError
+
+    if len(widths) != channels:
+        raise RecipeError(f"layer {layer} {kv}: the recipe's budget gives {len(widths)} channel widths, the model "
+                          f"has {channels} channels: this recipe belongs to another model")
+    check_widths(widths, f"layer {layer} {kv}")
+    books = {w: check_codebook(recipe.codebook(layer, kv, w, q.fraction, "vector", "fs2"), w) for w in set(widths)}
+    return dataclasses.replace(q, levels=books[max(widths)], widths=torch.tensor(widths, dtype=torch.uint8),
+                               codebooks=books)
 
 
 def _window_note(fam: Family, spec: MethodSpec) -> str:

@@ -13,7 +13,7 @@ Grammar::
 
     FAMILY  fp16 | int | nf | nuq | kivi | group | turbo
     AVG     a bit budget, e.g. 3.5: average stored bits per K/V element, every byte counted; each
-            layer's key and value bit width and outlier fraction come from the recipe (`kvsqueeze.budget`):
+            layer's key and value bit width and outlier fraction come from the recipe (`kvsqueeze.methods.budget`):
             from its Fisher objectives, or with `:kl` from measured sensitivities (`kvsqueeze budget`);
             with `:chan` every channel of every layer's keys and values gets its own width (1 to 6 bits)
             from the recipe's per-channel Fisher-weighted errors; `:kl:chan` scales each layer's key and
@@ -40,7 +40,7 @@ values per token, Fisher*s^2 codebooks, per-vector outliers, one sink);
 `kivi` is KIVI (keys per channel in groups of 32 tokens post-RoPE, values per
 token in groups of 32 channels, 128 recent tokens fp16); `group` is the
 FlexGen/ATOM grouped per-token uniform quantizer (groups of 128 channels);
-`turbo` is TurboQuant's MSE quantizer (`kvsqueeze.turbo`: a fixed random
+`turbo` is TurboQuant's MSE quantizer (`kvsqueeze.numerics.turbo`: a fixed random
 rotation of each head vector, the optimal scalar codebook of the rotated
 coordinates and an fp16 norm, keys after RoPE, nothing calibrated).
 """
@@ -51,7 +51,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from ..storage import max_outliers_per_side, topk_per_side  # noqa: F401  (re-exported)
+from ..numerics.outliers import fixed_outlier_count, max_outliers_per_side, topk_per_side  # noqa: F401  (re-exported)
 
 FAMILIES = ("fp16", "int", "nf", "nuq", "kivi", "group", "turbo")
 FIXED_AXES = ("kivi", "group", "turbo")  # families whose axes and RoPE side the paper fixes
@@ -376,8 +376,3 @@ def parse_methods(text: str) -> list[MethodSpec]:
             raise MethodError(f"methods {seen[s.name]!r} and {raw!r} are the same method ({s.name})")
         seen[s.name] = raw
     return specs
-
-
-def fixed_outlier_count(axis: str, scope: str, fraction: float) -> bool:
-    """Whether every vector keeps the same number of outliers: per-token top-k (row pointers then implicit)."""
-    return axis == "token" and scope == "vector" and fraction > 0

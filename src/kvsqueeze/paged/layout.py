@@ -5,7 +5,7 @@ sequence a block table naming its pages. `PageLayout` packs KVQuant's cache (Hoo
 such pages with a fixed number of bytes per token:
 
 * key codes: pre-RoPE keys against the recipe's per-channel range and codebook, `k_bits` per element, packed
-  along channels (`packing.py`), int32 words;
+  along channels (`numerics/packing.py`), int32 words;
 * key outliers: a fixed budget of `key_slots` exact fp16 values per token with their 16-bit channel. The store of
   the HF path keeps every element outside the calibrated per-channel range, a count that varies from token to
   token; a page cannot. Each token keeps instead the `key_slots` elements its codes reconstruct worst: every
@@ -44,10 +44,9 @@ import numpy as np
 import torch
 
 from ..kernels.view import ARRAYS, Outliers, Rows, StoreView
-from ..packing import pack_codes, words_per_vector
-from ..quantizer import VectorQuantizer
+from ..numerics.packing import OUTLIER_CODE, pack_codes, words_per_vector
+from ..numerics.quantizer import VectorQuantizer
 
-OUTLIER_CODE = 0  # the code under every exact element, as in the HF store (the kernels rely on it)
 ALIGN = 16
 
 
@@ -155,7 +154,7 @@ class PageLayout:
         self.block_size, self.key_slots, self.sinks = block_size, key_slots, sinks
         self.k_bits, self.v_bits = k_quant.bits, v_quant.bits
         self.value_slots = (v_quant.fixed_outliers(channels) or 0) if v_quant.fraction > 0 else 0
-        from ..affine import choose_qparams
+        from ..numerics.affine import choose_qparams
 
         scale, zero = choose_qparams(k_quant.lo.view(1, -1), k_quant.hi.view(1, -1))
         self.k_scale, self.k_zero = scale.view(-1).half(), zero.view(-1).half()
@@ -180,7 +179,7 @@ class PageLayout:
     @functools.cached_property
     def _tables(self) -> dict[str, np.ndarray]:
         """What the numba kernels read of the quantizers, float32 numpy (computed as the torch path does)."""
-        from ..affine import choose_qparams
+        from ..numerics.affine import choose_qparams
 
         kq, vq = self.k_quant, self.v_quant
         k_scale, k_zero = choose_qparams(kq.lo.view(1, -1), kq.hi.view(1, -1))

@@ -43,7 +43,7 @@ from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, Attentio
 from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
 
 from ..kernels import decode_attention
-from ..rope import Rope, apply_rope
+from ..numerics.rope import Rope, apply_rope
 from .settings import ServingConfig, ServingError, use_own_numba_cache
 
 BACKEND_PATH = "kvsqueeze.serving.vllm.KVSqueezeBackend"

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 from numba import njit
 
-from ...rope import Rope
+from ...numerics.rope import Rope
 from ..view import Outliers, StoreView
 from .common import K_CHANNELS, K_CODES, K_VALUES
 from .keys import key_scores, row_max, sink_scores

@@ -10,7 +10,7 @@ arithmetic:
   pre-RoPE key against each channel's offline range and codebook, the token's `key_slots` exact elements (its
   outliers first, the farthest past the range when it has more; then the in-range elements its codes round
   worst), the value's top-k outliers per side, its fp16 scale and zero-point and its codes; packs the codes
-  and stores everything straight into the token's slot of its page. The arithmetic is `affine.py`'s, operation
+  and stores everything straight into the token's slot of its page. The arithmetic is `numerics/affine.py`'s, operation
   for operation in float32 (fp16 rounding by the hardware's conversion), so codes and scales are bit for bit
   those of the torch path. (Where elements tie exactly for the last exact slot, this kernel keeps the lower
   channel; torch's top-k may keep the other: either is a valid choice);

@@ -4,7 +4,7 @@ cos(p θ) = cos(hi θ) cos(lo θ) - sin(hi θ) sin(lo θ) with p = hi + lo, so a
 block of `BLOCK` consecutive positions costs two small table rows instead of
 a [positions, D/2] table that would outweigh the packed keys it rotates.
 Angles are evaluated in float64 and rounded once to float32, as `Rope.cos_sin`
-does (`kvsqueeze.rope`).
+does (`kvsqueeze.numerics.rope`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ...rope import Rope
+from ...numerics.rope import Rope
 
 BLOCK = 64  # positions per low table: the token block of the numba kernels
 

@@ -29,7 +29,7 @@ import os
 import torch
 import triton
 
-from ...rope import Rope
+from ...numerics.rope import Rope
 from ..view import ARRAYS, Outliers, StoreView
 from . import passes
 

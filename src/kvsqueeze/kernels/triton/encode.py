@@ -22,9 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ...packing import GROUP_SIZE, words_per_vector
-
-OUTLIER_CODE = 0  # the code under every outlier and in sink slots (`KVStore.OUTLIER_CODE`)
+from ...numerics.packing import GROUP_SIZE, OUTLIER_CODE, words_per_vector
 
 
 @triton.jit
@@ -57,7 +55,7 @@ def _nearest(norm, mids_ptr, L: tl.constexpr):
 def encode_slots(xk_ptr, xv_ptr, sink_ptr, k_lo, k_hi, k_scale, k_zero, k_mids, v_mids,
                  k_words, k_mask, v_words, v_sz, v_chan, v_val, C, WK, WV,
                  C_P: tl.constexpr, NG_P: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-                 K_OUTLIERS: tl.constexpr, V_SIDE: tl.constexpr):
+                 K_OUTLIERS: tl.constexpr, V_SIDE: tl.constexpr, EXACT: tl.constexpr):
     n = tl.program_id(0)
     c = tl.arange(0, C_P)
     cm = c < C
@@ -72,8 +70,8 @@ def encode_slots(xk_ptr, xv_ptr, sink_ptr, k_lo, k_hi, k_scale, k_zero, k_mids, 
         out = cm & ((x < tl.load(k_lo + c, mask=cm, other=0.0)) | (x > tl.load(k_hi + c, mask=cm, other=0.0)))
         out = out & ~sink
         tl.store(k_mask + n * C + c, out.to(tl.int8), mask=cm)
-        code = tl.where(out, 0, code)
-    code = tl.where(cm & ~sink, code, 0)
+        code = tl.where(out, EXACT, code)
+    code = tl.where(cm & ~sink, code, EXACT)
     _pack(code, k_words + n * WK, NG_P, ng, K_BITS)
     # values: the token's own range between its V_SIDE largest and smallest elements
     x = tl.load(xv_ptr + n * C + c, mask=cm, other=0.0)
@@ -93,7 +91,7 @@ def encode_slots(xk_ptr, xv_ptr, sink_ptr, k_lo, k_hi, k_scale, k_zero, k_mids, 
     zero = ((hi + lo) * 0.5).to(tl.float16).to(tl.float32)
     scale = tl.maximum(tl.maximum((hi - lo) * 0.5, 1e-6).to(tl.float16).to(tl.float32), 1e-6)
     code = _nearest(tl.math.div_rn(x - zero, scale), v_mids, 1 << V_BITS)
-    code = tl.where(cm & ~outlier & ~sink, code, 0)
+    code = tl.where(cm & ~outlier & ~sink, code, EXACT)
     _pack(code, v_words + n * WV, NG_P, ng, V_BITS)
     tl.store(v_sz + n * 2, tl.where(sink, 0.0, scale).to(tl.float16))
     tl.store(v_sz + n * 2 + 1, tl.where(sink, 0.0, zero).to(tl.float16))
@@ -131,7 +129,7 @@ def encode(keys: torch.Tensor, values: torch.Tensor, sink: torch.Tensor, k_lo: t
                            placeholder if out["k_mask"] is None else out["k_mask"], out["v_words"], out["v_sz"],
                            out["v_chan"] if v_side else placeholder, out["v_val"] if v_side else placeholder,
                            c, wk, wv, C_P=ng_p * GROUP_SIZE, NG_P=ng_p, K_BITS=kb, V_BITS=vb,
-                           K_OUTLIERS=k_outliers, V_SIDE=v_side)
+                           K_OUTLIERS=k_outliers, V_SIDE=v_side, EXACT=OUTLIER_CODE)
     if out["k_mask"] is not None:
         out["k_mask"] = out["k_mask"].bool()
     return out

@@ -1,7 +1,7 @@
 """Triton programs of the GPU backend: the key pass, the sparse passes, the value pass and its combine.
 
 Every program reads the store's own arrays (`StoreView`): packed codes int32
-(one bit stream per slot, `kvsqueeze.packing`), fp16 scales and outliers,
+(one bit stream per slot, `kvsqueeze.numerics.packing`), fp16 scales and outliers,
 int32 positions [T, B]. Each slot n = t * B + b's data starts where int64
 bases say (`attend._bases`): n times its width in a store's token-major
 arrays, its place in its page in a paged cache, read in place. Shapes that change the code (head width, GQA group, bits,

@@ -54,11 +54,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import storage
-from .methods import SUPPORTED_BITS, MethodError, MethodSpec
-from .methods.spec import DEFAULT_CONTEXT, context_flag
-from .recipe import Recipe, RecipeError, codebook_key
-from .storage import Choice, Layout, Rows
+from .. import storage
+from ..recipe import Recipe, RecipeError, codebook_key
+from ..storage import Choice, Layout, Rows
+from .spec import DEFAULT_CONTEXT, SUPPORTED_BITS, MethodError, MethodSpec, context_flag
 
 CHANNEL_BITS = (1, 2, 3, 4, 5, 6)  # widths a ':chan' budget gives channels (the kernels' tables hold 64 levels)
 CAPS = (4, 5, 6)  # the widest width a ':chan' unit may use: its decode table holds 2**cap levels per channel

@@ -5,7 +5,7 @@ A `VectorQuantizer` quantizes a [N, C] matrix of N tokens by C channels
 comes from offline calibration; along the token axis one per token (or per
 group of channels) is computed online. Outliers outside the per-vector or
 per-matrix thresholds are kept exactly in fp16. A method's family builds them
-from a `Recipe` (`methods.build_quantizers`); the simulated evaluation and the
+from a `Recipe` (`methods.build_quantizers`, the registry); the simulated evaluation and the
 compressed cache both use them. The
 arithmetic itself (scale, zero-point, nearest level) is `affine.py`.
 """
@@ -19,11 +19,8 @@ from dataclasses import dataclass
 import torch
 
 from .affine import choose_qparams, dequantize, quantize
-from .budget import check_widths
 from .datatypes import check_codebook
-from .methods import fixed_outlier_count, topk_per_side
-from .outliers import clamp_range, online_thresholds, outlier_mask
-from .recipe import Recipe, RecipeError
+from .outliers import clamp_range, fixed_outlier_count, online_thresholds, outlier_mask, topk_per_side
 
 
 @dataclass(frozen=True)
@@ -175,15 +172,3 @@ class VectorQuantizer:
 def _cols(t: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
     """The selected channels of a per-channel [1, C] scale or zero-point; a per-token [N, 1] one as it is."""
     return t[:, sel] if t.shape[-1] > 1 else t
-
-
-def with_widths(q: VectorQuantizer, widths: tuple[int, ...], recipe: Recipe, layer: int, kv: str,
-                channels: int) -> VectorQuantizer:
-    """`q` with a code width per channel: the recipe's codebook of each width at q's outlier fraction."""
-    if len(widths) != channels:
-        raise RecipeError(f"layer {layer} {kv}: the recipe's budget gives {len(widths)} channel widths, the model "
-                          f"has {channels} channels: this recipe belongs to another model")
-    check_widths(widths, f"layer {layer} {kv}")
-    books = {w: check_codebook(recipe.codebook(layer, kv, w, q.fraction, "vector", "fs2"), w) for w in set(widths)}
-    return dataclasses.replace(q, levels=books[max(widths)], widths=torch.tensor(widths, dtype=torch.uint8),
-                               codebooks=books)

@@ -23,6 +23,7 @@ import torch
 
 __all__ = [
     "GROUP_SIZE",
+    "OUTLIER_CODE",
     "MAX_BITS",
     "words_per_vector",
     "pack_codes",
@@ -34,6 +35,9 @@ __all__ = [
 ]
 
 GROUP_SIZE = 32
+# the code stored under every element kept exactly (an outlier or a sink slot): the kernels add that element's
+# exact value to the decode of this code's level, so every store and every page writes this one code there
+OUTLIER_CODE = 0
 MAX_BITS = 8
 
 _WORD_MASK = 0xFFFFFFFF

@@ -9,9 +9,24 @@ are quantiles over calibration data; online ones are top-k per token.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
-from .methods import topk_per_side
+
+def max_outliers_per_side(fraction: float, width: int) -> int:
+    """Outliers kept on each side (above / below) of one vector of `width` elements."""
+    return int(math.floor(fraction * width / 2 + 0.5))
+
+
+def topk_per_side(fraction: float, width: int) -> int:
+    """Outliers an online per-vector top-k keeps above (and below) one vector: at most half of it."""
+    return min(max_outliers_per_side(fraction, width), (width - 1) // 2)
+
+
+def fixed_outlier_count(axis: str, scope: str, fraction: float) -> bool:
+    """Whether every vector keeps the same number of outliers: per-token top-k (row pointers then implicit)."""
+    return axis == "token" and scope == "vector" and fraction > 0
 
 
 def online_thresholds(x: torch.Tensor, fraction: float, dim: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
