@@ -67,11 +67,20 @@ def ladder(data: dict, methods: tuple[str, ...] | None = None) -> str:
 
 
 def memory(data: dict) -> str:
-    out = [f"{data['model']}, {data['tokens']} tokens of {data['text']} ({data['machine']})\n",
-           "| cache | bytes / token (all layers) | vs fp16 | bits / element | measured from |", "|---|---:|---:|---:|---|"]
+    """Stored bits per K/V element by context length: measured rows are a real cache's memory report (equal to the
+    registry's count), the others the registry's count (nominal outliers)."""
+    lengths = sorted({r["tokens"] for r in data["rows"]})
+    cells: dict[tuple, dict] = {}
     for r in data["rows"]:
-        out.append(f"| `{r['method']}` | {r['bytes_per_token']:,.0f} | {r['compression_vs_fp16']:.2f}× | "
-                   f"{r.get('avg_bits', float('nan')):.2f} | {r.get('source', '')} |")
+        cells.setdefault((r["model"], r["method"]), {})[r["tokens"]] = r
+    out = [f"{data['model']} and a 7B shape, {data['text']}; a real cache filled from one {data['forward_tokens']:,}-token "
+           f"forward where measured ({data['machine']})\n",
+           "| model | cache | " + " | ".join(f"bits at {n:,}" for n in lengths) + " | counted from |",
+           "|---|---|" + "---:|" * len(lengths) + "---|"]
+    for (model, method), by_len in cells.items():
+        bits = " | ".join(f"{by_len[n]['avg_bits']:.3f}" if n in by_len else "" for n in lengths)
+        how = ", ".join(dict.fromkeys(f"{by_len[n]['source']}" for n in lengths if n in by_len))
+        out.append(f"| {model} | `{method}` | {bits} | {how} |")
     return "\n".join(out)
 
 

@@ -422,9 +422,12 @@ def _mixed(recipe, avg: float):
         recipe.meta["model"]["fingerprint"]["head_dim"]
     keys = (Choice(6, 0.01, tuple(1 + i % 6 for i in range(c))),) + alloc.keys[1:]
     values = alloc.values[:1] + (Choice(5, 0.0, tuple(2 + i % 4 for i in range(c))),)
+    layers = len(keys)
+    spent = sum(unit_bits(kv, ch, alloc.tokens, c, 1) for k, v in zip(keys, values) for kv, ch in (("k", k), ("v", v)))
+    bits = (spent + shared_bits(alloc.tokens, c, layers, 1, 0)) / (2 * alloc.tokens * c * layers)  # what they hold
     out = copy.deepcopy(recipe)
     out.meta.setdefault("budgets", {})[budget_key(avg, 1, unit="channel")] = dataclasses.replace(
-        alloc, keys=keys, values=values).as_dict()
+        alloc, keys=keys, values=values, bits=bits).as_dict()
     return out
 
 

@@ -15,6 +15,7 @@ from kvsqueeze.integrations.simulate import SimulatedQuantization
 from kvsqueeze.methods import parse_method
 from kvsqueeze.recipe import (
     FORMAT_VERSION,
+    meta_digest,
     META_FILE,
     TENSORS_FILE,
     Recipe,
@@ -34,16 +35,23 @@ def recipe_copy(tiny_recipe_dir, tmp_path):
     return d
 
 
-def _rewrite_tensors(d, tensors):
-    """Replace recipe.safetensors and fix up the checksum, as a careless tool would."""
+def _reseal(d, meta=None):
+    """Recompute both checksums of the recipe in `d` (with `meta` as its JSON), as a tool that edits recipes
+    would: what is left to catch an edit is `Recipe.check`."""
     import hashlib
 
+    meta = json.loads((d / META_FILE).read_text()) if meta is None else meta
+    meta["tensors_sha256"] = hashlib.sha256((d / TENSORS_FILE).read_bytes()).hexdigest()
+    meta["meta_sha256"] = meta_digest(meta)
+    (d / META_FILE).write_text(json.dumps(meta))
+
+
+def _rewrite_tensors(d, tensors):
+    """Replace recipe.safetensors and fix up the checksums, as a careless tool would."""
     from safetensors.torch import save_file
 
     save_file(tensors, str(d / TENSORS_FILE))
-    meta = json.loads((d / META_FILE).read_text())
-    meta["tensors_sha256"] = hashlib.sha256((d / TENSORS_FILE).read_bytes()).hexdigest()
-    (d / META_FILE).write_text(json.dumps(meta))
+    _reseal(d)
 
 
 # ---- round trip --------------------------------------------------------------------------------
@@ -52,14 +60,15 @@ def test_save_load_round_trip(tiny_recipe, tiny_recipe_dir):
     assert set(loaded.tensors) == set(tiny_recipe.tensors)
     for k, v in tiny_recipe.tensors.items():
         assert torch.equal(loaded.tensors[k], v.float()), k
-    extra = {"format_version", "tensors_sha256"}
+    extra = {"format_version", "tensors_sha256", "meta_sha256"}
     assert {k: v for k, v in loaded.meta.items() if k not in extra} == tiny_recipe.meta
     assert loaded.meta["format_version"] == FORMAT_VERSION
     assert "format_version" not in tiny_recipe.meta, "save() must not mutate the in-memory recipe"
 
 
 def test_saved_files_are_safetensors_and_json_not_pickle(tiny_recipe_dir):
-    assert sorted(p.name for p in tiny_recipe_dir.iterdir()) == sorted([TENSORS_FILE, META_FILE])
+    assert sorted(p.name for p in tiny_recipe_dir.iterdir() if not p.name.startswith(".")) == sorted(
+        [TENSORS_FILE, META_FILE])
     meta = json.loads((tiny_recipe_dir / META_FILE).read_text())
     assert meta["format_version"] == FORMAT_VERSION
     assert meta["model"]["id"] == "tiny-llama" and meta["text"] == "random"
@@ -151,34 +160,49 @@ def test_fingerprint_and_check_model(tiny_llama, tiny_recipe):
 
 def test_recipe_of_another_seed_is_rejected(tiny_recipe):
     other = tiny_model("llama", seed=99)
-    with pytest.raises(RecipeError, match=r"calibrated on model 'tiny-llama'.*k_proj_sha256.*kvsqueeze calibrate"):
+    with pytest.raises(RecipeError, match=r"calibrated on model 'tiny-llama'.*layer\(s\) 0, 1.*kvsqueeze calibrate"):
         check_recipe(tiny_recipe, other)
-    with pytest.raises(RecipeError, match="k_proj_sha256"):
+    with pytest.raises(RecipeError, match="layers_sha256"):
         SimulatedQuantization(other, parse_method("nuq3-1%"), tiny_recipe)
+
+
+def test_a_model_whose_last_layer_differs_is_refused(tiny_recipe):
+    """Every layer's keys are in the fingerprint, not only the first layer's."""
+    model = tiny_model("llama", seed=0)
+    check_recipe(tiny_recipe, model)
+    with torch.no_grad():
+        model.model.layers[-1].self_attn.k_proj.weight.mul_(1.05)
+    with pytest.raises(RecipeError, match=rf"layer\(s\) {LAYERS - 1} differ"):
+        check_recipe(tiny_recipe, model)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_recipe_serves_the_same_model_at_another_precision(tiny_recipe, tiny_recipe_dir, dtype):
     model = tiny_model("llama", seed=0).to(dtype)  # calibrated in fp32, served in half precision
-    assert model_fingerprint(model)["k_proj_sha256"] != tiny_recipe.meta["model"]["fingerprint"]["k_proj_sha256"]
+    assert model_fingerprint(model)["layers_sha256"] != tiny_recipe.meta["model"]["fingerprint"]["layers_sha256"]
     check_recipe(tiny_recipe, model)  # no error
     check_recipe(Recipe.load(tiny_recipe_dir), model)  # the probes survive the JSON round trip
     SimulatedQuantization(model, parse_method("nuq3-1%"), tiny_recipe)
     with torch.no_grad():  # a change of the weights far smaller than another model's is still refused
         model.model.layers[0].self_attn.k_proj.weight.mul_(1.05)
-    with pytest.raises(RecipeError, match="k_proj_sha256.*differ by more than a change of precision"):
+    with pytest.raises(RecipeError, match="layer\\(s\\) 0 differ by more than a change of precision"):
         check_recipe(tiny_recipe, model)
 
 
-def test_recipe_without_probes_needs_the_exact_weights(tiny_recipe):
+def test_recipe_with_broken_probes_needs_the_exact_weights(tiny_recipe):
     old = Recipe(meta=json.loads(json.dumps(tiny_recipe.meta)), tensors=tiny_recipe.tensors)
-    del old.meta["model"]["fingerprint"]["k_proj_probe"]
-    check_recipe(old, tiny_model("llama", seed=0))  # no error
-    with pytest.raises(RecipeError, match="k_proj_sha256"):
+    old.meta["model"]["fingerprint"]["layers_probe"] = [["x"] * 16] * LAYERS  # an edited file: an error, no crash
+    check_recipe(old, tiny_model("llama", seed=0))  # the hashes still match
+    with pytest.raises(RecipeError, match="layers_sha256"):
         check_recipe(old, tiny_model("llama", seed=0).to(torch.bfloat16))
-    old.meta["model"]["fingerprint"]["k_proj_probe"] = ["x"] * 128  # a hand-edited file: an error, not a crash
-    with pytest.raises(RecipeError, match="k_proj_sha256"):
-        check_recipe(old, tiny_model("llama", seed=0).to(torch.bfloat16))
+
+
+def test_nan_weights_are_named_as_such(tiny_recipe):
+    model = tiny_model("llama", seed=0)
+    with torch.no_grad():
+        model.model.layers[1].self_attn.k_proj.weight[0, 0] = float("nan")
+    with pytest.raises(RecipeError, match="layer 1's key projection holds NaN/Inf weights"):
+        check_recipe(tiny_recipe, model)
 
 
 @pytest.mark.parametrize("overrides,field", [
@@ -241,9 +265,7 @@ def test_garbage_tensor_file_with_a_matching_checksum(recipe_copy):
 
     p = recipe_copy / TENSORS_FILE
     p.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not a header}" + b"\x00" * 32)
-    meta = json.loads((recipe_copy / META_FILE).read_text())
-    meta["tensors_sha256"] = hashlib.sha256(p.read_bytes()).hexdigest()
-    (recipe_copy / META_FILE).write_text(json.dumps(meta))
+    _reseal(recipe_copy)
     with pytest.raises(RecipeError, match="cannot be read"):
         Recipe.load(recipe_copy)
 
@@ -272,7 +294,7 @@ def test_json_that_is_not_an_object(recipe_copy, text):
         Recipe.load(recipe_copy)
 
 
-@pytest.mark.parametrize("version", [None, 0, 2, "1"])
+@pytest.mark.parametrize("version", [None, 0, 1, 3, "2"])
 def test_wrong_format_version(recipe_copy, version):
     meta = json.loads((recipe_copy / META_FILE).read_text())
     if version is None:
@@ -280,7 +302,7 @@ def test_wrong_format_version(recipe_copy, version):
     else:
         meta["format_version"] = version
     (recipe_copy / META_FILE).write_text(json.dumps(meta))
-    with pytest.raises(RecipeError, match=r"format version .* reads version 1"):
+    with pytest.raises(RecipeError, match=r"format version .* reads version 2"):
         Recipe.load(recipe_copy)
 
 
@@ -293,3 +315,181 @@ def test_key_helpers():
 
 def test_recipe_error_is_a_value_error():
     assert issubclass(RecipeError, ValueError)
+
+
+# ---- hostile recipes: every field checked before use ----------------------------------------------------------
+def _edit_json(d, edit):
+    meta = json.loads((d / META_FILE).read_text())
+    edit(meta)
+    _reseal(d, meta)
+
+
+def _edit_tensor(d, key, edit):
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(d / TENSORS_FILE))
+    tensors[key] = edit(tensors[key].clone()).contiguous()
+    _rewrite_tensors(d, tensors)
+
+
+@pytest.mark.parametrize("key, edit, field", [
+    (range_key(0, "k_pre", 0.01), lambda t: t.flip(0), "lo > hi"),  # the range swapped
+    (range_key(1, "v", 0.0), torch.zeros_like, "empty range"),
+    (codebook_key(0, "k", 3, 0.01, "vector", "fs2"), lambda t: t.fill_(0.25), "rise strictly"),
+    (codebook_key(0, "v", 2, 0.0, "vector", "fs2"), lambda t: t.flip(0), "rise strictly"),
+    (codebook_key(0, "v", 2, 0.0, "vector", "fs2"), lambda t: t * 3, "within \\[-1, 1\\]"),
+    (codebook_key(1, "k", 4, 0.0, "vector", "fs2"), lambda t: t[:8], r"not \(16,\) levels"),
+    (matrix_key(0, "v", 0.01), lambda t: t.flip(0), "lo < hi"),
+    (range_key(0, "v", 0.01), lambda t: t * 3, "is not inside"),  # wider than the range of fewer outliers
+    (codebook_key(0, "k", 3, 0.01, "vector", "fs2"), lambda t: t.half(), "dtype torch.float16"),
+    (range_key(0, "k_post", 0.0), lambda t: t[:, :-1], "not \\(2, 32\\)"),
+])
+def test_tampered_tensors_are_named_even_with_fresh_checksums(recipe_copy, key, edit, field):
+    _edit_tensor(recipe_copy, key, edit)
+    with pytest.raises(RecipeError, match=rf"{re_escape(key)}.*{field}"):
+        Recipe.load(recipe_copy)
+
+
+def test_a_tensor_a_recipe_does_not_hold_is_named(recipe_copy, tiny_recipe):
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(recipe_copy / TENSORS_FILE))
+    tensors[f"layers.{LAYERS}.v.range.p0"] = tensors[range_key(0, "v", 0.0)].clone()
+    _rewrite_tensors(recipe_copy, tensors)
+    with pytest.raises(RecipeError, match=f"layers.{LAYERS}.v.range.p0.*past the model"):
+        Recipe.load(recipe_copy)
+
+
+def _budget(meta):
+    fp = meta["model"]["fingerprint"]
+    row = [3, 0.01]
+    return {"avg_bits": 3.0, "tokens": 2048, "predicted": 0.1, "bits": 2.9, "keys": [row] * fp["layers"],
+            "values": [row] * fp["layers"], "storage": 3}
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda m: m.update(model=[]), "model is list"),
+    (lambda m: m["model"].update(fingerprint=None), "model.fingerprint is NoneType"),
+    (lambda m: m["model"]["fingerprint"].update(layers=-1), r"model.fingerprint.layers is -1"),
+    (lambda m: m["model"]["fingerprint"].update(layers_sha256=["0" * 16]), "layers_sha256 covers 1 layers"),
+    (lambda m: m["settings"].update(fractions=[0.0, -0.01]), r"settings.fractions\[1\] is -0.01"),
+    (lambda m: m["settings"].update(sinks="1"), "settings.sinks is '1'"),
+    (lambda m: m["settings"].update(bits=[]), "settings.bits is empty"),
+    (lambda m: m.update(budgets={"3": {**_budget(m), "keys": _budget(m)["keys"][:1]}}), r"budgets.3.keys has 1 layers"),
+    (lambda m: m.update(budgets={"3": {**_budget(m), "keys": [[7, 0.01]] * LAYERS}}), r"budgets.3.keys\[0\]\[0\] \(bits\) is 7"),
+    (lambda m: m.update(budgets={"3": {**_budget(m), "values": [[3, 0.01, [3] * 5]] * LAYERS}}), "has 5 channels"),
+    (lambda m: m.update(budgets={"3": {**_budget(m), "avg_bits": float("nan")}}), None),  # NaN is not JSON
+])
+def test_tampered_json_fields_are_named_even_with_fresh_checksums(recipe_copy, edit, field):
+    try:
+        _edit_json(recipe_copy, edit)
+    except ValueError:  # a NaN in the JSON: the reseal itself refuses to write it as strict JSON; write it raw
+        meta = json.loads((recipe_copy / META_FILE).read_text())
+        edit(meta)
+        (recipe_copy / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(RecipeError, match=field or "corrupted|checksum"):
+        Recipe.load(recipe_copy)
+
+
+def test_an_edit_of_the_json_alone_breaks_its_checksum(recipe_copy):
+    """A budget choice edited by hand (bits 3 -> 4) is caught by the checksum of the JSON, which covers it."""
+    meta = json.loads((recipe_copy / META_FILE).read_text())
+    meta["budgets"] = {"3": _budget(meta)}
+    _reseal(recipe_copy, meta)
+    assert Recipe.load(recipe_copy).meta["budgets"]["3"]["keys"][0] == [3, 0.01]
+    meta["budgets"]["3"]["keys"][0] = [4, 0.01]
+    (recipe_copy / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(RecipeError, match="its own checksum"):
+        Recipe.load(recipe_copy)
+
+
+def _save_many(args):
+    src, d, tag, rounds = args
+    recipe = Recipe.load(src)
+    recipe.meta["text"] = tag
+    key = codebook_key(0, "v", 2, 0.0, "vector", "fs2")
+    recipe.tensors[key] = recipe.tensors[key] * (0.5 if tag == "b" else 1.0)  # another valid codebook
+    for _ in range(rounds):
+        recipe.save(d)
+
+
+def test_two_processes_saving_one_recipe_leave_one_whole_recipe(recipe_copy, tiny_recipe):
+    """Two writers of one directory at once: every load, during and after, gives one of the two recipes whole
+    (its JSON with its own tensors), or a clear error, never a mix."""
+    import multiprocessing
+
+    key = codebook_key(0, "v", 2, 0.0, "vector", "fs2")
+    base = tiny_recipe.tensors[key].float()
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(2) as pool:
+        src = recipe_copy.parent / "pristine"
+        shutil.copytree(recipe_copy, src)
+        pending = pool.map_async(_save_many, [(src, recipe_copy, "a", 8), (src, recipe_copy, "b", 8)])
+        loads = 0
+        while not pending.ready() or loads == 0:
+            r = Recipe.load(recipe_copy)
+            scale = 0.5 if r.meta["text"] == "b" else 1.0
+            assert torch.equal(r.tensors[key], base * scale), "a JSON with the other writer's tensors"
+            loads += 1
+        pending.get()
+    r = Recipe.load(recipe_copy)
+    assert torch.equal(r.tensors[key], base * (0.5 if r.meta["text"] == "b" else 1.0))
+    leftovers = [p.name for p in recipe_copy.iterdir() if p.name.startswith((f".{META_FILE}.", f".{TENSORS_FILE}."))]
+    assert not leftovers, leftovers  # no temporary file is left behind
+
+
+def test_a_second_calibration_to_the_same_directory_is_refused_at_once(tmp_path):
+    from kvsqueeze.recipe import RUN_LOCK_FILE, writing
+
+    with writing(tmp_path, lock=RUN_LOCK_FILE, wait=False):
+        import subprocess
+        import sys
+
+        code = ("from kvsqueeze.recipe import RUN_LOCK_FILE, writing\n"
+                f"with writing({str(tmp_path)!r}, lock=RUN_LOCK_FILE, wait=False): pass\n")
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "another kvsqueeze process is writing a recipe to" in out.stderr
+
+
+def re_escape(s: str) -> str:
+    import re
+
+    return re.escape(s)
+
+
+def _format_1(d, model):
+    """Rewrite the recipe in `d` as format 1 wrote it: one weight hash and 128 probes of the first layer's keys,
+    no checksum of the JSON."""
+    import hashlib
+
+    from kvsqueeze.integrations.parts import attention_modules, key_weight
+
+    meta = json.loads((d / META_FILE).read_text())
+    flat = key_weight(attention_modules(model)[0], CHANNELS).detach().float().contiguous().view(-1)
+    fp = meta["model"]["fingerprint"]
+    del fp["layers_sha256"], fp["layers_probe"], meta["meta_sha256"]
+    fp["k_proj_sha256"] = hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]
+    fp["k_proj_probe"] = flat[torch.linspace(0, flat.numel() - 1, 128).round().long()].tolist()
+    meta["format_version"] = 1
+    (d / META_FILE).write_text(json.dumps(meta))
+
+
+def test_a_format_1_recipe_is_upgraded_against_its_model_only(recipe_copy, tiny_model_dir, tiny_llama, tmp_path,
+                                                              capsys):
+    from kvsqueeze.cli import main
+
+    _format_1(recipe_copy, tiny_llama)
+    with pytest.raises(RecipeError, match="format version 1.*upgrade-recipe"):
+        Recipe.load(recipe_copy)
+    other = tiny_model("llama", seed=99)
+    other_dir = tmp_path / "other-model"
+    other.save_pretrained(other_dir)
+    for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        if (tiny_model_dir / f).exists():
+            shutil.copy(tiny_model_dir / f, other_dir / f)
+    assert main(["upgrade-recipe", "--model", str(other_dir), "--recipe", str(recipe_copy)]) == 2
+    assert "calibrated on another model" in capsys.readouterr().err
+    assert main(["upgrade-recipe", "--model", str(tiny_model_dir), "--recipe", str(recipe_copy)]) == 0
+    upgraded = Recipe.load(recipe_copy)
+    check_recipe(upgraded, tiny_llama)
+    assert upgraded.meta["format_version"] == FORMAT_VERSION

@@ -32,6 +32,45 @@ _CAL, _EVAL, _PASSKEY = CalibrationConfig(), EvalConfig(), PasskeyConfig()
 _GEN, _MEM, _INSPECT, _RULER = GenerateConfig(), MemoryConfig(), InspectConfig(), RulerConfig()
 
 
+MAX_TOKENS = 1 << 21  # lengths beyond any model's context are refused when parsed, the rest against the model
+MAX_SINKS = 1024
+
+
+def _bounded(lo: int, hi: int | None = None):
+    """An argparse type: an integer in [lo, hi], refused at parse time otherwise."""
+    def parse(text: str) -> int:
+        try:
+            v = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if v < lo or (hi is not None and v > hi):
+            raise argparse.ArgumentTypeError(f"{v} is out of range: give an integer from {lo} to "
+                                             f"{'any larger' if hi is None else hi}")
+        return v
+    return parse
+
+
+def _percentages(text: str, what: str) -> tuple[float, ...]:
+    """Comma-separated outlier percentages, each in [0, 50)."""
+    try:
+        vals = [float(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated percentages, e.g. 0.1,1; got {text!r}") from None
+    bad = [v for v in vals if not 0 <= v < 50]
+    if bad or not vals:
+        raise ValueError(f"{what} {text!r}: each outlier percentage must lie in [0, 50), e.g. 1 for 1%")
+    return tuple(v / 100 for v in vals)
+
+
+def _check_context(model, lengths, what: str) -> None:
+    """Refuse lengths beyond the model's context before any work."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    too_long = [n for n in lengths if limit and n > limit]
+    if too_long:
+        raise ValueError(f"{what} {','.join(map(str, too_long))} exceed(s) the model's {limit}-token context: give "
+                         f"lengths up to {limit}")
+
+
 def _int_list(text: str, what: str) -> list[int]:
     try:
         vals = [int(t) for t in text.split(",") if t.strip()]
@@ -70,21 +109,33 @@ def _write_json(path: str | None, payload: dict) -> None:
 
 
 def cmd_calibrate(args) -> None:
+    bits = tuple(_int_list(args.bits, "--bits"))
+    for b in bits:
+        if b not in (2, 3, 4):
+            raise ValueError(f"--bits {b} is not supported; use 2, 3 and/or 4")
+    fractions = _percentages(args.outliers, "--outliers")
+    cfg = CalibrationConfig(samples=args.samples, seqlen=args.seqlen, bits=bits,
+                            fractions=tuple(sorted({0.0, *fractions})), sinks=args.sinks)
+    if args.kl_outliers:
+        _percentages(args.kl_outliers, "--kl-outliers")
+    budgets = _budgets(args.avg_bits)
+    from .recipe import RUN_LOCK_FILE, check_directory, writing
+
+    out = check_directory(args.out)  # before any work: a file, or a directory that cannot be written, is refused
+    with writing(out, lock=RUN_LOCK_FILE, wait=False):  # and so is a second calibration into it at the same time
+        _calibrate(args, cfg, budgets)
+
+
+def _calibrate(args, cfg: CalibrationConfig, budgets: list[float]) -> None:
     from .calibrate.collect import collect
     from .calibrate.fit import fit_recipe
     from .eval.texts import calibration_windows, load_text
     from .integrations.loading import load_model
 
-    bits = tuple(_int_list(args.bits, "--bits"))
-    for b in bits:
-        if b not in (2, 3, 4):
-            raise ValueError(f"--bits {b} is not supported; use 2, 3 and/or 4")
-    fractions = tuple(float(f) / 100 for f in args.outliers.split(","))
-    cfg = CalibrationConfig(samples=args.samples, seqlen=args.seqlen, bits=bits,
-                            fractions=tuple(sorted({0.0, *fractions})), sinks=args.sinks)
     t0 = time.perf_counter()
+    text = load_text(args.text, args.encoding)
     model, tok = load_model(args.model, args.dtype, args.device)
-    text = load_text(args.text)
+    _check_context(model, [cfg.seqlen], "--seqlen")
     t_load = time.perf_counter() - t0
     samples = calibration_windows(tok, text.calibration, cfg.samples, cfg.seqlen)
     print(f"[1/3] loaded {args.model} and {text.name} in {t_load:.1f}s; {cfg.samples} x {cfg.seqlen} tokens")
@@ -99,7 +150,7 @@ def cmd_calibrate(args) -> None:
         table = _measure_sensitivities(model, tok, recipe, text, args)
         recipe.meta["timings_s"]["sensitivity"] = round(time.perf_counter() - t1, 2)
         print(f"[+] sensitivities of {len(table['kl'])} choices in {recipe.meta['timings_s']['sensitivity']:.1f}s")
-    _store_budgets(recipe, _budgets(args.avg_bits), args.kl_sinks, ("fisher", "kl") if args.kl else ("fisher",))
+    _store_budgets(recipe, budgets, args.kl_sinks, ("fisher", "kl") if args.kl else ("fisher",))
     recipe.meta["timings_s"]["total"] = round(time.perf_counter() - t0, 2)
     out = recipe.save(args.out)
     objs = recipe.meta["kmeans_objective"]
@@ -126,7 +177,7 @@ def _measure_sensitivities(model, tok, recipe, text, args) -> dict:
     flag = "--kl-bits" if args.command == "calibrate" else "--bits"
     bits = tuple(_int_list(args.kl_bits, flag)) if args.kl_bits else (widths[len(widths) // 2],)
     if args.kl_outliers:
-        fractions = tuple(sorted({0.0, *(float(f) / 100 for f in args.kl_outliers.split(","))}))
+        fractions = tuple(sorted({0.0, *_percentages(args.kl_outliers, flag.replace("bits", "outliers"))}))
     else:
         fractions = tuple(sorted({0.0, max(c.fraction for c in calibrated)}))
     windows = calibration_windows(tok, text.calibration, args.kl_windows, args.kl_seqlen)
@@ -188,9 +239,10 @@ def cmd_eval(args) -> None:
     specs = parse_methods(args.methods)
     seqlens = _int_list(args.seqlen, "--seqlen")
     recipe = _recipe_for(specs, args.recipe)
+    text = load_text(args.text, args.encoding)
     model, tok = load_model(args.model, args.dtype, args.device)
+    _check_context(model, seqlens, "--seqlen")
     _check_methods(model, specs, recipe)
-    text = load_text(args.text)
     calibrated_sinks = recipe.meta.get("settings", {}).get("sinks") if recipe is not None else None
     for s in specs:
         if needs_recipe(s) and calibrated_sinks is not None and s.sinks < calibrated_sinks:
@@ -225,6 +277,48 @@ def cmd_eval(args) -> None:
         print(f"wrote {args.plot}")
 
 
+def cmd_upgrade_recipe(args) -> None:
+    """A recipe of format 1 rewritten as format 2: its tensors checked against their checksum, its model checked
+    against the one weight hash format 1 kept (the first layer's keys), then every layer fingerprinted."""
+    import hashlib
+
+    import torch
+    from safetensors.torch import load_file
+
+    from .integrations.fingerprint import model_fingerprint
+    from .integrations.loading import load_model
+    from .integrations.parts import attention_modules, key_weight
+    from .recipe import META_FILE, TENSORS_FILE, Recipe, RecipeError, same_weights
+    from .shape import kv_shape
+
+    d = Path(args.recipe)
+    try:
+        meta = json.loads((d / META_FILE).read_text())
+        data = (d / TENSORS_FILE).read_bytes()
+    except (OSError, ValueError) as exc:
+        raise RecipeError(f"{d} holds no readable recipe ({exc})") from exc
+    if not isinstance(meta, dict) or meta.get("format_version") != 1:
+        raise RecipeError(f"{d} is not a recipe of format 1 (its format_version: "
+                          f"{meta.get('format_version') if isinstance(meta, dict) else None!r}); nothing to upgrade")
+    if meta.get("tensors_sha256") != hashlib.sha256(data).hexdigest():
+        raise RecipeError(f"{d / TENSORS_FILE} does not match its checksum: recalibrate instead")
+    old = (meta.get("model") or {}).get("fingerprint") or {}
+    model, _ = load_model(args.model, args.dtype, args.device)
+    first = key_weight(attention_modules(model)[0], kv_shape(model.config).channels).detach().float().cpu()
+    flat = first.contiguous().view(-1)
+    probe = flat[torch.linspace(0, flat.numel() - 1, min(128, flat.numel())).round().long()].tolist()
+    then = {"layers_sha256": [old.get("k_proj_sha256")], "layers_probe": [old.get("k_proj_probe")]}
+    now = {"layers_sha256": [hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]], "layers_probe": [probe]}
+    if same_weights(then, now):
+        raise RecipeError(f"{d} was calibrated on another model than {args.model}: recalibrate for this one")
+    meta["model"]["fingerprint"] = model_fingerprint(model)
+    recipe = Recipe(meta={k: v for k, v in meta.items() if k not in ("format_version", "tensors_sha256")},
+                    tensors=load_file(str(d / TENSORS_FILE)))
+    recipe.check()
+    recipe.save(d)
+    print(f"upgraded {d} to recipe format 2 (every layer fingerprinted on {args.model})")
+
+
 def cmd_budget(args) -> None:
     from .eval.texts import load_text
     from .integrations.fingerprint import check_recipe
@@ -235,7 +329,7 @@ def cmd_budget(args) -> None:
     recipe = Recipe.load(args.recipe)
     model, tok = load_model(args.model, args.dtype, args.device)
     check_recipe(recipe, model)
-    table = _measure_sensitivities(model, tok, recipe, load_text(args.text), args)
+    table = _measure_sensitivities(model, tok, recipe, load_text(args.text, args.encoding), args)
     _store_budgets(recipe, budgets, args.kl_sinks, ("kl",))
     out = recipe.save(args.recipe)
     print(f"sensitivities of {len(table['kl'])} choices in {table['seconds']:.0f}s, written to {out}; methods "
@@ -314,15 +408,12 @@ def cmd_ruler(args) -> None:
         raise ValueError("--samples must be at least 1")
     if args.engine not in ENGINES:
         raise ValueError(f"--engine must be one of {', '.join(ENGINES)}")
-    haystack = load_text(args.text).evaluation
+    haystack = load_text(args.text, args.encoding).evaluation
     recipe = _recipe_for(specs, args.recipe)
     log = AnswerLog(args.answers)  # a bad file is refused before the model loads
     model, tok = load_model(args.model, args.dtype, args.device)
     _check_methods(model, specs, recipe)
-    limit = getattr(model.config, "max_position_embeddings", None)
-    too_long = [n for n in lengths if limit and n > limit]
-    if too_long:
-        raise ValueError(f"--lengths {','.join(map(str, too_long))} exceed the model's {limit}-token context")
+    _check_context(model, lengths, "--lengths")
     contexts = {n: build_contexts(tok, haystack, n, args.samples, seed=args.seed, tasks=tasks, layout=args.layout)
                 for n in lengths}
     ordered = [c for s in range(args.samples) for n in lengths for c in contexts[n] if c.sample == s]
@@ -391,15 +482,15 @@ def _add_sensitivity(sub: argparse.ArgumentParser, standalone: bool) -> None:
     """What `kvsqueeze budget` (standalone) and `calibrate --kl` measure: plain flags in `budget`, `--kl-*` in
     `calibrate` (where --bits, --outliers, --seqlen and --sinks name the calibration's own)."""
     pre = "--" if standalone else "--kl-"
-    sub.add_argument(f"{pre}windows", dest="kl_windows", type=int, default=1,
+    sub.add_argument(f"{pre}windows", dest="kl_windows", type=_bounded(1, 10_000), default=1,
                      help="calibration windows the KL divergence is taken over")
-    sub.add_argument(f"{pre}seqlen", dest="kl_seqlen", type=int, default=512, help="tokens per window")
+    sub.add_argument(f"{pre}seqlen", dest="kl_seqlen", type=_bounded(2, MAX_TOKENS), default=512, help="tokens per window")
     sub.add_argument(f"{pre}bits", dest="kl_bits", help="widths to measure (default: the recipe's middle one, 3; "
                      "each unit's scale is the mean over those measured)")
     sub.add_argument(f"{pre}outliers", dest="kl_outliers", help="outlier percentages to measure besides none "
                      "(default: the recipe's largest)")
     if standalone:
-        sub.add_argument("--sinks", dest="kl_sinks", type=int, default=1,
+        sub.add_argument("--sinks", dest="kl_sinks", type=_bounded(0, MAX_SINKS), default=1,
                          help="fp16 sinks of the budgets that will read them")
     else:
         sub.set_defaults(kl_sinks=1)  # the sinks of nuq@AVG methods by default
@@ -414,12 +505,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_loading(c)
     c.add_argument("--text", default=DEFAULT_TEXT, help="'bbc' (calibration part) or a text file")
     c.add_argument("--out", required=True, help="directory for recipe.safetensors + recipe.json")
-    c.add_argument("--samples", type=int, default=_CAL.samples)
-    c.add_argument("--seqlen", type=int, default=_CAL.seqlen)
+    c.add_argument("--samples", type=_bounded(1, 10_000), default=_CAL.samples)
+    c.add_argument("--seqlen", type=_bounded(2, MAX_TOKENS), default=_CAL.seqlen)
     c.add_argument("--bits", default=",".join(map(str, _CAL.bits)))
     c.add_argument("--outliers", default=",".join(f"{100 * f:g}" for f in _CAL.fractions if f),
                    help="outlier percentages to calibrate, e.g. 0.1,1")
-    c.add_argument("--sinks", type=int, default=_CAL.sinks, help="leading tokens left out of statistics")
+    c.add_argument("--sinks", type=_bounded(0, MAX_SINKS), default=_CAL.sinks, help="leading tokens left out of statistics")
     c.add_argument("--avg-bits", help="also choose and store each layer's K/V bits for these averages "
                                       "(e.g. 3.5 or 2.6,3.5): the method nuq@3.5 reads the choice")
     c.add_argument("--kl", action="store_true", help="also measure each layer's sensitivity, as `kvsqueeze budget` "
@@ -434,10 +525,17 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--recipe", help="recipe directory (needed by nuq and per-channel methods)")
     e.add_argument("--methods", default=_EVAL.methods)
     e.add_argument("--seqlen", default=_EVAL.seqlen, help="window length(s), e.g. 2048 or 1024,2048,4096")
-    e.add_argument("--max-windows", type=int, default=_EVAL.max_windows)
+    e.add_argument("--max-windows", type=_bounded(1), default=_EVAL.max_windows)
     e.add_argument("--json", help="write the results as JSON here")
     e.add_argument("--plot", help="PNG of PPL against window length (with several --seqlen)")
     e.set_defaults(fn=cmd_eval)
+
+    u = sub.add_parser("upgrade-recipe", help="rewrite a recipe of an earlier format (1) in today's, checked "
+                                              "against its model")
+    u.add_argument("--model", default=DEFAULT_MODEL)
+    _add_loading(u)
+    u.add_argument("--recipe", required=True)
+    u.set_defaults(fn=cmd_upgrade_recipe)
 
     b = sub.add_parser("budget", help="measure each layer's sensitivity for bit budgets nuq@AVG:kl and "
                                       "nuq@AVG:kl:chan (into the recipe)")
@@ -454,8 +552,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_loading(i)
     i.add_argument("--text", default=DEFAULT_TEXT)
     i.add_argument("--out", required=True)
-    i.add_argument("--layer", type=int, default=_INSPECT.layer, help="layer for the per-channel plot (default: middle)")
-    i.add_argument("--seqlen", type=int, default=_INSPECT.seqlen)
+    i.add_argument("--layer", type=_bounded(0), default=_INSPECT.layer, help="layer for the per-channel plot (default: middle)")
+    i.add_argument("--seqlen", type=_bounded(2, MAX_TOKENS), default=_INSPECT.seqlen)
     i.add_argument("--recipe", help="with --avg-bits: the recipe whose bit budget to show")
     i.add_argument("--avg-bits", help="plot the bits per layer of these budgets (nuq@B) instead of activations")
     i.add_argument("--kl", action="store_true", help="with --avg-bits: the budgets that read the sensitivities "
@@ -470,7 +568,7 @@ def build_parser() -> argparse.ArgumentParser:
     k.add_argument("--recipe")
     k.add_argument("--methods", default=_PASSKEY.methods)
     k.add_argument("--lengths", default=_PASSKEY.lengths)
-    k.add_argument("--trials", type=int, default=_PASSKEY.trials)
+    k.add_argument("--trials", type=_bounded(1, 10_000), default=_PASSKEY.trials)
     k.add_argument("--seed", type=int, default=_PASSKEY.seed)
     k.add_argument("--engine", choices=("sim", "cache"), default=_PASSKEY.engine,
                    help="simulated quantization, or the compressed cache where the method has one")
@@ -485,7 +583,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--methods", default=_RULER.methods)
     r.add_argument("--lengths", default=_RULER.lengths, help="sequence lengths in tokens, e.g. 4096,8192,16384")
     r.add_argument("--tasks", default=_RULER.tasks, help="'all' or a comma-separated subset of the suite's tasks")
-    r.add_argument("--samples", type=int, default=_RULER.samples, help="contexts of each kind per length")
+    r.add_argument("--samples", type=_bounded(1, 10_000), default=_RULER.samples, help="contexts of each kind per length")
     r.add_argument("--seed", type=int, default=_RULER.seed)
     r.add_argument("--layout", choices=("separate", "shared"), default=_RULER.layout,
                    help="separate: a context per needle task (as RULER); shared: one context carries every needle "
@@ -494,7 +592,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--engine", default=_RULER.engine,
                    help="dense-prefill (one exact prefill shared by every method), chunked (each method prefills "
                         "through its own cache) or sim (every method through the simulated path)")
-    r.add_argument("--chunk", type=int, default=_RULER.chunk, help="prefill chunk in tokens")
+    r.add_argument("--chunk", type=_bounded(1, MAX_TOKENS), default=_RULER.chunk, help="prefill chunk in tokens")
     r.add_argument("--answers", help="JSONL file every answer is appended to; a rerun with it resumes")
     r.add_argument("--by-task", action="store_true", help="also print one table per task")
     r.add_argument("--json")
@@ -505,8 +603,8 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--model", default=_MEM.model, help="built-in shape name or a config.json path")
     m.add_argument("--context", default=_MEM.contexts)
     m.add_argument("--methods", default=_MEM.methods)
-    m.add_argument("--batch", type=int, default=_MEM.batch)
-    m.add_argument("--gpus", type=int, default=_MEM.gpus)
+    m.add_argument("--batch", type=_bounded(1, 1 << 20), default=_MEM.batch)
+    m.add_argument("--gpus", type=_bounded(1, 1 << 16), default=_MEM.gpus)
     m.add_argument("--gpu-mem", default=_MEM.gpu_mem)
     m.add_argument("--recipe", help="a recipe of the model: what bit budgets (nuq@B) read their choice from")
     m.add_argument("--json")
@@ -518,11 +616,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--recipe", help="recipe directory (needed by nuq and per-channel int/nf methods)")
     g.add_argument("--method", default=_GEN.method, help="fp16 or a KVQuant-style method, e.g. nuq3-1%%")
     g.add_argument("--prompt", required=True, help="text to continue")
-    g.add_argument("--max-new-tokens", type=int, default=_GEN.max_new_tokens)
+    g.add_argument("--max-new-tokens", type=_bounded(0, MAX_TOKENS), default=_GEN.max_new_tokens)
     g.add_argument("--decode", choices=("auto", "numba", "reference", "dense"), default=_GEN.decode,
                    help="decode attention: the fused kernel over the compressed cache (auto picks the fastest "
                         "backend) or dense attention over the dequantized cache")
     g.set_defaults(fn=cmd_generate)
+    for cmd in (c, e, b, i, r):
+        cmd.add_argument("--encoding", help="encoding of a --text file (default: UTF-8, decoded strictly)")
     return p
 
 

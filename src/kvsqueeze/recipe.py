@@ -5,21 +5,32 @@ per-channel key ranges (pre- and post-RoPE) and value ranges for each outlier
 fraction, per-matrix outlier thresholds, and the learned nuq codebooks for
 each bit width, outlier setting and fit variant. The JSON side records the
 format version, the model it was calibrated on (id, shapes and a weight
-fingerprint), the calibration settings, timings and k-means objectives.
+fingerprint of every layer), the calibration settings, timings and k-means objectives.
+
+A recipe is whole or absent: `save` writes each file to a temporary name in the same directory and renames
+it into place under a lock, and the JSON carries a checksum of the tensors and one of itself, so two writers
+or an edit show at `load`. `load` then checks every field it reads (`check`) before anything uses it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import math
+import os
+import re
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the JSON's own checksum (`meta_sha256`) and every layer's weights in the fingerprint
 TENSORS_FILE = "recipe.safetensors"
 META_FILE = "recipe.json"
+LOCK_FILE = ".recipe.lock"  # held while a pair of files is renamed into place (or read)
+RUN_LOCK_FILE = ".calibrate.lock"  # held by a calibration for its whole run
 
 
 class RecipeError(ValueError):
@@ -50,26 +61,35 @@ def channel_error_key(layer: int, kv: str, fraction: float) -> str:
     return f"layers.{layer}.chanerr.{kv}.{pct_tag(fraction)}"
 
 
-PROBES = 128  # first-k_proj weights the fingerprint keeps, evenly spaced over the matrix
+PROBES = 16  # key weights the fingerprint keeps of each layer, evenly spaced over the matrix
 # (the fingerprint itself is taken from the model by `kvsqueeze.integrations.fingerprint`)
 PROBE_RTOL = 2.0**-7  # 4x bf16's rounding error: the same weights in fp32, bf16 or fp16 agree within it
 PROBE_ATOL = 2.0**-24  # fp16's subnormal spacing
 
 
-def same_weights(recipe_fp: dict, model_fp: dict) -> bool:
-    """Whether two fingerprints of equal shapes come from the same weights, possibly at another precision.
-
-    The hash tells equal weights apart exactly; a model calibrated in fp32 and served in bf16 or fp16 hashes
-    otherwise, but its probed weights agree within that precision's rounding. (A recipe without probes, from
-    before they were recorded, must match the hash.)
-    """
-    if recipe_fp.get("k_proj_sha256") == model_fp["k_proj_sha256"]:
-        return True
-    a, b = recipe_fp.get("k_proj_probe"), model_fp["k_proj_probe"]
-    if not isinstance(a, list) or len(a) != len(b) or not all(isinstance(v, (int, float)) for v in a):
-        return False  # no probes (or an edited file's): the hash alone decides
+def _close(a, b) -> bool:
+    """Whether two lists of probed weights agree within a change of precision (False for anything else)."""
+    if not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b) or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in (*a, *b)):
+        return False
     x, y = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
     return bool(((x - y).abs() <= PROBE_RTOL * torch.maximum(x.abs(), y.abs()) + PROBE_ATOL).all())
+
+
+def same_weights(recipe_fp: dict, model_fp: dict) -> list[int]:
+    """The layers whose key weights differ between two fingerprints of equal shapes (empty: the same weights,
+    possibly at another precision).
+
+    Each layer's hash tells equal weights apart exactly; a model calibrated in fp32 and served in bf16 or fp16
+    hashes otherwise, but its probed weights agree within that precision's rounding.
+    """
+    want_h, have_h = recipe_fp.get("layers_sha256"), model_fp["layers_sha256"]
+    want_p, have_p = recipe_fp.get("layers_probe"), model_fp["layers_probe"]
+    if not isinstance(want_h, list) or len(want_h) != len(have_h):
+        return list(range(len(have_h)))
+    probes = want_p if isinstance(want_p, list) and len(want_p) == len(have_p) else [None] * len(have_p)
+    return [i for i, (a, b, pa, pb) in enumerate(zip(want_h, have_h, probes, have_p))
+            if a != b and not _close(pa, pb)]
 
 
 @dataclass
@@ -112,12 +132,15 @@ class Recipe:
         """Raise RecipeError unless this recipe was calibrated on the model of fingerprint `have` (at any of fp32,
         bf16, fp16); `kvsqueeze.integrations.fingerprint.check_recipe` takes the model itself."""
         want = self.meta.get("model", {}).get("fingerprint", {})
-        weights = ("k_proj_sha256", "k_proj_probe")
+        weights = ("layers_sha256", "layers_probe")
         diff = [f"{k}: recipe {want.get(k)} vs model {have[k]}" for k in have
                 if k not in weights and want.get(k) != have[k]]
-        if not diff and not same_weights(want, have):
-            diff = [(f"k_proj_sha256: recipe {want.get('k_proj_sha256')} vs model {have['k_proj_sha256']}, "
-                     "and its weights differ by more than a change of precision would")]
+        if not diff:
+            layers = same_weights(want, have)
+            if layers:
+                shown = ", ".join(map(str, layers[:8])) + (" ..." if len(layers) > 8 else "")
+                diff = [f"the key weights of layer(s) {shown} differ by more than a change of precision would "
+                        "(layers_sha256)"]
         if diff:
             raise RecipeError(
                 f"recipe was calibrated on model {self.meta.get('model', {}).get('id')!r}, not on this one "
@@ -126,30 +149,40 @@ class Recipe:
 
     # ---- files ---------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
-        from safetensors.torch import save_file
+        """Write both files whole: each to a temporary name, then renamed into place, under the directory's lock;
+        the JSON's checksums cover the tensors and the JSON itself."""
+        from safetensors.torch import save
 
-        d = Path(directory)
-        d.mkdir(parents=True, exist_ok=True)
+        d = check_directory(directory)
         tensors = {k: v.detach().float().cpu().contiguous() for k, v in self.tensors.items()}
-        save_file(tensors, str(d / TENSORS_FILE), metadata={"format_version": str(FORMAT_VERSION)})
-        meta = dict(self.meta, format_version=FORMAT_VERSION)
-        meta["tensors_sha256"] = hashlib.sha256((d / TENSORS_FILE).read_bytes()).hexdigest()
-        (d / META_FILE).write_text(json.dumps(meta, indent=2, sort_keys=True))
+        data = save(tensors, metadata={"format_version": str(FORMAT_VERSION)})
+        meta = {k: v for k, v in self.meta.items() if k != "meta_sha256"}
+        meta.update(format_version=FORMAT_VERSION, tensors_sha256=hashlib.sha256(data).hexdigest())
+        meta["meta_sha256"] = meta_digest(meta)
+        try:
+            text = json.dumps(meta, indent=2, sort_keys=True, allow_nan=False).encode()
+        except (TypeError, ValueError) as exc:
+            raise RecipeError(f"the recipe's settings cannot be written as JSON ({exc})") from exc
+        with writing(d):
+            _replace(d / TENSORS_FILE, data)
+            _replace(d / META_FILE, text)
         return d
 
     @classmethod
     def load(cls, directory: str | Path) -> "Recipe":
-        from safetensors.torch import load_file
+        from safetensors.torch import load
 
         d = Path(directory)
-        if not (d / META_FILE).exists() or not (d / TENSORS_FILE).exists():
+        if not (d / META_FILE).is_file() or not (d / TENSORS_FILE).is_file():
             raise RecipeError(
                 f"{d} is not a recipe: expected {META_FILE} and {TENSORS_FILE} there "
                 "(create one with `kvsqueeze calibrate --out DIR`)"
             )
+        with writing(d, shared=True):  # not while another process renames a new pair into place
+            raw, data = (d / META_FILE).read_bytes(), (d / TENSORS_FILE).read_bytes()
         try:
-            meta = json.loads((d / META_FILE).read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            meta = json.loads(raw, parse_constant=_no_constant)
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
             raise RecipeError(f"{d / META_FILE} is corrupted ({exc}); recalibrate or restore the file") from exc
         if not isinstance(meta, dict):
             raise RecipeError(f"{d / META_FILE} does not hold a recipe (a JSON object); recalibrate or restore the file")
@@ -157,18 +190,264 @@ class Recipe:
         if version != FORMAT_VERSION:
             raise RecipeError(
                 f"{d} has recipe format version {version!r}; this kvsqueeze reads version {FORMAT_VERSION}: recalibrate"
+                + (" (or `kvsqueeze upgrade-recipe` it)" if version == 1 else "")
             )
-        digest = hashlib.sha256((d / TENSORS_FILE).read_bytes()).hexdigest()
-        if meta.get("tensors_sha256") != digest:
+        if meta.get("meta_sha256") != meta_digest(meta):
+            raise RecipeError(f"{d / META_FILE} does not match its own checksum (meta_sha256): it was edited or "
+                              "half-written; recalibrate or restore it")
+        if meta.get("tensors_sha256") != hashlib.sha256(data).hexdigest():
             raise RecipeError(
                 f"{d / TENSORS_FILE} does not match the checksum in {META_FILE}: the file is corrupted or was "
                 "replaced; recalibrate or restore both files together"
             )
         try:
-            tensors = load_file(str(d / TENSORS_FILE))
+            tensors = load(data)
         except Exception as exc:  # safetensors raises its own error types for truncated or bad headers
             raise RecipeError(f"{d / TENSORS_FILE} cannot be read ({exc}); recalibrate") from exc
-        for k, v in tensors.items():
-            if not torch.isfinite(v).all():
-                raise RecipeError(f"recipe tensor {k!r} holds NaN/Inf; recalibrate")
-        return cls(meta=meta, tensors=tensors)
+        recipe = cls(meta=meta, tensors=tensors)
+        recipe.check()
+        return recipe
+
+    def check(self) -> None:
+        """Raise RecipeError naming the first field that is missing, of the wrong type or out of range."""
+        _check_meta(self.meta)
+        _check_tensors(self.meta, self.tensors)
+
+
+def meta_digest(meta: dict) -> str:
+    """The checksum of a recipe's JSON: every field but itself, keys sorted."""
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a number a recipe holds")
+
+
+def check_directory(directory: str | Path) -> Path:
+    """`directory`, created if need be, once it is known to be a writable directory (RecipeError otherwise)."""
+    d = Path(directory)
+    if d.exists() and not d.is_dir():
+        raise RecipeError(f"{d} is a file, not a directory: give --out a directory for the recipe")
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise RecipeError(f"cannot create the recipe directory {d} ({exc.strerror}): give another --out") from exc
+    if not os.access(d, os.W_OK):
+        raise RecipeError(f"the recipe directory {d} is not writable: give another --out")
+    return d
+
+
+_HELD: dict[str, int] = {}  # directories this process holds the lock of, and how deep
+
+
+@contextlib.contextmanager
+def writing(directory: str | Path, shared: bool = False, wait: bool = True, lock: str = LOCK_FILE):
+    """Hold `directory`'s lock `lock` (exclusive to write, shared to read); with wait=False raise RecipeError at
+    once if another process holds it. Re-entrant within a process."""
+    d = Path(directory)
+    key = str((d / lock).resolve())
+    if key in _HELD:
+        _HELD[key] += 1
+        try:
+            yield
+        finally:
+            _HELD[key] -= 1
+        return
+    try:
+        import fcntl
+    except ImportError:  # no advisory locks here: the atomic renames and the checksums still hold
+        yield
+        return
+    try:
+        fd = os.open(d / lock, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        if shared:  # a read-only directory: nobody writes there either
+            yield
+            return
+        raise
+    try:
+        mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+        try:
+            fcntl.flock(fd, mode | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError as exc:
+            raise RecipeError(f"another kvsqueeze process is writing a recipe to {d}: wait for it or give another "
+                              "--out") from exc
+        _HELD[key] = 1
+        try:
+            yield
+        finally:
+            del _HELD[key]
+    finally:
+        os.close(fd)
+
+
+def _replace(path: Path, data: bytes) -> None:
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+# ---- what `Recipe.check` holds a recipe to --------------------------------------------------------------------
+MAX_FRACTION = 0.5  # outliers are a minority of each vector
+MAX_WIDTH = 8  # a code is at most a byte (`numerics.packing.MAX_BITS`); budgets' channel widths stop at 6
+SHAPE_FIELDS = ("layers", "heads", "kv_heads", "head_dim", "hidden_size", "vocab_size")
+_TENSOR = re.compile(r"layers\.(\d+)\.(?:(k_pre|k_post|v)\.(range|matrix)\.p[0-9.e-]+"
+                     r"|codebook\.([kv])\.b(\d+)\.p[0-9.e-]+\.(vector|matrix)\.(\w+)|chanerr\.([kv])\.p[0-9.e-]+)$")
+
+
+def _fail(field: str, problem: str):
+    raise RecipeError(f"recipe field {field} {problem}; recalibrate or restore the recipe")
+
+
+def _int(x, field: str, lo: int = 0, hi: int | None = None) -> int:
+    if not isinstance(x, int) or isinstance(x, bool) or x < lo or (hi is not None and x > hi):
+        _fail(field, f"is {x!r}, not an integer in [{lo}, {'inf' if hi is None else hi}]")
+    return x
+
+
+def _number(x, field: str, lo: float = -math.inf, hi: float = math.inf) -> float:
+    if not isinstance(x, (int, float)) or isinstance(x, bool) or not math.isfinite(x) or not lo <= x <= hi:
+        _fail(field, f"is {x!r}, not a finite number in [{lo:g}, {hi:g}]")
+    return float(x)
+
+
+def _kind(x, kind, field: str):
+    if not isinstance(x, kind):
+        _fail(field, f"is {type(x).__name__} {x!r:.60}, not {getattr(kind, '__name__', kind)}")
+    return x
+
+
+def _check_meta(meta: dict) -> None:
+    model = _kind(meta.get("model"), dict, "model")
+    _kind(model.get("id"), str, "model.id")
+    _kind(meta.get("text"), str, "text")
+    fp = _kind(model.get("fingerprint"), dict, "model.fingerprint")
+    for k in SHAPE_FIELDS:
+        _int(fp.get(k), f"model.fingerprint.{k}", 1)
+    layers = fp["layers"]
+    hashes = _kind(fp.get("layers_sha256"), list, "model.fingerprint.layers_sha256")
+    probes = _kind(fp.get("layers_probe"), list, "model.fingerprint.layers_probe")
+    if len(hashes) != layers or len(probes) != layers:
+        _fail("model.fingerprint.layers_sha256", f"covers {len(hashes)} layers ({len(probes)} probed), not {layers}")
+    for i, (h, pr) in enumerate(zip(hashes, probes)):
+        _kind(h, str, f"model.fingerprint.layers_sha256[{i}]")
+        for j, v in enumerate(_kind(pr, list, f"model.fingerprint.layers_probe[{i}]")):
+            _number(v, f"model.fingerprint.layers_probe[{i}][{j}]")
+    settings = _kind(meta.get("settings"), dict, "settings")
+    for k in ("samples", "seqlen", "bins"):
+        _int(settings.get(k), f"settings.{k}", 1)
+    _int(settings.get("sinks"), "settings.sinks", 0)
+    bits = _kind(settings.get("bits"), list, "settings.bits")
+    if not bits:
+        _fail("settings.bits", "is empty")
+    for i, b in enumerate(bits):
+        _int(b, f"settings.bits[{i}]", 1, MAX_WIDTH)
+    fractions = _kind(settings.get("fractions"), list, "settings.fractions")
+    for i, f in enumerate(fractions):
+        _number(f, f"settings.fractions[{i}]", 0.0, MAX_FRACTION)
+    for i, f in enumerate(_kind(settings.get("fits"), list, "settings.fits")):
+        _kind(f, str, f"settings.fits[{i}]")
+    channels = fp["kv_heads"] * fp["head_dim"]
+    for name, alloc in _kind(meta.get("budgets", {}), dict, "budgets").items():
+        _check_budget(_kind(alloc, dict, f"budgets.{name}"), f"budgets.{name}", layers, channels)
+    for key, table in _kind(meta.get("sensitivity", {}), dict, "sensitivity").items():
+        at = f"sensitivity.{key}"
+        _kind(table, dict, at)
+        for k in ("bits", "fractions"):
+            for i, v in enumerate(_kind(table.get(k), list, f"{at}.{k}")):
+                _number(v, f"{at}.{k}[{i}]", 0.0, MAX_WIDTH)
+        for unit, kl in _kind(table.get("kl"), dict, f"{at}.kl").items():
+            _number(kl, f"{at}.kl.{unit}", 0.0)
+    for key, objective in _kind(meta.get("kmeans_objective", {}), dict, "kmeans_objective").items():
+        for name, v in _kind(objective, dict, f"kmeans_objective.{key}").items():
+            _number(v, f"kmeans_objective.{key}.{name}", 0.0)
+    for i, piece in enumerate(_kind(meta.get("calibration_pieces", []), list, "calibration_pieces")):
+        _kind(piece, str, f"calibration_pieces[{i}]")
+
+
+def _check_budget(alloc: dict, field: str, layers: int, channels: int) -> None:
+    _number(alloc.get("avg_bits"), f"{field}.avg_bits", 0.0, 64.0)
+    _number(alloc.get("bits"), f"{field}.bits", 0.0, 64.0)
+    _number(alloc.get("predicted"), f"{field}.predicted", 0.0)
+    _int(alloc.get("tokens"), f"{field}.tokens", 1)
+    _int(alloc.get("window", 0), f"{field}.window", 0)
+    for side in ("keys", "values"):
+        rows = _kind(alloc.get(side), list, f"{field}.{side}")
+        if len(rows) != layers:
+            _fail(f"{field}.{side}", f"has {len(rows)} layers, the model {layers}")
+        for i, row in enumerate(rows):
+            at = f"{field}.{side}[{i}]"
+            if not isinstance(row, list) or len(row) not in (2, 3):
+                _fail(at, f"is {row!r:.60}, not [bits, fraction] or [bits, fraction, widths]")
+            _int(row[0], f"{at}[0] (bits)", 1, 6)
+            _number(row[1], f"{at}[1] (outlier fraction)", 0.0, MAX_FRACTION)
+            if len(row) == 3:
+                widths = _kind(row[2], list, f"{at}[2] (channel widths)")
+                if len(widths) != channels:
+                    _fail(f"{at}[2] (channel widths)", f"has {len(widths)} channels, the model {channels}")
+                for w in widths:
+                    _int(w, f"{at}[2] (channel widths)", 1, 6)
+
+
+def _check_tensors(meta: dict, tensors: dict) -> None:
+    fp = meta["model"]["fingerprint"]
+    layers, channels = fp["layers"], fp["kv_heads"] * fp["head_dim"]
+    for key, t in tensors.items():
+        m = _TENSOR.match(key)
+        if m is None:
+            _fail(f"tensor {key!r}", "is not one a recipe holds")
+        if int(m.group(1)) >= layers:
+            _fail(f"tensor {key!r}", f"names a layer past the model's {layers}")
+        if t.dtype not in (torch.float32, torch.float64):
+            _fail(f"tensor {key!r}", f"has dtype {t.dtype}, not torch.float32 (what `Recipe.save` writes)")
+        if not torch.isfinite(t).all():
+            _fail(f"tensor {key!r}", "holds NaN/Inf")
+        if m.group(3) == "range":
+            if t.shape != (2, channels):
+                _fail(f"tensor {key!r}", f"has shape {tuple(t.shape)}, not (2, {channels}) (lo, hi per channel)")
+            if (t[0] > t[1]).any():
+                _fail(f"tensor {key!r}", f"has lo > hi in {int((t[0] > t[1]).sum())} channel(s)")
+            if (t[0] == t[1]).all():
+                _fail(f"tensor {key!r}", "has an empty range (lo == hi) in every channel")
+        elif m.group(3) == "matrix":
+            if t.shape != (2,) or not t[0] < t[1]:
+                _fail(f"tensor {key!r}", f"is {t.tolist()}, not the thresholds [lo, hi] with lo < hi")
+        elif m.group(4):
+            bits = int(m.group(5))
+            if bits > MAX_WIDTH or t.shape != (2**bits,):
+                _fail(f"tensor {key!r}", f"has shape {tuple(t.shape)}, not ({2**bits},) levels")
+            if (t[1:] <= t[:-1]).any() or t.abs().max() > 1 + 1e-6:
+                _fail(f"tensor {key!r}", "is not a codebook: its levels must rise strictly within [-1, 1]")
+        elif t.ndim != 2 or t.shape[0] != channels or (t < 0).any():
+            _fail(f"tensor {key!r}", f"has shape {tuple(t.shape)}, not ({channels}, widths) of errors >= 0")
+    _check_nesting(tensors)
+
+
+def _check_nesting(tensors: dict) -> None:
+    """A range that leaves a larger share of outliers out lies inside one that leaves less (each channel), and
+    per-matrix thresholds inside the whole range: what calibration gives, whatever the data."""
+    by_vector: dict[tuple, list] = {}
+    for key, t in tensors.items():
+        m = re.match(r"layers\.(\d+)\.(k_pre|k_post|v)\.(range|matrix)\.p([0-9.e-]+)$", key)
+        if m:
+            by_vector.setdefault((m.group(1), m.group(2)), []).append((m.group(3), float(m.group(4)), key, t))
+    for (layer, name), items in by_vector.items():
+        ranges = sorted((p, key, t) for kind, p, key, t in items if kind == "range")
+        for (_, outer_key, outer), (_, inner_key, inner) in zip(ranges, ranges[1:]):
+            if (inner[0] < outer[0]).any() or (inner[1] > outer[1]).any():
+                _fail(f"tensor {inner_key!r}", f"is not inside {outer_key!r} (a range of fewer outliers)")
+        if not ranges:
+            continue
+        _, whole_key, whole = ranges[0]
+        for kind, p, key, t in items:
+            if kind == "matrix" and (t[0] < whole[0].min() or t[1] > whole[1].max()):
+                _fail(f"tensor {key!r}", f"lies outside the whole range of {whole_key!r}")

@@ -124,7 +124,9 @@ def test_missing_text_file_rejected(tmp_path):
 def test_user_file_is_split_into_calibration_and_held_out_text(tmp_path):
     p = tmp_path / "latin.txt"
     p.write_bytes(" ".join(f"caf\xe9{i}" for i in range(30)).encode("latin-1"))  # one paragraph: cut at spaces
-    t = load_text(str(p))
+    with pytest.raises(TextError, match="not valid utf-8.*--encoding"):
+        load_text(str(p))  # decoded strictly: its encoding must be named
+    t = load_text(str(p), "latin-1")
     assert t.calibration.startswith("café0") and t.evaluation.startswith("café")
     assert t.calibration.count("café") + t.evaluation.count("café") == 30 and t.evaluation.count("café") >= 3
     paragraphs = [f"paragraph {i}: " + " ".join(f"word{i}x{j}" for j in range(20)) for i in range(60)]

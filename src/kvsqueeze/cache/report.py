@@ -66,7 +66,7 @@ class MemoryReport:
     @property
     def bytes_per_token(self) -> float:
         """Total bytes per cached token (of one row), all layers."""
-        return self.total_bytes / max(self.token_rows, 1)
+        return self.total_bytes / self.token_rows if self.token_rows else float("nan")
 
     @property
     def fp16_bytes(self) -> int:
@@ -81,8 +81,9 @@ class MemoryReport:
 
     @property
     def avg_bits(self) -> float:
-        """Bits held per K/V element held."""
-        return 8 * self.total_bytes / max(2 * self._layer_rows(self.held_token_layers) * self.channels, 1)
+        """Bits held per K/V element held (NaN for an empty cache: there is no element to divide by)."""
+        elements = 2 * self._layer_rows(self.held_token_layers) * self.channels
+        return 8 * self.total_bytes / elements if elements else float("nan")
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -100,6 +101,10 @@ class MemoryReport:
             n = self.components.get(name, 0)
             if n:
                 lines.append(f"  {name:<{width}}  {n:>12,} B  {100 * n / total:5.1f}%")
+        if not self.token_rows:
+            lines.append(f"  {'total':<{width}}  {self.total_bytes:>12,} B  (no tokens cached yet; allocated "
+                         f"{self.capacity_bytes:,} B)")
+            return "\n".join(lines)
         lines.append(f"  {'total':<{width}}  {self.total_bytes:>12,} B  ({self.bytes_per_token:,.1f} B/token, "
                      f"{self.avg_bits:.2f} bits/element; allocated {self.capacity_bytes:,} B)")
         lines.append(f"  {'fp16 cache':<{width}}  {self.fp16_bytes:>12,} B  ({self.compression:.2f}x smaller)")

@@ -83,8 +83,33 @@ def _read(path: Path) -> str:
         return raw.decode("latin-1")  # one BBC article is latin-1
 
 
-def load_text(text: str = DEFAULT_TEXT) -> Text:
-    """`bbc` (calibration / evaluation split by article) or a path to a UTF-8 / latin-1 text file (used whole)."""
+def read_user_text(path: Path, encoding: str | None = None) -> str:
+    """A user's text file, decoded strictly: UTF-8 (a BOM allowed) unless `encoding` names another; a file that
+    does not decode, or holds binary data, is refused with what to do."""
+    raw = path.read_bytes()
+    if encoding is None:
+        if raw[:2] in (b"\xff\xfe", b"\xfe\xff"):
+            raise TextError(f"text file {path} is UTF-16 (it starts with a UTF-16 byte-order mark): pass "
+                            "--encoding utf-16, or convert it to UTF-8")
+        encoding = "utf-8-sig"
+    try:
+        body = raw.decode(encoding)
+    except LookupError as exc:
+        raise TextError(f"--encoding {encoding!r} is not an encoding Python knows (e.g. utf-8, latin-1, utf-16)") from exc
+    except UnicodeDecodeError as exc:
+        raise TextError(f"text file {path} is not valid {exc.encoding} (byte {exc.start}: "
+                        f"{raw[exc.start:exc.start + 4]!r}): pass --encoding with the file's encoding (e.g. latin-1), "
+                        "or give a text file") from exc
+    controls = sum(1 for ch in body[:1_000_000] if ord(ch) < 32 and ch not in "\n\r\t\f\v")
+    if "\x00" in body or controls > 0.01 * max(1, min(len(body), 1_000_000)):
+        raise TextError(f"text file {path} holds binary data ({controls} control characters), not text: give a text "
+                        "file")
+    return body
+
+
+def load_text(text: str = DEFAULT_TEXT, encoding: str | None = None) -> Text:
+    """`bbc` (calibration / evaluation split by article) or a path to a text file (used whole; UTF-8 unless
+    `encoding` says otherwise, see `read_user_text`)."""
     if text == DEFAULT_TEXT:
         root = _bbc_root()
         pieces = [(f"{p.parent.name}/{p.name}", _read(p).strip()) for p in sorted(root.glob("*/*.txt"))]
@@ -92,7 +117,7 @@ def load_text(text: str = DEFAULT_TEXT) -> Text:
     path = Path(text)
     if not path.is_file():
         raise TextError(f"text {text!r} is neither 'bbc' nor a readable file; pass --text bbc or --text PATH")
-    body = _read(path)
+    body = read_user_text(path, encoding)
     if not body.strip():
         raise TextError(f"text file {path} is empty; give a file with some text in it")
     blocks = [b.strip() for b in body.split("\n\n")]

@@ -184,7 +184,10 @@ def cache_for(model, recipe: Recipe | str | Path | None = None,
     except ValueError as exc:
         raise UnsupportedModelError(str(exc)) from exc
     if not spec.quantized:
-        return CompressedCache([Fp16Layer(w) for w in windows], spec, shape, None, None)
+        layers = [Fp16Layer(w) for w in windows]
+        for i, layer in enumerate(layers):
+            layer.layer_idx = i
+        return CompressedCache(layers, spec, shape, None, None)
     preflight(model)  # keys read where the model rotates them, or a clear refusal now
     attn = attention_modules(model)
     if len(attn) != shape.layers:
@@ -201,6 +204,8 @@ def cache_for(model, recipe: Recipe | str | Path | None = None,
                               window=spec.window))
     capture = ForwardCapture.acquire(model)  # last, so that a failure above leaves no hooks behind
     layers = [CompressedLayer(s, i, rotaries[i], capture, windows[i]) for i, s in enumerate(stores)]
+    for layer in layers:
+        layer.method_name = spec.name
     if spec.window:  # each query of a forward reads its own fp16 window: kvsqueeze's attention does that
         register_handler(window_handler)
         switch_attention(model)

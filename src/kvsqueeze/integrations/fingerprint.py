@@ -1,4 +1,4 @@
-"""A model's fingerprint for its recipe: shapes, a hash of the first key projection and a few of its weights."""
+"""A model's fingerprint for its recipe: shapes, and a hash and a few probed weights of every layer's keys."""
 
 from __future__ import annotations
 
@@ -6,17 +6,24 @@ import hashlib
 
 import torch
 
-from ..recipe import PROBES, Recipe
+from ..recipe import PROBES, Recipe, RecipeError
 from ..shape import kv_shape
 from .parts import attention_modules, key_weight
 
 
 def model_fingerprint(model) -> dict:
-    """Shapes, a hash of the first key projection's weights and a few of those weights (`same_weights`)."""
+    """Shapes, and for every layer a hash of its key projection's weights and a few of those weights, evenly
+    spaced over the matrix (`recipe.same_weights` compares them across a change of precision)."""
     shape = kv_shape(model.config)
-    first = key_weight(attention_modules(model)[0], shape.channels).detach().float().cpu().contiguous()
-    flat = first.view(-1)
-    probe = flat[torch.linspace(0, flat.numel() - 1, min(PROBES, flat.numel())).round().long()]
+    hashes, probes = [], []
+    for i, attn in enumerate(attention_modules(model)):
+        w = key_weight(attn, shape.channels).detach().float().cpu().contiguous()
+        if not torch.isfinite(w).all():
+            raise RecipeError(f"layer {i}'s key projection holds NaN/Inf weights: the model's weights are broken "
+                              "(a bad download or conversion); load a sound copy of the model")
+        flat = w.view(-1)
+        hashes.append(hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16])
+        probes.append(flat[torch.linspace(0, flat.numel() - 1, min(PROBES, flat.numel())).round().long()].tolist())
     return {
         "layers": shape.layers,
         "heads": shape.heads,
@@ -24,8 +31,8 @@ def model_fingerprint(model) -> dict:
         "head_dim": shape.head_dim,
         "hidden_size": int(model.config.hidden_size),
         "vocab_size": int(model.config.vocab_size),
-        "k_proj_sha256": hashlib.sha256(first.numpy().tobytes()).hexdigest()[:16],
-        "k_proj_probe": probe.tolist(),
+        "layers_sha256": hashes,
+        "layers_probe": probes,
     }
 
 

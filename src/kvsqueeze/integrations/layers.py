@@ -44,8 +44,10 @@ from the 2-D attention mask of the forward (no mask: every token is real).
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
+import numpy as np
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -54,6 +56,13 @@ from ..cache.store import KVStore
 from ..numerics.rope import Rope
 from .attention import ATTN_NAME, EAGER_NAME
 from .parts import LayerRotary
+
+FP16_MAX = 65504.0  # the largest finite float16
+
+
+class CacheValueError(ValueError):
+    """Keys or values a cache cannot hold (beyond fp16's range, NaN or Inf)."""
+
 
 MARKER = "kvsqueeze_layer"  # attribute of the empty key tensor a fused decode step returns
 QUANTIZED = "kvsqueeze_quantized"  # attribute of the keys a windowed layer returns: its `WindowCopies`
@@ -97,6 +106,42 @@ class LayerBase(CacheLayerMixin):
     @property
     def is_sliding(self) -> bool:
         return self.window is not None
+
+    CHECK_EVERY = 256  # decode steps on an accelerator between two reads of the running maximum (one sync)
+
+    def check_storable(self, keys: torch.Tensor, values: torch.Tensor, what: str) -> None:
+        """Refuse keys or values that this cache's fp16 parts cannot hold (beyond 65,504, NaN or Inf), naming the
+        layer and what to do. On the CPU, and for every forward of more than one token, at once; a single-token
+        step on an accelerator only folds its maximum into a running one on the device (no host sync), which is
+        read at the next longer forward or every `CHECK_EVERY` steps."""
+        if keys.device.type == "cpu":
+            if keys.dtype in (torch.float32, torch.float16) and values.dtype == keys.dtype:
+                m = float(max(np.abs(keys.detach().numpy()).max(initial=0),
+                              np.abs(values.detach().numpy()).max(initial=0)))
+            else:
+                m = float(torch.maximum(keys.detach().abs().amax(), values.detach().abs().amax()))
+            if m <= FP16_MAX:  # NaN fails this too
+                return
+        else:
+            worst = torch.maximum(keys.detach().abs().amax(), values.detach().abs().amax()).float()
+            if getattr(self, "_worst", None) is not None:
+                worst = torch.maximum(worst, self._worst)
+            if keys.shape[-2 if keys.dim() == 4 else 1] == 1 and getattr(self, "_steps", 0) + 1 < self.CHECK_EVERY:
+                self._worst, self._steps = worst, getattr(self, "_steps", 0) + 1
+                return
+            self._worst, self._steps = None, 0
+            m = float(worst)
+            if m <= FP16_MAX:
+                return
+        layer = getattr(self, "layer_idx", "?")
+        if math.isnan(m) or math.isinf(m):
+            raise CacheValueError(
+                f"layer {layer}: the model's keys or values hold NaN/Inf before they reach the {what} cache: the "
+                "model itself overflowed (its weights, its inputs or its dtype); nothing was stored")
+        raise CacheValueError(
+            f"layer {layer}: keys or values reach {m:.4g}, beyond fp16's range (65,504) in which the {what} cache "
+            "stores them (its scales, outliers, sinks and window, or all of it for fp16); nothing was stored. This "
+            "model needs a cache in its own dtype: run it without kvsqueeze's cache (transformers' DynamicCache)")
 
     def kept_tokens(self) -> int:
         raise NotImplementedError
@@ -225,6 +270,7 @@ class CompressedLayer(PreRopeKeys, LayerBase):
         self.heads, self.head_dim = store.heads, store.head_dim
         self.rotary, self.capture = rotary, capture
         self.closed = False
+        self.method_name = "compressed"  # the method's name, for messages (`cache_for` sets it)
         self.decode_backend = None  # a `kernels.Backend`: single-token updates return a marker (`fused.py`)
 
     @property
@@ -313,6 +359,7 @@ class CompressedLayer(PreRopeKeys, LayerBase):
         if not self.is_initialized:
             self.device, self.dtype = keys.device, keys.dtype
             self.is_initialized = True
+        self.check_storable(keys, values, self.method_name)
         self.store.append(keys, values, real, positions)
 
     def read(self, dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -384,6 +431,7 @@ class Fp16Layer(LayerBase):
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.check_storable(key_states, value_states, "fp16")
         self.k.append(key_states.permute(2, 0, 1, 3))  # [T, B, H, D]
         self.v.append(value_states.permute(2, 0, 1, 3))
         out = self.read(key_states.dtype)

@@ -78,6 +78,12 @@ def preflight(model, keys: bool = True) -> None:
     device = next(model.parameters()).device
     vocab = int(getattr(model.config, "vocab_size", 2) or 2)
     ids = (torch.arange(PREFLIGHT_TOKENS, device=device) * 7 + 3).remainder(vocab).view(1, -1)
+    broken = [name for name, w in model.named_parameters() if w.is_floating_point() and not torch.isfinite(w).all()]
+    if broken:  # not a question of architecture: every comparison below would fail on NaN
+        raise UnsupportedModelError(
+            f"{type(model).__name__} holds NaN/Inf weights ({', '.join(broken[:3])}"
+            f"{' ...' if len(broken) > 3 else ''}): the checkpoint is broken (a bad download or conversion); "
+            "load a sound copy of the model")
     read, cache = read_forward(model, ids)
     t, h, d = PREFLIGHT_TOKENS, shape.kv_heads, shape.head_dim
     if keys:

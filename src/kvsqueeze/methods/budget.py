@@ -474,9 +474,20 @@ def recipe_allocation(recipe: Recipe, avg_bits: float, sinks: int = 1, proxy: st
     """The recipe's stored choice for this budget, sink count, proxy, unit, window and context (`calibrate
     --avg-bits`, `kvsqueeze budget`), or the same computed now (a choice stored by a version that counted storage
     otherwise is computed again)."""
-    stored = recipe.meta.get("budgets", {}).get(budget_key(avg_bits, sinks, proxy, unit, window, tokens))
+    name = budget_key(avg_bits, sinks, proxy, unit, window, tokens)
+    stored = recipe.meta.get("budgets", {}).get(name)
     if stored is not None and stored.get("storage") == STORAGE_VERSION:
-        return Allocation.from_dict(stored)
+        alloc = Allocation.from_dict(stored)
+        fp = recipe.meta["model"]["fingerprint"]
+        channels = fp["kv_heads"] * fp["head_dim"]
+        spent = sum(unit_bits(kv, c, alloc.tokens, channels, sinks)
+                    for k, v in zip(alloc.keys, alloc.values) for kv, c in (("k", k), ("v", v)))
+        held = _average(spent, alloc.tokens, channels, fp["layers"], sinks, alloc.window)
+        if alloc.tokens != tokens or alloc.window != window or not math.isclose(held, alloc.bits, rel_tol=1e-9):
+            raise RecipeError(f"recipe field budgets.{name} does not add up: its choices store {held:.4f} bits at "
+                              f"{alloc.tokens} tokens, it records {alloc.bits:.4f} (an edited or half-written "
+                              "recipe); recalibrate, or drop that entry to have the budget chosen again")
+        return alloc
     key = (id(recipe), float(avg_bits), sinks, proxy, unit, window, tokens)
     held = _COMPUTED.get(key)
     if held is None or held[0] is not recipe:

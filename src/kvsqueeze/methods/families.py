@@ -338,6 +338,12 @@ def _channel_range(spec: MethodSpec, recipe, layer: int, tensor: str):
 REGISTRY: dict[str, Family] = {f.name: f for f in (Fp16(), Uniform(), NormalFloat(), Nuq(), Kivi(), Group(), Turbo())}
 
 
+def _check_slots(spec: MethodSpec, channels: int) -> None:
+    if spec.key_slots and spec.key_slots > channels:
+        raise MethodError(f"method {spec.name!r} keeps {spec.key_slots} exact key elements per token, more than the "
+                          f"model's {channels} key channels: give ':kslotsN' with N at most {channels}")
+
+
 def family(spec: MethodSpec) -> Family:
     return REGISTRY[spec.family]
 
@@ -362,6 +368,7 @@ def build_quantizers(spec: MethodSpec, recipe, layer: int, channels: int, head_d
         RecipeError: the method needs offline statistics and no recipe (or the wrong one) was given.
         MethodError: a combination the family cannot do.
     """
+    _check_slots(spec, channels)
     return family(spec).quantizers(spec, recipe, layer, channels, head_dim)
 
 
@@ -378,6 +385,7 @@ def cache_bytes(spec: MethodSpec, layers: int, channels: int, head_dim: int, row
     one position log; a sliding layer keeps its own.
     """
     fam = family(spec)
+    _check_slots(spec, channels)
     out = dict.fromkeys(storage.COMPONENTS, 0)
     stored = fam.why_not(spec, "cache") is None and spec.quantized
     for i in range(layers):

@@ -75,7 +75,9 @@ def check_finite(x: torch.Tensor, what: str) -> None:
         if torch.isfinite(x).all():
             return  # finite values whose sum overflowed
         bad = (~torch.isfinite(x)).sum().item()
+        wider = ("load the model in float32 or bfloat16, or check the input" if x.dtype == torch.float16 else
+                 "the model overflowed in its own dtype: check its weights and the input")
         raise FloatingPointError(
-            f"{what} holds {bad} NaN/Inf values; the model's activations overflowed before "
-            "quantization (load the model in float32 or bfloat16, or check the input)"
+            f"{what} holds {bad} NaN/Inf values ({x.dtype}); the model's activations overflowed before "
+            f"quantization ({wider})"
         )

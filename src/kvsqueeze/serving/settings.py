@@ -81,8 +81,7 @@ class ServingConfig:
     def check_model(self, layers: int, kv_heads: int, head_dim: int) -> None:
         """Refuse a recipe calibrated on a model of another shape (the engine's model has no HF module to
         fingerprint, so its shape is what can be compared)."""
-        meta = json.loads((Path(self.recipe) / "recipe.json").read_text())
-        fp = meta.get("model", {}).get("fingerprint", {})
+        fp = self._recipe.meta["model"]["fingerprint"]  # a loaded recipe: its checksums and fields checked
         have = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
         wrong = {k: (fp.get(k), v) for k, v in have.items() if fp.get(k) not in (None, v)}
         if wrong:
