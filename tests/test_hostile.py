@@ -57,6 +57,22 @@ def test_nan_keys_are_named_as_the_model_s_own(tiny_recipe):
             model(ids, past_key_values=cache, use_cache=True)
 
 
+@pytest.mark.parametrize("tokens", [1, 300])  # a decode step, and a prefill past the in-place reductions' size
+@pytest.mark.parametrize("part", ["k_proj", "v_proj"])
+def test_nan_in_keys_or_values_alone_is_refused(part, tokens):
+    from kvsqueeze.integrations.layers import Fp16Layer
+
+    layer = Fp16Layer()
+    layer.layer_idx = 2
+    k, v = torch.randn(1, 4, tokens, 64), torch.randn(1, 4, tokens, 64)
+    (k if part == "k_proj" else v)[0, 1, tokens - 1, 5] = float("nan")
+    with pytest.raises(CacheValueError, match="layer 2: the model's keys or values hold NaN/Inf"):
+        layer.update(k, v)
+    (k if part == "k_proj" else v)[0, 1, tokens - 1, 5] = 7e4
+    with pytest.raises(CacheValueError, match="layer 2: keys or values reach 7e\\+04"):
+        layer.update(k, v)
+
+
 def test_text_that_is_not_utf8_or_not_text_is_refused(tmp_path, text_file):
     utf16 = tmp_path / "u16.txt"
     utf16.write_text(text_file.read_text(), encoding="utf-16")

@@ -116,8 +116,12 @@ class LayerBase(CacheLayerMixin):
         read at the next longer forward or every `CHECK_EVERY` steps."""
         if keys.device.type == "cpu":
             if keys.dtype in (torch.float32, torch.float16) and values.dtype == keys.dtype:
-                m = float(max(np.abs(keys.detach().numpy()).max(initial=0),
-                              np.abs(values.detach().numpy()).max(initial=0)))
+                kn, vn = keys.detach().numpy(), values.detach().numpy()
+                if kn.size <= 1 << 16:  # a decode step: one temporary of |x| is the cheapest
+                    a, b = float(np.abs(kn).max(initial=0)), float(np.abs(vn).max(initial=0))
+                    m = a if (a >= b or a != a) else b  # a NaN in either stays NaN
+                else:  # a long prefill: four reductions in place, no copy of the activations
+                    m = float(np.max([kn.max(), -kn.min(), vn.max(), -vn.min()]))
             else:
                 m = float(torch.maximum(keys.detach().abs().amax(), values.detach().abs().amax()))
             if m <= FP16_MAX:  # NaN fails this too
