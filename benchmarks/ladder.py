@@ -10,7 +10,9 @@ the per-channel int / nf baselines and the unweighted / Fisher / Fisher * s^2 st
 nuq, so each step changes one thing. Windows are spread over the whole evaluation part.
 
 Writes {"model", "text", "seqlen", "windows", "window_sources", "recipes", "rows": [{"method", "avg_bits",
-"ppl", "ci95", "kld_mean", "kld_p99", "top1", "step", "recipe_sinks"}]} and prints a Markdown table.
+"ppl", "ci95", "kld_mean", "kld_p99", "top1", "step", "recipe_sinks"}]} and prints a Markdown table. The JSON
+is written after every `--group` methods, with the methods not yet measured under "missing": a run cut short
+goes on from there with `--reuse`.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import platform
+import sys
 import time
 from pathlib import Path
 
@@ -29,6 +31,9 @@ from kvsqueeze.eval.texts import evaluation_windows, load_text
 from kvsqueeze.integrations.loading import load_model
 from kvsqueeze.methods import needs_recipe, parse_method
 from kvsqueeze.recipe import Recipe
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine  # noqa: E402
 
 LADDER = [
     ("int3", "int3: keys per-token post-RoPE (baseline)"),
@@ -120,6 +125,7 @@ def main() -> None:
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--json", default="benchmarks/results/ladder.json")
+    ap.add_argument("--group", type=int, default=6, help="methods measured between two writes of --json")
     ap.add_argument("--reuse", action="store_true",
                     help="keep the rows of an existing --json measured on the same windows with the same recipes and "
                          "measure only the methods it lacks")
@@ -161,22 +167,34 @@ def main() -> None:
     recipes = {s.name: by_sinks[min(s.sinks, 1)] for s in specs if needs_recipe(s) and s.name not in kept}
     t0 = time.perf_counter()
     todo = [s for s in specs if s.name not in kept]
-    measured = {r.method: {**r.as_dict(), "step": steps[r.method], "recipe_sinks": (
-        int(recipes[r.method].meta["settings"]["sinks"]) if r.method in recipes else None)}
-        for r in evaluate(model, ew.ids, todo, by_sinks[1], recipes=recipes)}
-    table = [measured.get(name) or kept[name] for name in steps]
+    measured: dict[str, dict] = {}
+
+    def write() -> list[dict]:
+        """The rows so far, in ladder order, written at once: a run cut short is resumed with --reuse."""
+        rows = [measured.get(name) or kept.get(name) for name in steps]
+        payload = {
+            "model": args.model, "text": f"{args.text} (evaluation part)", "seqlen": args.seqlen,
+            "windows": int(ew.ids.shape[0]), "window_sources": ew.describe(), "machine": machine(),
+            "recipes": settings, "seconds": round(time.perf_counter() - t0, 1),
+            **({"reused_rows": sorted(kept)} if kept else {}),
+            **({"missing": [n for n, r in zip(steps, rows) if r is None]} if None in rows else {}),
+            "rows": [r for r in rows if r is not None],
+        }
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
+        return payload["rows"]
+
+    # methods in groups (fp16 with the first), each group's rows written as soon as it is measured
+    for i in range(0, len(todo), args.group):
+        group = todo[i:i + args.group]
+        if "fp16" not in {s.name for s in group} and "fp16" not in measured:
+            group = [parse_method("fp16"), *group]
+        for r in evaluate(model, ew.ids, group, by_sinks[1], recipes=recipes):
+            measured[r.method] = {**r.as_dict(), "step": steps[r.method], "recipe_sinks": (
+                int(recipes[r.method].meta["settings"]["sinks"]) if r.method in recipes else None)}
+        write()
+    table = write()
     base = table[0]["ppl"]
-    payload = {
-        "model": args.model, "text": f"{args.text} (evaluation part)", "seqlen": args.seqlen,
-        "windows": int(ew.ids.shape[0]), "window_sources": ew.describe(),
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, "
-                   f"torch {torch.__version__}",
-        "recipes": settings, "seconds": round(time.perf_counter() - t0, 1),
-        **({"reused_rows": sorted(kept)} if kept else {}),
-        "rows": table,
-    }
-    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
     print("| method | what | avg bits | PPL | vs fp16 | 95% CI | KLD | top-1 |\n|---|---|---|---|---|---|---|---|")
     for r in table:
         ci = f"[{r['ci95'][0]:+.2f}, {r['ci95'][1]:+.2f}]" if r["ci95"] else ""
