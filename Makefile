@@ -34,7 +34,7 @@ test-fast: setup
 # the ablation ladder's recipes: the default one with its measured sensitivities (`:kl` rows), and one calibrated
 # with --sinks 0 (the sink0 rows)
 $(OUT)/recipe-kl/recipe.json: | setup
-	$(BIN)/kvsqueeze calibrate --model smollm2-135m --text bbc --kl --out $(OUT)/recipe-kl
+	$(BIN)/kvsqueeze calibrate --model smollm2-135m --text bbc --kl --ablation --out $(OUT)/recipe-kl
 
 $(OUT)/recipe-sink0/recipe.json: | setup
 	$(BIN)/kvsqueeze calibrate --model smollm2-135m --text bbc --sinks 0 --out $(OUT)/recipe-sink0

@@ -197,6 +197,17 @@ def step_rows(args, recipe) -> list[dict]:
                 return F.scaled_dot_product_attention(qd, k, v, scale=scaling, enable_gqa=True)
 
             variants[(f"dense-{str(dtype).split('.')[-1]}", "cat + torch-sdpa")] = (dense, lambda: None)
+            # what StaticCache and serving engines do: the new token written in place into a cache allocated once
+            k_all = torch.cat([keys, torch.zeros_like(kn)], dim=-2)  # [1, H, T, D]
+            v_all = torch.cat([values, torch.zeros_like(vn)], dim=-2)
+
+            def static(k_all=k_all, v_all=v_all, qd=qd, kn=kn, vn=vn, t=tokens - 1):
+                k_all[:, :, t : t + 1].copy_(kn)
+                v_all[:, :, t : t + 1].copy_(vn)
+                return F.scaled_dot_product_attention(qd, k_all[:, :, : t + 1], v_all[:, :, : t + 1], scale=scaling,
+                                                      enable_gqa=True)
+
+            variants[(f"static-{str(dtype).split('.')[-1]}", "in place + torch-sdpa")] = (static, lambda: None)
         times = {key: [] for key in variants}
         for call, reset in variants.values():
             call()
@@ -222,8 +233,8 @@ def step_ratios(rows: list[dict]) -> dict:
     for ctx in sorted({r["context"] for r in rows}):
         at = {r["method"]: r["median_ms"] for r in rows if r["context"] == ctx}
         for method, ms in at.items():
-            if not method.startswith("dense"):
-                for dense in ("dense-float32", "dense-bfloat16"):
+            if not method.startswith(("dense", "static")):
+                for dense in ("static-float32", "static-bfloat16", "dense-float32", "dense-bfloat16"):
                     out[f"{ctx}: {dense} step / fused {method} step"] = round(at[dense] / ms, 3)
     return out
 
@@ -303,8 +314,9 @@ def main(argv=None) -> None:
         payload["steps"] = step_rows(args, recipe)
         payload["step_ratios"] = step_ratios(payload["steps"])
         payload["step_timing"] = ("one layer's decode step: fused = store.append of the new token (quantize, pack, "
-                                  "append) + decode_attention; dense = torch.cat of the new key and value onto "
-                                  "the layer's cache + SDPA; each variant restored to the same length after each "
+                                  "append) + decode_attention; static = the new key and value written in place "
+                                  "into a cache allocated once (StaticCache, serving engines) + SDPA over it; dense = "
+                                  "torch.cat of them onto the layer's cache (DynamicCache) + SDPA; each variant restored to the same length after each "
                                   "call, outside the timing")
     if args.e2e:
         payload["e2e"] = e2e_rows(args, recipe)

@@ -78,6 +78,7 @@ def test_command_defaults_are_the_config_defaults():
     assert (cal.model, cal.text, cal.samples, cal.seqlen, cal.sinks) == (DEFAULT_MODEL, DEFAULT_TEXT, c.samples,
                                                                          c.seqlen, c.sinks)
     assert cal.bits == ",".join(map(str, c.bits))
+    assert cal.ablation == c.ablation and not c.ablation and c.fits == ("fs2",)
     assert sorted({0.0, *(float(x) / 100 for x in cal.outliers.split(","))}) == sorted(c.fractions)
     for command, config, extra in (("eval", EvalConfig(), []), ("passkey", PasskeyConfig(), []),
                                    ("generate", GenerateConfig(), ["--prompt", "x"]),

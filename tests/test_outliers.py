@@ -185,3 +185,19 @@ def test_per_matrix_scope_quantizer():
                                               (0.1, 32, 2), (0.0, 1000, 0)])
 def test_max_outliers_per_side(fraction, width, k):
     assert max_outliers_per_side(fraction, width) == k
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.001, 0.01, 0.2])
+def test_calibrated_thresholds_are_the_order_statistics_with_ties(fraction):
+    """The topk reading returns the (k+1)-th smallest and largest elements, ties included, as kthvalue does."""
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(-20, 20, (3001, 7), generator=g).float()  # many ties
+    n = x.shape[0]
+    k = int(round(fraction / 2 * n))
+    lo, hi = calibrated_thresholds(x, fraction, dim=0)
+    assert torch.equal(lo, x.kthvalue(k + 1, dim=0).values) and torch.equal(hi, x.kthvalue(n - k, dim=0).values)
+    m_lo, m_hi = calibrated_thresholds(x, fraction, dim=None)
+    flat = x.flatten()
+    km = int(round(fraction / 2 * flat.numel()))
+    assert float(m_lo) == float(flat.kthvalue(km + 1).values) and float(m_hi) == float(
+        flat.kthvalue(flat.numel() - km).values)

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import CHANNELS, LAYERS, tiny_model
+from conftest import CALIB_SAMPLES, CALIB_SEQLEN, CHANNELS, LAYERS, tiny_model
 from kvsqueeze.numerics.datatypes import check_codebook
 from kvsqueeze.integrations.fingerprint import check_recipe, model_fingerprint
 from kvsqueeze.integrations.simulate import SimulatedQuantization
@@ -105,6 +105,23 @@ def test_codebooks_sorted_inside_unit_interval(tiny_recipe):
         assert torch.all(cb.diff() >= 0), k
         assert cb.min() >= -1 - 1e-6 and cb.max() <= 1 + 1e-6, k
         check_codebook(cb, bits)
+
+
+def test_a_default_calibration_fits_what_users_read_and_names_the_flag_for_the_rest(tiny_llama, tiny_acts):
+    """Without --ablation only KVQuant's own objective per vector is fitted; a method that reads the others is
+    refused, before any work, with the flag that fits them."""
+    from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
+    from kvsqueeze.methods import build_quantizers, parse_method
+
+    r = fit_recipe(tiny_llama, tiny_acts, CalibrationConfig(samples=CALIB_SAMPLES, seqlen=CALIB_SEQLEN),
+                   "tiny-llama", "random", progress=False)
+    books = [k for k in r.tensors if ".codebook." in k]
+    assert books and all(k.endswith(".vector.fs2") for k in books)
+    assert not any(".matrix." in k for k in r.tensors)
+    build_quantizers(parse_method("nuq3-1%"), r, 0, CHANNELS)
+    for name in ("nuq3:fisher", "nuq3:unw", "nuq3-1%:pm"):
+        with pytest.raises(RecipeError, match="--ablation"):
+            build_quantizers(parse_method(name), r, 0, CHANNELS)
 
 
 def test_fit_variants_give_different_codebooks(tiny_recipe):

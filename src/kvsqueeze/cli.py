@@ -115,7 +115,8 @@ def cmd_calibrate(args) -> None:
             raise ValueError(f"--bits {b} is not supported; use 2, 3 and/or 4")
     fractions = _percentages(args.outliers, "--outliers")
     cfg = CalibrationConfig(samples=args.samples, seqlen=args.seqlen, bits=bits,
-                            fractions=tuple(sorted({0.0, *fractions})), sinks=args.sinks)
+                            fractions=tuple(sorted({0.0, *fractions})), sinks=args.sinks,
+                            fits=("fs2", "fisher", "unw") if args.ablation else _CAL.fits, ablation=args.ablation)
     if args.kl_outliers:
         _percentages(args.kl_outliers, "--kl-outliers")
     budgets = _budgets(args.avg_bits)
@@ -513,6 +514,8 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--sinks", type=_bounded(0, MAX_SINKS), default=_CAL.sinks, help="leading tokens left out of statistics")
     c.add_argument("--avg-bits", help="also choose and store each layer's K/V bits for these averages "
                                       "(e.g. 3.5 or 2.6,3.5): the method nuq@3.5 reads the choice")
+    c.add_argument("--ablation", action="store_true", help="also fit what only the ablation ladder reads: "
+                   "codebooks weighted by Fisher alone (':fisher') or not at all (':unw'), and per-matrix ones (':pm')")
     c.add_argument("--kl", action="store_true", help="also measure each layer's sensitivity, as `kvsqueeze budget` "
                    "does (about 100 s on the default model), for budgets nuq@AVG:kl and nuq@AVG:kl:chan")
     _add_sensitivity(c, standalone=False)

@@ -103,6 +103,9 @@ class Recipe:
     def _get(self, key: str, hint: str) -> torch.Tensor:
         if key not in self.tensors:
             s = self.meta.get("settings", {})
+            if (key.endswith((".fisher", ".unw")) or ".matrix." in key) and not s.get("ablation", True):
+                raise RecipeError(f"recipe has no entry {key!r} ({hint}): only the ablation ladder reads it; "
+                                  "recalibrate with `kvsqueeze calibrate --ablation`")
             raise RecipeError(
                 f"recipe has no entry {key!r} ({hint}); it was calibrated with bits={s.get('bits')}, "
                 f"outlier fractions={s.get('fractions')}: recalibrate with the settings this method needs"
@@ -356,6 +359,7 @@ def _check_meta(meta: dict) -> None:
         _number(f, f"settings.fractions[{i}]", 0.0, MAX_FRACTION)
     for i, f in enumerate(_kind(settings.get("fits"), list, "settings.fits")):
         _kind(f, str, f"settings.fits[{i}]")
+    _kind(settings.get("ablation", False), bool, "settings.ablation")
     channels = fp["kv_heads"] * fp["head_dim"]
     for name, alloc in _kind(meta.get("budgets", {}), dict, "budgets").items():
         _check_budget(_kind(alloc, dict, f"budgets.{name}"), f"budgets.{name}", layers, channels)

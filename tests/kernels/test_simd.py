@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import llvmlite.binding
+import numba
 import numpy as np
 import pytest
 
-numba = pytest.importorskip("numba")
-
-from kvsqueeze.kernels.numba.simd import (  # noqa: E402
+from kvsqueeze.kernels.numba import simd
+from kvsqueeze.kernels.numba.simd import (
     LANES,
     uadd,
     uand,
@@ -62,6 +68,27 @@ def test_vexp_underflows_to_zero_and_keeps_nan():
     assert out[0] == 0 and out[1] == 0 and out[2] == 0
     assert np.isnan(out[3])
     assert np.allclose(out[4:], np.exp(-1.0), rtol=1e-6)
+
+
+def test_the_kernels_compile_for_the_instruction_set_of_the_target():
+    """The host's own, unless the environment names another (the AVX2 run on an AVX-512 host, below)."""
+    expect = os.environ.get("KVSQUEEZE_EXPECT_ISA")
+    if expect is None:
+        host = {k for k, on in llvmlite.binding.get_host_cpu_features().items() if on}
+        expect = "avx512" if "avx512f" in host else "avx2" if "avx2" in host else "generic"
+    assert simd.ISA == expect
+
+
+@pytest.mark.skipif(simd.ISA != "avx512", reason="an AVX2 host runs the AVX2 path in every kernel test already")
+def test_the_avx2_path_on_an_avx512_host():
+    """Either machine tests both lookups: an AVX-512 host compiles the kernels for AVX2 in a second process and
+    holds them to the reference there."""
+    env = {**os.environ, **simd.AVX2_ENV, "KVSQUEEZE_EXPECT_ISA": "avx2"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+                          "tests/kernels/test_simd.py", "tests/kernels/test_decode.py", "-k",
+                          "numba or vlookup or instruction_set"], env=env, capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
 
 
 def test_vlookup_reads_only_the_low_four_bits():

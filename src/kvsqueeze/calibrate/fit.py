@@ -4,7 +4,8 @@ Keys (pre- and post-RoPE) and values get per-channel ranges at every outlier
 fraction (quantiles over the calibration tokens) and per-matrix thresholds for
 the ablation. Codebooks are fitted per layer, for K and for V, by weighted
 k-means in the normalized domain A_norm = (A - z) / s over the non-outlier
-elements, with weights F * s^2 (KVQuant's "fs2"), F ("fisher") or 1 ("unw").
+elements, with weights F * s^2 (KVQuant's "fs2"); an ablation calibration adds
+codebooks weighted by F ("fisher") or 1 ("unw") and per-matrix-threshold ones.
 Keys are normalized by their offline per-channel (s, z); values by the online
 per-token (s, z) they will get at inference.
 """
@@ -28,6 +29,7 @@ from ..numerics.outliers import calibrated_thresholds, clamp_range, online_thres
 from ..recipe import Recipe, channel_error_key, codebook_key, matrix_key, range_key
 from ..shape import kv_shape
 from .collect import Activations
+from .channels import channel_histograms
 from .kmeans import WeightedHistogram, fit_codebook
 
 
@@ -47,21 +49,6 @@ def _hist_objective(hist: WeightedHistogram, centers: np.ndarray) -> float:
     c = np.sort(centers)
     idx = np.clip(np.searchsorted((c[1:] + c[:-1]) / 2, mean), 0, len(c) - 1)
     return float(np.sum(wx2 - 2 * c[idx] * wx + w * c[idx] ** 2))
-
-
-def _channel_errors(norm: torch.Tensor, weights: torch.Tensor, inside: torch.Tensor, codebooks) -> torch.Tensor:
-    """[C, len(codebooks)]: sum over tokens of F (x - x^)^2 at each codebook, outliers (exact) left out.
-
-    The codebooks' own Fisher-weighted objective, split by channel: in the normalized domain the weight
-    F s^2 makes w (x_norm - level)^2 = F (x - x^)^2. What `budget.allocate_channels` trades against each
-    channel's bits."""
-    w = weights * inside  # [N, C]
-    out = torch.empty(norm.shape[1], len(codebooks), dtype=torch.float64)
-    for i, levels in enumerate(codebooks):
-        levels = levels.float()
-        idx = torch.bucketize(norm, (levels[1:] + levels[:-1]) * 0.5)
-        out[:, i] = (w * (norm - levels[idx]).square()).sum(0).double()
-    return out
 
 
 def _normalized(x, lo, hi, fraction):
@@ -97,11 +84,15 @@ def fit_recipe(model, acts: Activations, cfg: CalibrationConfig, model_id: str, 
         for p in cfg.fractions:
             for name, x in mats.items():
                 tensors[range_key(layer, name, p)] = torch.stack(calibrated_thresholds(x, p, dim=0))
-                if p > 0:
+                if p > 0 and cfg.ablation:  # per-matrix thresholds: the ablation's ':pm' rows
                     tensors[matrix_key(layer, name, p)] = torch.stack(calibrated_thresholds(x, p, dim=None))
         fisher = {"k": acts.key_fisher[layer].float(), "v": acts.value_fisher[layer].float()}
+        for kv, f in fisher.items():
+            if not bool(torch.isfinite(f).all()):
+                raise FloatingPointError(f"layer {layer} {kv} Fisher information holds NaN or Inf; check the model")
         for p in cfg.fractions:
-            for scope in ("vector", "matrix") if p > 0 else ("vector",):
+            # the per-matrix scope is read only by the ablation's ':pm' rows
+            for scope in ("vector", "matrix") if p > 0 and cfg.ablation else ("vector",):
                 for kv, x in (("k", k), ("v", v)):
                     if kv == "k":  # offline, per channel
                         if scope == "vector":
@@ -117,11 +108,9 @@ def fit_recipe(model, acts: Activations, cfg: CalibrationConfig, model_id: str, 
                         t_lo, t_hi = tensors[matrix_key(layer, "v", p)]
                         lo, hi = clamp_range(x, t_lo, t_hi, dim=1)
                     norm, scale, inside = _normalized(x, lo, hi, p)
-                    fits = cfg.fits if scope == "vector" else ("fs2",)
-                    for fit in fits:
-                        hist = WeightedHistogram(bins=cfg.bins)
-                        w = _weights(fit, fisher[kv], scale)
-                        hist.add(norm[inside], w[inside])
+                    for fit in cfg.fits if scope == "vector" else ("fs2",):
+                        hists = channel_histograms(norm, _weights(fit, fisher[kv], scale), inside, cfg.bins)
+                        hist = hists.whole()
                         # per-channel budgets (':chan') choose among CHANNEL_BITS: their codebooks are fitted too,
                         # and each channel's error at each of them is recorded
                         per_channel = (fit, scope) == ("fs2", "vector")
@@ -139,9 +128,8 @@ def fit_recipe(model, acts: Activations, cfg: CalibrationConfig, model_id: str, 
                                     objectives[key]["nf"] = _hist_objective(
                                         hist, normal_float_levels(bits).double().numpy())
                         if per_channel:
-                            tensors[channel_error_key(layer, kv, p)] = _channel_errors(
-                                norm, w, inside, [tensors[codebook_key(layer, kv, b, p, scope, fit)]
-                                                  for b in CHANNEL_BITS])
+                            tensors[channel_error_key(layer, kv, p)] = hists.errors(
+                                [tensors[codebook_key(layer, kv, b, p, scope, fit)] for b in CHANNEL_BITS])
     meta = {
         "model": {"id": model_id, "fingerprint": model_fingerprint(model)},
         "text": text_name,

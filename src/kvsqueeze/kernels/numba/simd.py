@@ -22,7 +22,7 @@ from __future__ import annotations
 import llvmlite.binding
 from llvmlite import ir
 from numba import types
-from numba.core import cgutils
+from numba.core import cgutils, config
 from numba.extending import intrinsic, models, register_model
 
 if llvmlite.binding.llvm_version_info < (17,):
@@ -32,10 +32,25 @@ if llvmlite.binding.llvm_version_info < (17,):
                       "the reference backend")
 
 LANES = 16
-# the one target-specific instruction: AVX-512's 16-lane permute, where the host has it (numba's cache is keyed
-# on the host CPU, so code compiled with it never runs elsewhere)
-_PERMUTE = ("llvm.x86.avx512.permvar.sf.512"
-            if llvmlite.binding.get_host_cpu_features().get("avx512f", False) else None)
+
+
+def _target_isa() -> str:
+    """The instruction set numba compiles for: "avx512", "avx2" or "generic". It is the host's unless
+    NUMBA_CPU_NAME / NUMBA_CPU_FEATURES name another (numba's cache is keyed on both, so code compiled for one
+    never runs as another); `AVX2_ENV` makes an AVX-512 machine compile, run and test the AVX2 path."""
+    if config.CPU_FEATURES is not None:
+        features = {f[1:] for f in config.CPU_FEATURES.split(",") if f.startswith("+")}
+    else:
+        features = {name for name, on in llvmlite.binding.get_host_cpu_features().items() if on}
+    return "avx512" if "avx512f" in features else "avx2" if "avx2" in features else "generic"
+
+
+AVX2_ENV = {  # a Haswell-class target: AVX2 and FMA, no AVX-512 (AMD EPYC Rome and earlier, Intel client cores)
+    "NUMBA_CPU_NAME": "haswell",
+    "NUMBA_CPU_FEATURES": "+64bit,+avx,+avx2,+bmi,+bmi2,+cmov,+cx16,+cx8,+f16c,+fma,+fxsr,+lzcnt,+mmx,+movbe,"
+                          "+popcnt,+sse,+sse2,+sse3,+sse4.1,+sse4.2,+ssse3,+xsave",
+}
+ISA = _target_isa()
 _I32 = ir.IntType(32)
 _VF = ir.VectorType(ir.FloatType(), LANES)
 _VI = ir.VectorType(_I32, LANES)
@@ -480,9 +495,13 @@ def vlookup(typingctx, table, index):
 
     def codegen(context, builder, sig, args):
         tab, idx = args
-        if _PERMUTE:  # one vpermps, which ignores the index bits above the fourth by definition
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VI]), _PERMUTE)
+        if ISA == "avx512":  # one vpermps, which ignores the index bits above the fourth by definition
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VI]),
+                                                "llvm.x86.avx512.permvar.sf.512")
             return builder.call(fn, [tab, idx])
+        if ISA == "avx2":
+            return _lookup_avx2(builder, tab, idx)
+        # elsewhere (ARM NEON, ...) LLVM lowers this lane-by-lane form to the target's own table lookups
         idx = builder.and_(idx, _splat(builder, ir.Constant(_I32, LANES - 1), _VI))
         out = ir.Constant(_VF, ir.Undefined)
         for i in range(LANES):
@@ -491,3 +510,26 @@ def vlookup(typingctx, table, index):
         return out
 
     return f32x16(table, index), codegen
+
+
+_V8F = ir.VectorType(ir.FloatType(), 8)
+_V8I = ir.VectorType(_I32, 8)
+
+
+def _lookup_avx2(builder, tab, idx):
+    # Two 8-lane halves of the table, two 8-lane permutes (vpermps reads the low three index bits) per half of
+    # the lanes, and bit 3 of each index picks between them: 4 permutes and 2 blends for 16 lanes.
+    fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F, _V8I]), "llvm.x86.avx2.permps")
+
+    def half(vec, first):
+        return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, 8), list(range(first, first + 8))))
+
+    low, high = half(tab, 0), half(tab, 8)
+    eight = ir.Constant(_V8I, [8] * 8)
+    zero = ir.Constant(_V8I, [0] * 8)
+    out = []
+    for first in (0, 8):
+        i = half(idx, first)
+        upper = builder.icmp_unsigned("!=", builder.and_(i, eight), zero)
+        out.append(builder.select(upper, builder.call(fn, [high, i]), builder.call(fn, [low, i])))
+    return builder.shuffle_vector(out[0], out[1], ir.Constant(_VI, list(range(LANES))))
