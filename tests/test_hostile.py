@@ -36,7 +36,7 @@ def test_values_beyond_fp16_are_refused_by_every_cache_with_the_layer_named(tiny
 
 
 def test_a_single_step_beyond_fp16_is_refused_on_the_cpu(tiny_recipe):
-    """Decode steps are checked too (on the CPU at once; on an accelerator at the next sync point)."""
+    """Decode steps are checked too: all layers at once after the last one, before the logits are returned."""
     model = tiny_model("llama", seed=0)
     ids = random_ids(1, 16, seed=4)
     with torch.no_grad():

@@ -46,15 +46,24 @@ class GrowableTensor:
         """Append rows [n, *row_shape] (cast to this buffer's dtype)."""
         if tuple(rows.shape[1:]) != self.row_shape:
             raise ValueError(f"rows of shape {tuple(rows.shape[1:])} appended to a buffer of rows {self.row_shape}")
-        n = rows.shape[0]
-        need = self.length + n
-        if need > self._data.shape[0]:
-            grown = torch.empty((max(need, 2 * self._data.shape[0], MIN_ROWS), *self.row_shape),
+        need = self.length + rows.shape[0]
+        self._reserve(need)
+        self._data[self.length : need] = rows
+        self.length = need
+
+    def _reserve(self, rows: int) -> None:
+        if rows > self._data.shape[0]:
+            grown = torch.empty((max(rows, 2 * self._data.shape[0], MIN_ROWS), *self.row_shape),
                                 dtype=self.dtype, device=self.device)
             grown[: self.length] = self._data[: self.length]
             self._data = grown
-        self._data[self.length : need] = rows
+
+    def extend(self, n: int) -> torch.Tensor:
+        """Take n more rows in use, unwritten, and return the storage (for writes at offsets the device holds)."""
+        need = self.length + n
+        self._reserve(need)
         self.length = need
+        return self._data
 
     def truncate(self, length: int) -> None:
         """Keep the first `length` rows (capacity is kept for the next appends)."""

@@ -26,6 +26,14 @@ above and below, so every token has the same number of entries and the row
 pointers are implicit (`pointers[n] = n * k`) instead of stored. A token with
 fewer outliers (a sink slot) is padded with exact values of its first
 non-outlier channels; storing a value exactly never changes what a sink reads.
+
+Appending without waiting for the device (`append_unsettled`, a decode step):
+how many outliers the new tokens have is known only on the device, and reading
+it would stall a GPU at every layer of every step. The entries are written at
+the offset the device's last pointer gives, into room for N * C of them; the
+arrays' length on the host is then an upper bound, and the entries past
+`pointers[tokens]` are not outliers. `settle` reads the true count and drops
+the rest (the cache does it once per forward for all its layers).
 """
 
 from __future__ import annotations
@@ -35,6 +43,7 @@ import torch
 from .buffers import GrowableTensor
 
 MAX_CHANNELS = 1 << 16  # channel indices are 16 bits
+MIN_SLACK = 1 << 16  # room past the outliers that `append_unsettled` may leave before it settles by itself
 _INT32_MAX = (1 << 31) - 1
 
 
@@ -58,6 +67,7 @@ class TokenOutliers:
         self.device = torch.device(device)
         self.fixed = fixed  # entries per token when row pointers are implicit
         self._tokens = 0
+        self._loose = 0  # entries `append_unsettled` made room for since the last `settle`
         self.pointers = GrowableTensor((), torch.int32, self.device)
         self.channels = GrowableTensor((), torch.int16, self.device)
         self.values = GrowableTensor((), torch.float16, self.device)
@@ -74,26 +84,74 @@ class TokenOutliers:
     def append(self, mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """Append N tokens: mask [N, C] bool marks the outliers, x [N, C] holds their exact values.
 
-        Returns the mask of the entries stored: `mask`, plus the padding entries of fixed-count rows."""
-        if mask.dim() != 2 or mask.shape[1] != self.width or x.shape != mask.shape:
-            raise ValueError(f"expected mask and values of shape [N, {self.width}], got {tuple(mask.shape)} "
-                             f"and {tuple(x.shape)}")
-        if self.fixed is not None:
-            mask = self._pad_rows(mask)
-        rows, cols = mask.nonzero(as_tuple=True)  # row-major: token by token, channels ascending
-        counts = mask.sum(dim=1, dtype=torch.int64)
+        Returns the mask of the entries stored: `mask`, plus the padding entries of fixed-count rows (a row of
+        more than `fixed` marks keeps its lowest `fixed` channels)."""
+        self._check(mask, x)
         self._tokens += mask.shape[0]
         if self.fixed is not None:
-            self.channels.append(_to_int16_pattern(cols))
-            self.values.append(x[rows, cols].to(torch.float16))
-            return mask
-        ends = self.nnz + counts.cumsum(0)
+            # every row's first `fixed` channels once its marks are sorted first: its marks, then its first
+            # unmarked channels as padding; the same shapes whatever the marks, so nothing waits for the device
+            cols = torch.sort((~mask).to(torch.uint8), dim=1, stable=True).indices[:, : self.fixed]
+            cols = cols.sort(dim=1).values  # [N, fixed], channels ascending
+            self.channels.append(_to_int16_pattern(cols).reshape(-1))
+            self.values.append(x.gather(1, cols).to(torch.float16).reshape(-1))
+            return torch.zeros_like(mask).scatter_(1, cols, True)
+        self.settle()
+        rows, cols = mask.nonzero(as_tuple=True)  # row-major: token by token, channels ascending
+        ends = self.nnz + mask.sum(dim=1, dtype=torch.int64).cumsum(0)
         if ends.numel() and int(ends[-1]) > _INT32_MAX and self.pointers.dtype == torch.int32:
             self.pointers.astype(torch.int64)
         self.pointers.append(ends.to(self.pointers.dtype))
         self.channels.append(_to_int16_pattern(cols))
         self.values.append(x[rows, cols].to(torch.float16))
         return mask
+
+    def append_unsettled(self, mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """`append` without reading anything from the device (see the module docstring): the arrays grow by
+        N * C entries until `settle`. For the few tokens of a decode step; returns `mask`."""
+        if self.fixed is not None:  # a count the host knows
+            return self.append(mask, x)
+        self._check(mask, x)
+        n, c = mask.shape
+        if self._loose > max(MIN_SLACK, len(self.values) - self._loose):
+            self.settle()  # outliers nobody settles (a store used without a cache) take at most twice their room
+        if len(self.values) + n * c > _INT32_MAX and self.pointers.dtype == torch.int32:
+            self.pointers.astype(torch.int64)
+        start = self.pointers.view()[-1:].long()  # [1], the true count, on the device
+        self.pointers.append((start + mask.sum(dim=1, dtype=torch.int64).cumsum(0)).to(self.pointers.dtype))
+        self._tokens += n
+        # element i of the flattened mask goes to start + its rank among the outliers, or after all of them
+        flat = mask.reshape(-1)
+        before = flat.cumsum(0)  # outliers up to element i, i included
+        i = torch.arange(n * c, device=mask.device)
+        at = start + torch.where(flat, before - 1, before[-1:] + i - before)
+        self.channels.extend(n * c).index_copy_(0, at, _to_int16_pattern(i % c))
+        self.values.extend(n * c).index_copy_(0, at, x.reshape(-1).to(torch.float16))
+        self._loose += n * c
+        return mask
+
+    def settle(self, nnz: int | None = None) -> None:
+        """Drop the room `append_unsettled` left past the outliers; `nnz`: their count, when already read."""
+        if not self._loose:
+            return
+        nnz = int(self.pointers.view()[-1]) if nnz is None else nnz
+        self.channels.truncate(nnz)
+        self.values.truncate(nnz)
+        self._loose = 0
+
+    def device_nnz(self) -> torch.Tensor:
+        """The outliers' true count, int [1] on the device (read it to `settle`)."""
+        return self.pointer_view()[-1:]
+
+    @property
+    def unsettled(self) -> bool:
+        """Whether the arrays hold room past the outliers (`append_unsettled`) that `settle` has not dropped."""
+        return self._loose > 0
+
+    def _check(self, mask: torch.Tensor, x: torch.Tensor) -> None:
+        if mask.dim() != 2 or mask.shape[1] != self.width or x.shape != mask.shape:
+            raise ValueError(f"expected mask and values of shape [N, {self.width}], got {tuple(mask.shape)} "
+                             f"and {tuple(x.shape)}")
 
     def append_rows(self, channels: torch.Tensor, values: torch.Tensor) -> None:
         """Append N fixed-count rows given as channels int16 [N, fixed] (ascending, 16-bit patterns) and their
@@ -105,19 +163,6 @@ class TokenOutliers:
         self._tokens += channels.shape[0]
         self.channels.append(channels.reshape(-1))
         self.values.append(values.reshape(-1))
-
-    def _pad_rows(self, mask: torch.Tensor) -> torch.Tensor:
-        """Give every row exactly `fixed` entries (extra entries store exact values: harmless)."""
-        counts = mask.sum(dim=1)
-        if (counts > self.fixed).any():
-            raise ValueError(f"a token has {int(counts.max())} outliers, more than the fixed {self.fixed} per token")
-        short = (counts < self.fixed).nonzero().flatten()
-        if short.numel():
-            mask = mask.clone()
-            for r in short.tolist():  # rare: sink slots and ties
-                free = (~mask[r]).nonzero().flatten()[: self.fixed - int(counts[r])]
-                mask[r, free] = True
-        return mask
 
     def pointer_view(self) -> torch.Tensor:
         """Row pointers [tokens + 1]; implicit ones written out (int32 while the entries fit, as stored ones are)."""
@@ -139,6 +184,13 @@ class TokenOutliers:
 
     @property
     def nnz(self) -> int:
+        """Outliers held (settled first: it may read their count from the device)."""
+        self.settle()
+        return len(self.values)
+
+    @property
+    def entries(self) -> int:
+        """Entries of the arrays in use: the outliers, and until `settle` the room past them."""
         return len(self.values)
 
     def counts(self) -> torch.Tensor:
@@ -156,6 +208,7 @@ class TokenOutliers:
         self._tokens = tokens
         self.channels.truncate(nnz)
         self.values.truncate(nnz)
+        self._loose = 0
 
     def select(self, order: torch.Tensor) -> None:
         """Keep tokens `order` [N'] (int64 indices into the current tokens, repeats allowed), in that order."""
@@ -169,6 +222,7 @@ class TokenOutliers:
         self.channels.replace(self.channels.view()[entries])
         self.values.replace(self.values.view()[entries])
         self._tokens = order.numel()
+        self._loose = 0
         if self.fixed is not None:
             return
         head = torch.zeros(1, dtype=torch.int64, device=self.device)
@@ -177,7 +231,7 @@ class TokenOutliers:
         self.pointers.replace(torch.cat([head, counts.cumsum(0)]).to(dtype))
 
     def clear(self) -> None:
-        self._tokens = 0
+        self._tokens = self._loose = 0
         for buf in (self.pointers, self.channels, self.values):
             buf.clear()
         self.pointers.append(torch.zeros(1, dtype=self.pointers.dtype, device=self.device))
@@ -190,6 +244,7 @@ class TokenOutliers:
 
     def channel_index(self) -> torch.Tensor:
         """Channel of each stored outlier, int64 [nnz]."""
+        self.settle()
         return self.channels.view().long() & 0xFFFF
 
     def scatter_into(self, dense: torch.Tensor) -> torch.Tensor:
@@ -201,10 +256,12 @@ class TokenOutliers:
     # ---- bytes ---------------------------------------------------------------------------
     @property
     def value_nbytes(self) -> int:
+        self.settle()
         return self.values.nbytes
 
     @property
     def index_nbytes(self) -> int:
+        self.settle()
         return self.channels.nbytes
 
     @property

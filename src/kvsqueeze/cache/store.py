@@ -203,19 +203,27 @@ class KVStore:
         # slots) are OUTLIER_CODE
         k_replaced, v_replaced = flat_sink, flat_sink
         if self.k_outliers is not None:
-            k_replaced = self.k_outliers.append(enc_k.outliers & ~flat_sink, xk) | flat_sink
+            k_replaced = self._append_outliers(self.k_outliers, enc_k.outliers & ~flat_sink, xk, t) | flat_sink
         if self.v_outliers is not None:
-            v_replaced = self.v_outliers.append(enc_v.outliers & ~flat_sink, xv) | flat_sink
+            v_replaced = self._append_outliers(self.v_outliers, enc_v.outliers & ~flat_sink, xv, t) | flat_sink
         k_codes = enc_k.codes.masked_fill(k_replaced, self.OUTLIER_CODE)
         v_codes = enc_v.codes.masked_fill(v_replaced, self.OUTLIER_CODE)
-        self.k_codes.append(self._pack(k_codes, self.k_bits, self.k_offsets).view(t, b, -1))
-        self.v_codes.append(self._pack(v_codes, self.v_bits, self.v_offsets).view(t, b, -1))
+        self.k_codes.append(self._pack(k_codes, "k").view(t, b, -1))
+        self.v_codes.append(self._pack(v_codes, "v").view(t, b, -1))
         sz = torch.cat([enc_v.scale, enc_v.zero], dim=1).masked_fill(flat_sink, 0)  # [T*B, 2], fp16-exact
         self.v_scale_zero.append(sz.half().view(t, b, 2))
 
     @staticmethod
-    def _pack(codes: torch.Tensor, bits: int, offsets: torch.Tensor | None) -> torch.Tensor:
-        return pack_codes(codes, bits) if offsets is None else pack_mixed(codes, offsets)
+    def _append_outliers(sparse: TokenOutliers, mask: torch.Tensor, x: torch.Tensor, t: int) -> torch.Tensor:
+        # a decode step leaves room for every element instead of reading how many are outliers (`sparse.py`)
+        return sparse.append_unsettled(mask, x) if t == 1 else sparse.append(mask, x)
+
+    def _pack(self, codes: torch.Tensor, kv: str) -> torch.Tensor:
+        """Pack the quantizer's codes (in range by construction: not read back) of keys ("k") or values ("v")."""
+        offsets = self.k_offsets if kv == "k" else self.v_offsets
+        if offsets is None:
+            return pack_codes(codes, self.k_bits if kv == "k" else self.v_bits, check=False)
+        return pack_mixed(codes, offsets, words=(self.k_codes if kv == "k" else self.v_codes).row_shape[-1])
 
     def _words(self, kv: str) -> int:
         """int32 words one slot's codes of keys ("k") or values ("v") take."""
@@ -232,7 +240,7 @@ class KVStore:
         enc = encode(xk, xv, flat_sink.view(-1), kq.lo, kq.hi, self.k_scale, self.k_zero, kq.levels, vq.levels,
                      self.k_outliers is not None, side)
         if self.k_outliers is not None:
-            self.k_outliers.append(enc["k_mask"], xk)
+            self._append_outliers(self.k_outliers, enc["k_mask"], xk, t)
         if self.v_outliers is not None:
             self.v_outliers.append_rows(enc["v_chan"], enc["v_val"])
         self.k_codes.append(enc["k_words"].view(t, b, -1))
@@ -249,12 +257,7 @@ class KVStore:
         rank = self.sinks_taken.to(keys.device).view(-1, 1) + real.long().cumsum(dim=1) - 1  # [B, T]
         sink = real & (rank < self.sinks)
         self.sinks_taken += sink.sum(dim=1).to(self.sinks_taken.device)
-        rows, cols = sink.nonzero(as_tuple=True)
-        if rows.numel():
-            ranks = rank[rows, cols]
-            self.sink_k[rows, ranks] = keys[rows, cols].half()
-            self.sink_v[rows, ranks] = values[rows, cols].half()
-            self.sink_slot[rows, ranks] = (cols + self.tokens).to(torch.int32)
+        self._write_table(0, self.sinks, sink, rank, keys, values)
         return sink
 
     def _take_window(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None,
@@ -266,12 +269,23 @@ class KVStore:
         total = self.window_taken + taken.sum(dim=1).to(self.window_taken.device)
         keep = taken & (rank >= (total.to(keys.device) - self.window).view(-1, 1))  # one token per entry
         self.window_taken = total
-        rows, cols = keep.nonzero(as_tuple=True)
-        if rows.numel():
-            entry = self.sinks + rank[rows, cols] % self.window
-            self.sink_k[rows, entry] = keys[rows, cols].half()
-            self.sink_v[rows, entry] = values[rows, cols].half()
-            self.sink_slot[rows, entry] = (cols + self.tokens).to(torch.int32)
+        self._write_table(self.sinks, self.window, keep, rank % self.window, keys, values)
+
+    def _write_table(self, first: int, entries: int, chosen: torch.Tensor, entry: torch.Tensor, keys: torch.Tensor,
+                     values: torch.Tensor) -> None:
+        """Copy new token t of row b into table entry first + entry[b, t] where chosen[b, t] (bool [B, T]; at
+        most one token per entry). Shapes never depend on how many are chosen: nothing waits for the device."""
+        b, t, c = keys.shape
+        if t == 0:
+            return
+        hit = chosen[:, :, None] & (entry[:, :, None] == torch.arange(entries, device=keys.device))  # [B, T, E]
+        taken = hit.any(dim=1)  # [B, E]
+        src = hit.to(torch.uint8).argmax(dim=1)  # [B, E]: the token each taken entry gets
+        idx = src[:, :, None].expand(b, entries, c)
+        table = slice(first, first + entries)
+        for dst, x in ((self.sink_k, keys), (self.sink_v, values)):
+            dst[:, table] = torch.where(taken[:, :, None], x.gather(1, idx).half(), dst[:, table])
+        self.sink_slot[:, table] = torch.where(taken, (src + self.tokens).to(torch.int32), self.sink_slot[:, table])
 
     def window_entries(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The fp16 window's pre-RoPE keys, values [B, window, C] and token index [B, window] (-1: empty)."""
@@ -306,7 +320,7 @@ class KVStore:
         if sparse is None:
             return None
         pointers = None if sparse.fixed is not None else sparse.pointers.storage
-        return Outliers(pointers, sparse.channels.storage, sparse.values.storage, sparse.nnz, sparse.fixed,
+        return Outliers(pointers, sparse.channels.storage, sparse.values.storage, sparse.entries, sparse.fixed,
                         self.OUTLIER_CODE)
 
     def dequantize(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -387,6 +401,15 @@ class KVStore:
 
     def _sparse(self) -> list[TokenOutliers]:
         return [s for s in (self.k_outliers, self.v_outliers) if s is not None]
+
+    def unsettled(self) -> list[TokenOutliers]:
+        """The outlier arrays a decode step left room in (`TokenOutliers.append_unsettled`), to settle."""
+        return [s for s in self._sparse() if s.unsettled]
+
+    def settle(self) -> None:
+        """Cut the outlier arrays to the outliers (reads their count: a cache does it for all layers at once)."""
+        for sparse in self.unsettled():
+            sparse.settle()
 
     # ---- bytes ---------------------------------------------------------------------------
     def component_bytes(self) -> dict[str, int]:

@@ -38,7 +38,7 @@ from ..shape import KVShape, kv_shape
 from .attention import register_handler, switch_attention
 from .capture import ForwardCapture
 from .fingerprint import check_recipe
-from .layers import CompressedLayer, Fp16Layer
+from .layers import CompressedLayer, Fp16Layer, settle_step
 from .parts import attention_modules, layer_rotaries, layer_windows
 from .preflight import UnsupportedModelError, preflight
 from .simulate import window_handler
@@ -72,6 +72,8 @@ class CompressedCache(Cache):
     def __init__(self, layers: list, spec: MethodSpec, shape: KVShape, positions: PositionLog | None,
                  capture: ForwardCapture | None):
         super().__init__(layers=layers)
+        for layer in layers:
+            layer.in_cache = True  # a decode step's checks are read once, after the last layer (`update`)
         self.spec, self.shape, self.positions = spec, shape, positions
         self._capture = capture
         self._release = weakref.finalize(self, capture.release) if capture is not None else None
@@ -93,6 +95,14 @@ class CompressedCache(Cache):
             capture.retain()
             dup._release = weakref.finalize(dup, capture.release)
         return dup
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        """transformers' update; after the last layer's, what the forward left on the device is read at once
+        (`settle_step`): a step beyond fp16's range raises here, before the model returns its logits."""
+        out = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if layer_idx == len(self.layers) - 1:
+            settle_step(self.layers)
+        return out
 
     # ---- lifetime ------------------------------------------------------------------------
     def close(self) -> None:

@@ -107,45 +107,48 @@ class LayerBase(CacheLayerMixin):
     def is_sliding(self) -> bool:
         return self.window is not None
 
-    CHECK_EVERY = 256  # decode steps on an accelerator between two reads of the running maximum (one sync)
+    in_cache = False  # set by a cache that reads what decode steps leave on the device (`settle_step`)
+    pending = None  # float32 scalar on the device: the largest magnitude of the steps since the last read
+    pending_what = ""  # the cache's name for the message of a refused step
 
     def check_storable(self, keys: torch.Tensor, values: torch.Tensor, what: str) -> None:
         """Refuse keys or values that this cache's fp16 parts cannot hold (beyond 65,504, NaN or Inf), naming the
-        layer and what to do. On the CPU, and for every forward of more than one token, at once; a single-token
-        step on an accelerator only folds its maximum into a running one on the device (no host sync), which is
-        read at the next longer forward or every `CHECK_EVERY` steps."""
-        if keys.device.type == "cpu":
-            if keys.dtype in (torch.float32, torch.float16) and values.dtype == keys.dtype:
-                kn, vn = keys.detach().numpy(), values.detach().numpy()
-                if kn.size <= 1 << 16:  # a decode step: one temporary of |x| is the cheapest
-                    a, b = float(np.abs(kn).max(initial=0)), float(np.abs(vn).max(initial=0))
-                    m = a if (a >= b or a != a) else b  # a NaN in either stays NaN
-                else:  # a long prefill: four reductions in place, no copy of the activations
-                    m = float(np.max([kn.max(), -kn.min(), vn.max(), -vn.min()]))
-            else:
-                m = float(torch.maximum(keys.detach().abs().amax(), values.detach().abs().amax()))
-            if m <= FP16_MAX:  # NaN fails this too
-                return
+        layer and what to do. A forward of several tokens is read at once, before anything is stored. A single
+        token in a cache only folds its largest magnitude into `pending`, on the device: the cache reads every
+        layer's at once when the forward's last layer has stored its token (`settle_step`), so that a decode step
+        waits for the device once, not once per layer, and still raises before its logits are returned."""
+        if self.in_cache and keys.shape[-2 if keys.dim() == 4 else 1] == 1:
+            m = torch.maximum(keys.detach().abs().amax(), values.detach().abs().amax()).float()
+            self.pending = m if self.pending is None else torch.maximum(self.pending, m)
+            self.pending_what = what
+            return
+        if keys.device.type == "cpu" and keys.dtype in (torch.float32, torch.float16) and values.dtype == keys.dtype:
+            kn, vn = keys.detach().numpy(), values.detach().numpy()
+            if kn.size <= 1 << 16:  # a few tokens: one temporary of |x| is the cheapest
+                a, b = float(np.abs(kn).max(initial=0)), float(np.abs(vn).max(initial=0))
+                m = a if (a >= b or a != a) else b  # a NaN in either stays NaN
+            else:  # a long prefill: four reductions in place, no copy of the activations
+                m = float(np.max([kn.max(), -kn.min(), vn.max(), -vn.min()]))
         else:
-            worst = torch.maximum(keys.detach().abs().amax(), values.detach().abs().amax()).float()
-            if getattr(self, "_worst", None) is not None:
-                worst = torch.maximum(worst, self._worst)
-            if keys.shape[-2 if keys.dim() == 4 else 1] == 1 and getattr(self, "_steps", 0) + 1 < self.CHECK_EVERY:
-                self._worst, self._steps = worst, getattr(self, "_steps", 0) + 1
-                return
-            self._worst, self._steps = None, 0
-            m = float(worst)
-            if m <= FP16_MAX:
-                return
+            m = float(torch.maximum(keys.detach().abs().amax(), values.detach().abs().amax()))
+        self.refuse(m, what, stored=False)
+
+    def refuse(self, m: float, what: str, stored: bool) -> None:
+        """Raise CacheValueError unless `m`, the largest magnitude of keys and values, fits fp16 (`stored`: the
+        cache holds them already)."""
+        if m <= FP16_MAX:  # NaN fails this too
+            return
         layer = getattr(self, "layer_idx", "?")
+        after = ("the cache took this step before the check: reset() it before using it again" if stored
+                 else "nothing was stored")
         if math.isnan(m) or math.isinf(m):
             raise CacheValueError(
                 f"layer {layer}: the model's keys or values hold NaN/Inf before they reach the {what} cache: the "
-                "model itself overflowed (its weights, its inputs or its dtype); nothing was stored")
+                f"model itself overflowed (its weights, its inputs or its dtype); {after}")
         raise CacheValueError(
             f"layer {layer}: keys or values reach {m:.4g}, beyond fp16's range (65,504) in which the {what} cache "
-            "stores them (its scales, outliers, sinks and window, or all of it for fp16); nothing was stored. This "
-            "model needs a cache in its own dtype: run it without kvsqueeze's cache (transformers' DynamicCache)")
+            f"stores them (its scales, outliers, sinks and window, or all of it for fp16); {after}. This model "
+            "needs a cache in its own dtype: run it without kvsqueeze's cache (transformers' DynamicCache)")
 
     def kept_tokens(self) -> int:
         raise NotImplementedError
@@ -234,8 +237,11 @@ class PreRopeKeys:
         """cos, sin [B, 1, T, R] from the model's own rotary module, as its attention gets them (None: no RoPE)."""
         return layer_cos_sin(self.rotary, positions, dtype)
 
+    keys_checked = False  # whether a forward's captured keys were held to the model's
+
     def _pre_rope_keys(self, key_states: torch.Tensor, cos_sin) -> torch.Tensor:
-        """The captured pre-RoPE keys [B, T, C] of the new tokens, checked to rotate into key_states [B, H, T, D]."""
+        """The captured pre-RoPE keys [B, T, C] of the new tokens, checked to rotate into key_states [B, H, T, D]
+        on the layer's first forward and every forward of several tokens."""
         b, h, t, d = key_states.shape
         keys = self.capture.take_keys(self.layer_idx, b, t) if self.capture is not None else None
         if keys is None:
@@ -243,6 +249,9 @@ class PreRopeKeys:
                 f"layer {self.layer_idx}: no pre-RoPE keys were captured for these {t} tokens; a compressed cache "
                 "is filled by the model's forward (model(..., cache=cache) or generate(cache=cache)), "
                 "or by `append_pre_rope` with the keys before RoPE")
+        if t == 1 and self.keys_checked:  # a decode step: the same capture as the checked forwards, and reading
+            return keys  # the check's result would wait for the device in every layer
+        self.keys_checked = True
         rotated = self.rotary.apply(keys.view(b, t, h, d).transpose(1, 2), cos_sin)
         tol = 1e-3 * float(key_states.abs().max().clamp_min(1e-6))
         if not torch.allclose(rotated, key_states, rtol=1e-3, atol=tol):
@@ -398,6 +407,7 @@ class CompressedLayer(PreRopeKeys, LayerBase):
     def reset(self) -> None:
         self.store.reset()
         self.dropped = 0
+        self.pending = None
         self.is_initialized = False
 
     def component_bytes(self) -> dict[str, int]:
@@ -463,6 +473,7 @@ class Fp16Layer(LayerBase):
     def reset(self) -> None:
         self.k = self.v = None
         self.dropped = 0
+        self.pending = None
         self.is_initialized = False
 
     def component_bytes(self) -> dict[str, int]:
@@ -470,3 +481,21 @@ class Fp16Layer(LayerBase):
 
     def capacity_nbytes(self) -> int:
         return (self.k.capacity_nbytes + self.v.capacity_nbytes) if self.k is not None else 0
+
+
+def settle_step(layers: list) -> None:
+    """Read what the single-token updates of a forward left on the device, once for all `layers`: each layer's
+    largest magnitude (`LayerBase.check_storable`, refused beyond fp16's range) and the count of the outliers
+    its store made room for (`TokenOutliers.append_unsettled`). A cache calls it after its last layer's update."""
+    guarded = [layer for layer in layers if layer.pending is not None]
+    loose = [s for layer in layers if isinstance(layer, CompressedLayer) for s in layer.store.unsettled()]
+    if not guarded and not loose:
+        return
+    parts = [layer.pending.view(1) for layer in guarded] + [s.device_nnz() for s in loose]
+    read = torch.cat([p.to(parts[0].device, torch.float64) for p in parts]).tolist()  # the forward's one wait
+    for s, n in zip(loose, read[len(guarded):]):
+        s.settle(int(n))
+    for layer in guarded:
+        layer.pending = None
+    for layer, m in zip(guarded, read):
+        layer.refuse(m, layer.pending_what, stored=True)

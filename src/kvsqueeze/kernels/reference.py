@@ -18,36 +18,43 @@ from ..numerics.rope import Rope
 from .view import Outliers, StoreView
 
 
-def _replace_outliers(dense: torch.Tensor, sparse: Outliers | None) -> None:
-    """Overwrite dense [T*B, C] at the outliers' (slot, channel) with their fp16 values (sparse trimmed)."""
+def _replace_outliers(dense: torch.Tensor, sparse: Outliers | None, spare: int) -> None:
+    """Overwrite dense [T*B, C] at the outliers' (slot, channel) with their fp16 values (sparse trimmed).
+
+    Entries past pointers[slots], room a decode step left (`TokenOutliers.append_unsettled`), write row `spare`."""
     if sparse is None or sparse.nnz == 0:
         return
-    counts = sparse.pointers.long().diff()
-    slots = torch.arange(counts.numel(), device=dense.device).repeat_interleave(counts)
-    dense[slots, sparse.channels.long() & 0xFFFF] = sparse.values.float()
+    ptr = sparse.pointers.long()  # [slots + 1]
+    entry = torch.arange(sparse.nnz, device=dense.device)
+    slot = torch.searchsorted(ptr, entry, right=True) - 1  # the last slot starting at or before the entry
+    real = entry < ptr[-1:]
+    dense[torch.where(real, slot, spare), torch.where(real, sparse.channels.long() & 0xFFFF, 0)] = \
+        sparse.values.float()
 
 
 def _unpack(words: torch.Tensor, bits: int, offsets: torch.Tensor | None, channels: int) -> torch.Tensor:
-    return unpack_codes(words, bits, channels) if offsets is None else unpack_mixed(words, offsets)
+    return unpack_codes(words, bits, channels) if offsets is None else unpack_mixed(words, offsets, check=False)
 
 
 def dequantize_view(kv: StoreView) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys (pre-RoPE) and values of every slot, float32 [T, B, C] each."""
     kv = kv.trim()
     t, b, c = kv.tokens, kv.batch, kv.channels
-    k_codes = _unpack(kv.k_codes, kv.k_bits, kv.k_offsets, c)  # [T, B, C]
-    v_codes = _unpack(kv.v_codes, kv.v_bits, kv.v_offsets, c)
-    sz = kv.v_scale_zero.float()  # [T, B, 2]
+    # one spare token [T + 1, B, C]: what is no outlier and no sink (room left past the outliers, empty sink
+    # entries) is written there, so that no shape depends on how many there are and nothing waits for the device
+    spare = lambda x: torch.cat([x, x.new_zeros(1, *x.shape[1:])])  # noqa: E731
+    k_codes = _unpack(spare(kv.k_codes), kv.k_bits, kv.k_offsets, c)  # [T + 1, B, C]
+    v_codes = _unpack(spare(kv.v_codes), kv.v_bits, kv.v_offsets, c)
+    sz = spare(kv.v_scale_zero).float()  # [T + 1, B, 2]
     k = dequantize(k_codes, kv.k_scale.float(), kv.k_zero.float(), kv.k_levels.float())
     v = dequantize(v_codes, sz[..., :1], sz[..., 1:], kv.v_levels.float())
-    _replace_outliers(k.view(t * b, c), kv.k_outliers)
-    _replace_outliers(v.view(t * b, c), kv.v_outliers)
-    rows, ranks = (kv.sink_slot >= 0).nonzero(as_tuple=True)
-    if rows.numel():
-        slots = kv.sink_slot[rows, ranks].long()
-        k[slots, rows] = kv.sink_k[rows, ranks].float()
-        v[slots, rows] = kv.sink_v[rows, ranks].float()
-    return k, v
+    _replace_outliers(k.view(-1, c), kv.k_outliers, t * b)
+    _replace_outliers(v.view(-1, c), kv.v_outliers, t * b)
+    slots = torch.where(kv.sink_slot >= 0, kv.sink_slot.long(), t)  # [B, S]
+    rows = torch.arange(b, device=slots.device)[:, None].expand_as(slots)
+    k[slots, rows] = kv.sink_k.float()
+    v[slots, rows] = kv.sink_v.float()
+    return k[:t], v[:t]
 
 
 def decode_attention(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,

@@ -35,7 +35,8 @@ class Outliers(NamedTuple):
             None when `fixed` is set: then pointers[n] = n * fixed.
         channels: int16 [>= nnz], the 16-bit pattern of a channel in [0, C) (read back with `& 0xFFFF`).
         values: fp16 [>= nnz].
-        nnz: entries in use.
+        nnz: entries in use. With pointers, those past pointers[slots] are no outliers: room a decode step left
+            (`TokenOutliers.append_unsettled`), since counting them would wait for the device.
         fixed: k when every slot holds exactly k entries (backends may then vectorize over slots);
             None: counts vary.
         code: the code every outlier's element holds in the packed codes (backends may then take the

@@ -161,20 +161,24 @@ def _to_int32_bits(values: torch.Tensor) -> torch.Tensor:
     return torch.where(values >= 1 << 31, values - (1 << 32), values).to(torch.int32)
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+def pack_codes(codes: torch.Tensor, bits: int, *, check: bool = True) -> torch.Tensor:
     """Pack integer codes along the last dimension into int32 words.
 
     Args:
         codes: integer tensor (typically uint8) of shape [..., n], values in
             [0, 2**bits). Any layout; non-contiguous inputs are fine.
         bits: code width, 1..8.
+        check: read the codes' range first. Reading it waits for the device;
+            a caller whose codes are in range by construction (a quantizer's)
+            passes False.
 
     Returns:
         int32 tensor [..., words_per_vector(n, bits)] on codes.device, in the
         group-of-32 little-endian stream format described in the module docstring.
     """
     _check_bits(bits)
-    _check_codes(codes, bits)
+    if check:
+        _check_codes(codes, bits)
     *lead, n = codes.shape
     n_groups = -(-n // GROUP_SIZE)
     wide = codes.to(torch.int64)
@@ -245,27 +249,33 @@ def mixed_words(offsets: torch.Tensor) -> int:
     return -(-int(offsets[-1]) // 32)
 
 
-def pack_mixed(codes: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+def pack_mixed(codes: torch.Tensor, offsets: torch.Tensor, *, words: int | None = None) -> torch.Tensor:
     """Pack codes [..., n] (code c below 2**(off[c + 1] - off[c])) into int32 words [..., mixed_words(offsets)],
-    one little-endian bit stream per vector, as `pack_codes` writes equal widths."""
+    one little-endian bit stream per vector, as `pack_codes` writes equal widths.
+
+    `words` (`mixed_words(offsets)`) comes from a caller that packs codes in range by construction (a
+    quantizer's): neither it nor the codes' widths are then read from the device, which would wait for it."""
     widths = offsets.diff()
     if codes.shape[-1] != widths.numel():
         raise ValueError(f"codes have {codes.shape[-1]} per vector, the offsets describe {widths.numel()}")
     wide = codes.to(torch.int64)
-    if wide.numel() and bool((wide >= (1 << widths.to(wide.device))).any()):
-        raise ValueError("a code is wider than its channel's width; clamp the codes or widen the channel")
+    if words is None:
+        if wide.numel() and bool((wide >= (1 << widths.to(wide.device))).any()):
+            raise ValueError("a code is wider than its channel's width; clamp the codes or widen the channel")
+        words = mixed_words(offsets)
     start = offsets[:-1].to(wide.device, torch.int64)
     shifted = wide << (start % 32)  # below 2**40: the low 32 bits land in its word, the rest in the next
-    acc = wide.new_zeros(*wide.shape[:-1], mixed_words(offsets) + 1)
+    acc = wide.new_zeros(*wide.shape[:-1], words + 1)
     word = (start // 32).expand_as(shifted)
     acc.scatter_add_(-1, word, shifted & _WORD_MASK)  # disjoint bit ranges: adding is OR-ing
     acc.scatter_add_(-1, word + 1, shifted >> 32)
     return _to_int32_bits(acc[..., :-1])
 
 
-def unpack_mixed(words: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Codes uint8 [..., n] from the words `pack_mixed` wrote with the same offsets."""
-    if words.dtype != torch.int32 or words.shape[-1] != mixed_words(offsets):
+def unpack_mixed(words: torch.Tensor, offsets: torch.Tensor, *, check: bool = True) -> torch.Tensor:
+    """Codes uint8 [..., n] from the words `pack_mixed` wrote with the same offsets (`check` False: their width
+    is not held to the offsets, which reading them from the device would wait for)."""
+    if words.dtype != torch.int32 or (check and words.shape[-1] != mixed_words(offsets)):
         raise ValueError(f"words must be int32 [..., {mixed_words(offsets)}] as pack_mixed writes them, got "
                          f"{words.dtype} {tuple(words.shape)}")
     unsigned = words.to(torch.int64) & _WORD_MASK

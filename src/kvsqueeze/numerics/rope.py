@@ -23,6 +23,7 @@ float32 rounding and with transformers to that angle error.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -104,6 +105,11 @@ class Rope:
     @property
     def half(self) -> int:
         return self.inv_freq.numel()
+
+    @functools.cached_property
+    def key(self) -> tuple[bytes, float]:
+        """The frequencies and scaling by value, which the kernels' RoPE tables are cached by (read once)."""
+        return self.inv_freq.cpu().numpy().tobytes(), self.scaling
 
     @property
     def rotary_dim(self) -> int:

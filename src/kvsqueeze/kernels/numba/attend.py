@@ -398,7 +398,7 @@ def _scratch(name: str, need: int) -> np.ndarray:
 
 def _tables(rope: Rope, max_position: int) -> RopeTables:
     """RoPE tables for `rope`'s frequencies covering `max_position`, cached by value and grown by doubling."""
-    key = (rope.inv_freq.numpy().tobytes(), rope.scaling)
+    key = rope.key
     tab = _TABLES.get(key)
     if tab is None or tab.max_position < max_position:
         if len(_TABLES) > 16:

@@ -28,6 +28,7 @@ import os
 
 import torch
 import triton
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ...numerics.rope import Rope
 from ..view import ARRAYS, Outliers, StoreView
@@ -37,6 +38,7 @@ BLOCK_T = 64  # tokens a key / value program takes at a time
 SPARSE_BLOCK = 128  # outlier entries per sparse program
 INTERPRETED_BLOCK_T, INTERPRETED_SPARSE_BLOCK = 128, 1024  # the interpreter pays per program: fewer, larger
 _TABLES: dict[tuple, tuple[int, tuple[torch.Tensor, ...]]] = {}  # (frequencies, scaling, device) -> tables
+_RANGES = WeakIdKeyDictionary()  # positions array -> (its version, tokens, min, max)
 _CHECKED: set[tuple] = set()  # compiled variants whose first result on this device matched the reference
 CHECK_ATOL, CHECK_RTOL = 5e-5, 1e-4
 
@@ -74,7 +76,7 @@ def _p2(n: int) -> int:
 def _tables(rope: Rope, max_position: int, device: torch.device) -> tuple[torch.Tensor, ...]:
     """cos_hi, sin_hi [rows, R/2] at hi = row * 64 (scaling folded in) and cos_lo, sin_lo [64, R/2] at lo < 64,
     float32 on `device`; angles in float64, rounded once, as `Rope.cos_sin`. Rows grow by doubling."""
-    key = (rope.inv_freq.numpy().tobytes(), rope.scaling, str(device))
+    key = (*rope.key, str(device))
     rows_needed = max_position // passes.LOW + 1
     have = _TABLES.get(key)
     if have is not None and have[0] >= rows_needed:
@@ -87,6 +89,20 @@ def _tables(rope: Rope, max_position: int, device: torch.device) -> tuple[torch.
                  (hi.cos() * rope.scaling, hi.sin() * rope.scaling, lo.cos(), lo.sin()))
     _TABLES[key] = (rows, tabs)
     return tabs
+
+
+def _position_range(positions: torch.Tensor, tokens: int) -> tuple[int, int]:
+    """Min and max of positions[:tokens], which size the RoPE tables: read once per state of the array, which the
+    layers of a cache share, so that a decode step waits for the device once for them, not once per layer.
+    Arrays made in inference mode keep no version to tell their states apart and are read every time."""
+    version = None if positions.is_inference() else positions._version
+    hit = _RANGES.get(positions)
+    if hit is not None and version is not None and hit[:2] == (version, tokens):
+        return hit[2:]
+    lo, hi = torch.stack(torch.aminmax(positions[:tokens])).tolist()
+    if version is not None:
+        _RANGES[positions] = (version, tokens, lo, hi)
+    return lo, hi
 
 
 def _splits(tokens: int, programs: int, device: torch.device, block_t: int) -> int:
@@ -179,7 +195,7 @@ def _decode(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float, key_mask
     slots = t * bsz
     half = rope.half
     rest = d - 2 * half
-    lo_pos, hi_pos = (int(x) for x in torch.aminmax(kv.positions[:t]))  # the one wait for the device
+    lo_pos, hi_pos = _position_range(kv.positions, t)
     if lo_pos < 0:
         raise ValueError(f"RoPE positions must be >= 0, got {lo_pos}")
     cos_hi, sin_hi, cos_lo, sin_lo = _tables(rope, hi_pos, dev)

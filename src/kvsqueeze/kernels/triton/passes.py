@@ -98,6 +98,16 @@ def key_scores(q_ptr, codes_ptr, offs_ptr, klut_ptr, pos_ptr, cos_hi, sin_hi, co
 
 
 @triton.jit
+def _in_use(ptr_ptr, e, NNZ, SLOTS, FIXED: tl.constexpr):
+    """Whether entry e holds an outlier: below NNZ and, with pointers, below pointers[SLOTS] (past it lies room
+    a decode step left, which the host has not cut off yet)."""
+    emask = e < NNZ
+    if FIXED == 0:
+        emask = emask & (e < tl.load(ptr_ptr + SLOTS))
+    return emask
+
+
+@triton.jit
 def _slot_of(ptr_ptr, e, emask, SLOTS, FIXED: tl.constexpr, STEPS: tl.constexpr):
     """The slot n of each entry e: n = e // FIXED, or the last n with pointers[n] <= e (binary search)."""
     if FIXED > 0:
@@ -140,7 +150,7 @@ def key_outliers(q_ptr, codes_ptr, offs_ptr, klut_ptr, pos_ptr, cos_hi, sin_hi, 
     before RoPE, so it adds q . RoPE(exact - dequantized), which touches the element's channel and its pair.
     Entries of a fixed count per slot lie where the bases say (`_entries`)."""
     e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    emask = e < NNZ
+    emask = _in_use(ptr_ptr, e, NNZ, SLOTS, FIXED)
     n = _slot_of(ptr_ptr, e, emask, SLOTS, FIXED, STEPS)
     t = n // B
     b = n - t * B
@@ -308,7 +318,7 @@ def value_outliers(codes_ptr, offs_ptr, vlut_ptr, sz_ptr, vbase_ptr, szbase_ptr,
     channel of the output, p_t the token's final softmax weight. Sink slots are skipped (their exact values
     were read in the value pass)."""
     e = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    emask = e < NNZ
+    emask = _in_use(ptr_ptr, e, NNZ, SLOTS, FIXED)
     n = _slot_of(ptr_ptr, e, emask, SLOTS, FIXED, STEPS)
     t = n // B
     b = n - t * B
