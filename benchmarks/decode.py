@@ -263,7 +263,8 @@ def e2e_rows(args, recipe) -> list[dict]:
     from kvsqueeze.integrations.loading import load_model
 
     model, tok = load_model(args.model)
-    if args.prompt + args.new > model.config.max_position_embeddings:
+    trained = model.config.max_position_embeddings
+    if args.prompt + args.new > trained:
         # a speed measurement past the model's trained context: RoPE turns further, the text it writes is not
         # the point, every cache computes the same attention over as many tokens
         model.config.max_position_embeddings = args.prompt + args.new + 1
@@ -295,7 +296,7 @@ def e2e_rows(args, recipe) -> list[dict]:
                 handle.close()
         reference = reference or tokens
         same = sum(a == b for a, b in zip(tokens, reference))
-        rows.append({"cache": name, "prompt_tokens": args.prompt, "new_tokens": args.new,
+        rows.append({"cache": name, "prompt_tokens": args.prompt, "new_tokens": args.new, "trained_context": trained,
                      "prefill_s": round(prefill, 2), "decode_tokens_per_s": round(tps, 3),
                      "tokens_equal_to_dynamic_cache": f"{same}/{len(tokens)}"})
         print(rows[-1])
