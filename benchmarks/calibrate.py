@@ -29,6 +29,8 @@ def main(argv=None) -> None:
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--json", default=str(Path(__file__).parent / "results" / "calibrate.json"))
     args = p.parse_args(argv)
+    if args.runs < 1:
+        raise SystemExit(f"--runs must be at least 1, got {args.runs}")
     exe = Path(sys.executable).with_name("kvsqueeze")
     rows = []
     for i in range(args.runs):

@@ -286,7 +286,7 @@ def _e2e_model(args, device: torch.device):
     cfg.max_position_embeddings = max(cfg.max_position_embeddings, args.e2e_context + args.e2e_new + 1)
     model = LlamaForCausalLM(cfg).to(device).eval()  # float32 to calibrate, bfloat16 to decode
     cal = CalibrationConfig(samples=2, seqlen=512, bits=(parse_method(args.e2e_method).k_bits,),
-                            fractions=(0.0, parse_method(args.e2e_method).outlier_fraction), fits=("fs2",))
+                            fractions=(0.0, parse_method(args.e2e_method).outlier_fraction))
     samples = torch.randint(3, cfg.vocab_size, (cal.samples, cal.seqlen), generator=torch.Generator().manual_seed(1))
     recipe = fit_recipe(model, collect(model, samples.to(device), sinks=cal.sinks, progress=False), cal,
                         "random-smollm2-135m", "random tokens", progress=False)

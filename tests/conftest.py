@@ -149,7 +149,7 @@ def tiny_recipe(tiny_llama, tiny_acts):
     """The recipe of the tiny LLaMA: bits 2/3/4, outlier fractions 0 / 0.1% / 1%, all fits."""
     from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
 
-    cfg = CalibrationConfig(samples=CALIB_SAMPLES, seqlen=CALIB_SEQLEN, fits=("fs2", "fisher", "unw"), ablation=True)
+    cfg = CalibrationConfig(samples=CALIB_SAMPLES, seqlen=CALIB_SEQLEN, ablation=True)
     return fit_recipe(tiny_llama, tiny_acts, cfg, "tiny-llama", "random", progress=False)
 
 

@@ -38,7 +38,7 @@ def test_generate_recipe_of_another_model(tiny_mistral, tiny_model_dir, tmp_path
     from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
     from conftest import random_ids
 
-    cfg = CalibrationConfig(samples=1, seqlen=32, bits=(3,), fractions=(0.0, 0.01), fits=("fs2",))
+    cfg = CalibrationConfig(samples=1, seqlen=32, bits=(3,), fractions=(0.0, 0.01))
     acts = collect(tiny_mistral, random_ids(1, 32, seed=1), sinks=1, progress=False)
     fit_recipe(tiny_mistral, acts, cfg, "tiny-mistral", "random", progress=False).save(tmp_path / "r")
     rc = main(["generate", "--model", str(tiny_model_dir), "--recipe", str(tmp_path / "r"), "--prompt", "hi"])

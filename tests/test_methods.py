@@ -270,3 +270,11 @@ def test_a_spec_built_directly_is_checked():
 def test_which_model_tensors_a_method_reads(name, reads, pre):
     spec = parse_method(name)
     assert (spec.reads_model_tensors, spec.pre_rope_keys) == (reads, pre)
+
+
+def test_the_registry_names_the_unquantized_baseline():
+    from kvsqueeze.methods import REGISTRY, is_unquantized
+
+    assert [name for name, fam in REGISTRY.items() if fam.unquantized] == ["fp16"]
+    assert is_unquantized("fp16") and not is_unquantized("nuq3-1%") and not is_unquantized("kivi2")
+    assert not is_unquantized("no such method")  # a row that is no method is no baseline

@@ -27,7 +27,7 @@ CACHED = ["fp16", "nuq3-1%", "nuq2-1%", "nuq4-1%", "nuq3", "nuq3-1%:kslots6", "n
           "int4:kchan:pre:sink2", "nuq3-1%:r16", "nuq@3.5", "nuq@3.49:r32:chan", "nuq@2.6:r32:chan",
           "nuq@4.58:r32:chan", "nuq@3.5:chan:ctx32k"]
 MODELLED = ["kivi2", "turbo3:split", "int3", "group3:g64"]  # no compressed cache holds them
-CAL = CalibrationConfig(samples=2, seqlen=64, bits=(2, 3, 4), fractions=(0.0, 0.01), fits=("fs2",),
+CAL = CalibrationConfig(samples=2, seqlen=64, bits=(2, 3, 4), fractions=(0.0, 0.01),
                         ablation=True)  # the per-matrix (":pm") rows too
 
 

@@ -115,8 +115,7 @@ def cmd_calibrate(args) -> None:
             raise ValueError(f"--bits {b} is not supported; use 2, 3 and/or 4")
     fractions = _percentages(args.outliers, "--outliers")
     cfg = CalibrationConfig(samples=args.samples, seqlen=args.seqlen, bits=bits,
-                            fractions=tuple(sorted({0.0, *fractions})), sinks=args.sinks,
-                            fits=("fs2", "fisher", "unw") if args.ablation else _CAL.fits, ablation=args.ablation)
+                            fractions=tuple(sorted({0.0, *fractions})), sinks=args.sinks, ablation=args.ablation)
     if args.kl_outliers:
         _percentages(args.kl_outliers, "--kl-outliers")
     budgets = _budgets(args.avg_bits)

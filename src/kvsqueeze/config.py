@@ -28,9 +28,15 @@ class CalibrationConfig:
     bits: tuple[int, ...] = (2, 3, 4)
     fractions: tuple[float, ...] = (0.0, 0.001, 0.01)  # outlier fractions: none, 0.1%, 1%
     sinks: int = 1  # leading tokens kept fp16 and left out of every statistic
-    fits: tuple[str, ...] = ("fs2",)  # KVQuant's Fisher x scale^2 objective; the ablation adds "fisher", "unw"
-    ablation: bool = False  # also what only the ablation ladder reads: those fits, per-matrix-threshold codebooks
+    # also what only the ablation ladder reads: codebooks weighted by Fisher alone ("fisher") or not at all
+    # ("unw") beside KVQuant's Fisher x scale^2 ("fs2"), and per-matrix-threshold ones
+    ablation: bool = False
     bins: int = 4096  # k-means histogram resolution over [-1, 1]
+
+    @property
+    def fits(self) -> tuple[str, ...]:
+        """The k-means objectives fitted per vector."""
+        return ("fs2", "fisher", "unw") if self.ablation else ("fs2",)
 
 
 @dataclass(frozen=True)

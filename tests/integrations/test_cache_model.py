@@ -25,7 +25,7 @@ from kvsqueeze.methods import MethodError, cache_bytes, parse_method
 from kvsqueeze.storage import Rows
 from kvsqueeze.recipe import RecipeError
 
-SMALL_CAL = CalibrationConfig(samples=2, seqlen=64, bits=(2, 3), fractions=(0.0, 0.01), fits=("fs2",),
+SMALL_CAL = CalibrationConfig(samples=2, seqlen=64, bits=(2, 3), fractions=(0.0, 0.01),
                                ablation=True)  # the per-matrix (":pm") rows too
 cache_for = kvsqueeze.cache_for
 

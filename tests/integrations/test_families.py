@@ -34,7 +34,7 @@ from kvsqueeze.integrations.simulate import SimulatedQuantization
 from kvsqueeze.kernels import Backend
 from kvsqueeze.methods import parse_method
 
-SMALL_CAL = CalibrationConfig(samples=2, seqlen=64, bits=(3,), fractions=(0.0, 0.01), fits=("fs2",))
+SMALL_CAL = CalibrationConfig(samples=2, seqlen=64, bits=(3,), fractions=(0.0, 0.01))
 CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
            "olmo2": "Olmo2Config", "olmo": "OlmoConfig", "smollm3": "SmolLM3Config", "phi3": "Phi3Config",
            "gemma3": "Gemma3TextConfig", "cohere": "CohereConfig", "phi": "PhiConfig", "gemma2": "Gemma2Config",

@@ -21,7 +21,7 @@ from kvsqueeze.integrations.simulate import SimulatedQuantization
 from kvsqueeze.methods import parse_method
 from kvsqueeze.recipe import Recipe, RecipeError
 
-SMALL_CAL = CalibrationConfig(samples=2, seqlen=64, bits=(2, 3, 4), fractions=(0.0, 0.01), fits=("fs2",))
+SMALL_CAL = CalibrationConfig(samples=2, seqlen=64, bits=(2, 3, 4), fractions=(0.0, 0.01))
 EVAL_METHODS = ["fp16", "int3", "nf3", "nuq2", "nuq4-1%", "nuq3-1%", "nuq-k3v2-1%", "kivi2:r32", "group3:g32"]
 
 

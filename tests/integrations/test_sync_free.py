@@ -100,7 +100,7 @@ def test_the_counter_sees_every_kind_of_wait():
     assert not counts
 
 
-CAL = CalibrationConfig(samples=2, seqlen=64, bits=(2, 3, 4), fractions=(0.0, 0.01), fits=("fs2",))
+CAL = CalibrationConfig(samples=2, seqlen=64, bits=(2, 3, 4), fractions=(0.0, 0.01))
 
 
 @functools.cache

@@ -3,7 +3,7 @@
 A layer's codebook is fitted to one histogram of all its channels (`kmeans.WeightedHistogram`), and a
 per-channel bit budget (`methods.budget.allocate_channels`) needs every channel's weighted error at every
 candidate codebook. Both come from one pass here: the elements are binned once, per channel, into a
-[C, bins] grid of sums of w, w x and w x^2 (one `bincount`); the layer's histogram is the sum over channels,
+[C, bins] grid of sums of w, w x and w x^2 (one numba pass); the layer's histogram is the sum over channels,
 and a channel's error at a codebook is, bin by bin, the bin's spread plus its weight times its mean's squared
 distance to the nearest level: sum w (x - c)^2 = S2 - 2 c S1 + c^2 S0. Each bin is assigned whole, as in the
 k-means fit itself; with 4,096 bins over [-1, 1] a bin is under a tenth of the spacing of 6-bit levels.
@@ -40,11 +40,17 @@ class ChannelHistograms:
 
     def errors(self, codebooks: list[torch.Tensor]) -> torch.Tensor:
         """[C, len(codebooks)] float64: each channel's sum of w (x - c(x))^2 at each codebook's levels."""
-        out = np.empty((self.w.shape[0], len(codebooks)))
-        for i, levels in enumerate(codebooks):
-            lv = np.sort(levels.double().numpy())
-            _errors(self.w, self.wx, self.wx2, lv, (lv[1:] + lv[:-1]) / 2, out[:, i])
-        return torch.from_numpy(out)
+        return torch.from_numpy(np.stack([level_errors(self.w, self.wx, self.wx2, levels.double().numpy())
+                                          for levels in codebooks], axis=1))
+
+
+def level_errors(w: np.ndarray, wx: np.ndarray, wx2: np.ndarray, levels: np.ndarray) -> np.ndarray:
+    """Sum of w (x - c(x))^2 of each histogram (rows of per-bin sums [H, bins], float64) at `levels`, every bin
+    assigned whole to the level nearest its mean: [H]."""
+    lv = np.sort(np.asarray(levels, dtype=np.float64))
+    out = np.empty(w.shape[0])
+    _errors(w, wx, wx2, lv, (lv[1:] + lv[:-1]) / 2, out)
+    return out
 
 
 def channel_histograms(x: torch.Tensor, w: torch.Tensor, inside: torch.Tensor, bins: int) -> ChannelHistograms:

@@ -29,7 +29,7 @@ from ..numerics.outliers import calibrated_thresholds, clamp_range, online_thres
 from ..recipe import Recipe, channel_error_key, codebook_key, matrix_key, range_key
 from ..shape import kv_shape
 from .collect import Activations
-from .channels import channel_histograms
+from .channels import channel_histograms, level_errors
 from .kmeans import WeightedHistogram, fit_codebook
 
 
@@ -43,12 +43,7 @@ def _weights(fit: str, fisher: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
 
 def _hist_objective(hist: WeightedHistogram, centers: np.ndarray) -> float:
     """Weighted SSE of the histogram's data under `centers` (each bin assigned whole, spread included)."""
-    nz = hist.w > 0
-    w, wx, wx2 = hist.w[nz], hist.wx[nz], hist.wx2[nz]
-    mean = wx / w
-    c = np.sort(centers)
-    idx = np.clip(np.searchsorted((c[1:] + c[:-1]) / 2, mean), 0, len(c) - 1)
-    return float(np.sum(wx2 - 2 * c[idx] * wx + w * c[idx] ** 2))
+    return float(level_errors(hist.w[None], hist.wx[None], hist.wx2[None], centers)[0])
 
 
 def _normalized(x, lo, hi, fraction):

@@ -19,7 +19,7 @@ import torch
 from tqdm.auto import tqdm
 
 from ..integrations.simulate import SimulatedQuantization
-from ..methods import MethodSpec, parse_method
+from ..methods import MethodSpec, is_unquantized, parse_method
 from ..recipe import Recipe
 from .tables import text_table
 
@@ -166,7 +166,7 @@ def evaluate(
 def format_table(rows: list[PplRow]) -> str:
     """Method, average bits, perplexity, change against fp16 (when it was measured) with its 95% interval, and
     the distribution metrics against fp16."""
-    base = next((r.ppl for r in rows if r.method == "fp16"), None)
+    base = next((r.ppl for r in rows if is_unquantized(r.method)), None)
     body = []
     for r in rows:
         change = f"{(r.ppl / base - 1) * 100:+.2f}%" if base else "-"

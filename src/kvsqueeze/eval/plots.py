@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 
 from ..config import DEFAULT_DEVICE, DEFAULT_DTYPE, InspectConfig
+from ..methods import is_unquantized
 
 
 def _plt():
@@ -174,7 +175,7 @@ def plot_ruler(scores, path: str | Path, task: str = "average") -> Path:
         for method in dict.fromkeys(s.method for s in mine):
             pts = sorted((s.length, s.score, s.ci95) for s in mine if s.method == method)
             xs = [p[0] for p in pts]
-            ax.plot(xs, [p[1] for p in pts], marker="o", label=method, lw=2.2 if method == "fp16" else 1.4)
+            ax.plot(xs, [p[1] for p in pts], marker="o", label=method, lw=2.2 if is_unquantized(method) else 1.4)
             if all(p[2] for p in pts):
                 ax.fill_between(xs, [p[2][0] for p in pts], [p[2][1] for p in pts], alpha=0.08)
         ax.set_xscale("log", base=2)

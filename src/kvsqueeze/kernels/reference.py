@@ -42,7 +42,9 @@ def dequantize_view(kv: StoreView) -> tuple[torch.Tensor, torch.Tensor]:
     t, b, c = kv.tokens, kv.batch, kv.channels
     # one spare token [T + 1, B, C]: what is no outlier and no sink (room left past the outliers, empty sink
     # entries) is written there, so that no shape depends on how many there are and nothing waits for the device
-    spare = lambda x: torch.cat([x, x.new_zeros(1, *x.shape[1:])])  # noqa: E731
+    def spare(x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+
     k_codes = _unpack(spare(kv.k_codes), kv.k_bits, kv.k_offsets, c)  # [T + 1, B, C]
     v_codes = _unpack(spare(kv.v_codes), kv.v_bits, kv.v_offsets, c)
     sz = spare(kv.v_scale_zero).float()  # [T + 1, B, 2]

@@ -6,9 +6,9 @@ from .spec import (FAMILIES, FAMILY_DEFAULTS, FIT_VARIANTS, FIXED_AXES, SUPPORTE
                    canonical_name, fixed_outlier_count, max_outliers_per_side, parse_method, parse_methods,
                    topk_per_side)
 from .families import (PATHS, REGISTRY, average_bits, build_quantizers, cache_bytes, check_path, describe,
-                       family, needs_recipe)
+                       family, is_unquantized, needs_recipe)
 
 __all__ = ["FAMILIES", "FAMILY_DEFAULTS", "FIT_VARIANTS", "FIXED_AXES", "SUPPORTED_BITS", "MethodError", "MethodSpec",
            "canonical_name", "fixed_outlier_count", "max_outliers_per_side", "parse_method", "parse_methods",
            "topk_per_side", "PATHS", "REGISTRY", "average_bits", "build_quantizers", "cache_bytes", "check_path",
-           "describe", "family", "needs_recipe"]
+           "describe", "family", "is_unquantized", "needs_recipe"]

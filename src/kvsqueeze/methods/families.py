@@ -20,7 +20,7 @@ import math
 
 from .. import storage
 from ..storage import Choice, Layout, Rows
-from .spec import FIXED_AXES, SUPPORTED_BITS, MethodError, MethodSpec
+from .spec import FIXED_AXES, SUPPORTED_BITS, MethodError, MethodSpec, parse_method
 
 PATHS = ("simulated", "cache", "pages")  # what runs a method: SimulatedQuantization, CompressedCache, paged pages
 TURBO_SEEDS = 1000  # rotation seeds: layer l draws keys from 2000 l, values from 2000 l + 1000
@@ -31,6 +31,7 @@ class Family:
     """What every family answers; see the module docstring."""
 
     name = ""
+    unquantized = False  # holds keys and values as the model makes them: the baseline the others are measured against
     quantizes_in_attention = False  # keys and values quantized inside attention, not where the model makes them
     window_beside_codes = False  # an fp16 window (`:rN`) held beside the window's codes, not instead of them
 
@@ -63,6 +64,7 @@ class Family:
 
 class Fp16(Family):
     name = "fp16"
+    unquantized = True
 
     def describe(self, spec):
         return "unquantized"
@@ -346,6 +348,14 @@ def _check_slots(spec: MethodSpec, channels: int) -> None:
 
 def family(spec: MethodSpec) -> Family:
     return REGISTRY[spec.family]
+
+
+def is_unquantized(name: str) -> bool:
+    """Whether the method named `name` is the unquantized baseline (False for a name that is no method)."""
+    try:
+        return family(parse_method(name)).unquantized
+    except MethodError:
+        return False
 
 
 def describe(spec: MethodSpec) -> str:

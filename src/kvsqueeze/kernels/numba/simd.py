@@ -525,7 +525,7 @@ def _lookup_avx2(builder, tab, idx):
     fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F, _V8I]), "llvm.x86.avx2.permps")
 
     def half(vec, first):
-        return builder.shuffle_vector(vec, vec, ir.Constant(ir.VectorType(_I32, 8), list(range(first, first + 8))))
+        return builder.shuffle_vector(vec, vec, ir.Constant(_V8I, list(range(first, first + 8))))
 
     low, high = half(tab, 0), half(tab, 8)
     eight = ir.Constant(_V8I, [8] * 8)
