@@ -79,6 +79,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--random-model", action="store_true", help="use the random-weight model even if --model loads")
     p.add_argument("--recipe", default="out/recipe")
+    p.add_argument("--no-profile", dest="profile", action="store_false",
+                   help="skip the per-kernel GPU time of a 7B-class layer's step (torch's profiler)")
     p.add_argument("--json", default=str(Path(__file__).parent / "results" / "decode_gpu.json"))
     return p.parse_args(argv)
 
@@ -193,33 +195,84 @@ def kernel_rows(args, device: torch.device) -> list[dict]:
             k, v = torch.cat([keys, kn], dim=-2), torch.cat([values, vn], dim=-2)
             return F.scaled_dot_product_attention(qd, k, v, scale=scaling, enable_gqa=True)
 
+        # what StaticCache and serving engines do: the new token written in place into a cache allocated once
+        k_all, v_all = full_k.clone(), full_v.clone()
+
+        def static_step(t=tokens - 1):
+            k_all[:, :, t : t + 1].copy_(kn)
+            v_all[:, :, t : t + 1].copy_(vn)
+            return F.scaled_dot_product_attention(qd, k_all[:, :, : t + 1], v_all[:, :, : t + 1], scale=scaling,
+                                                  enable_gqa=True)
+
         variants[("dense-bfloat16", "attention")] = (sdpa, lambda: None)
         variants[("dense-bfloat16", "step")] = (dense_step, lambda: None)
+        variants[("static-bfloat16", "step")] = (static_step, lambda: None)
         for (method, what), (med, low) in timed(variants, args.rounds, device).items():
             rows.append({"shape": shape_name, "query_heads": hq, "kv_heads": h, "head_dim": d, "batch": batch,
                          "context": tokens, "method": method, "what": what, "median_ms": round(med, 4),
                          "min_ms": round(low, 4), "max_abs_error_vs_reference": errors.get(method)})
             print(f"{shape_name:>13} B={batch} T={tokens:>7} {method:>15} {what:>9} {med:9.4f} ms", flush=True)
-        variants = keys = values = full_k = full_v = None  # free the caches before the next shape
+        variants = keys = values = full_k = full_v = k_all = v_all = None  # free the caches before the next shape
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return rows
 
 
+def profile(args, device: torch.device) -> list[dict]:
+    """GPU time of each kernel in a layer's decode step (append, then attend), from torch's profiler, for the
+    7B-class shape at B=8 and 32K tokens, with and without the outlier fraction: where the time goes."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    hq, h, d = SHAPES["7b"]
+    batch, tokens, steps = 8, 32768, 5
+    rope, scaling = Rope.default(d, theta=500_000.0), d**-0.5
+    q = torch.randn(batch, hq, d, device=device)
+    k1, v1 = torch.randn(batch, 1, h * d, device=device), torch.randn(batch, 1, h * d, device=device)
+    pos = torch.full((batch, 1), tokens - 1, device=device)
+    out = []
+    for i, method in enumerate(("nuq3-1%", "nuq3")):
+        store = fill_store(method, batch, tokens - 1, h * d, d, device, seed=i)
+        for _ in range(2):  # compiled and checked before the profile
+            store.append(k1, v1, None, pos)
+            decode_attention(q, store.view(), rope, scaling, backend="triton")
+            store.crop(tokens - 1)
+        sync(device)
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                store.append(k1, v1, None, pos)
+                decode_attention(q, store.view(), rope, scaling, backend="triton")
+                store.crop(tokens - 1)
+            sync(device)
+        kernels = sorted(((e.key, e.device_time_total / steps / 1e3, e.count // steps) for e in prof.key_averages()
+                          if e.device_time_total > 0), key=lambda x: -x[1])
+        total = sum(ms for _, ms, _ in kernels)
+        out.append({"shape": "7b", "batch": batch, "context": tokens, "method": method,
+                    "gpu_ms_per_step": round(total, 4), "kernels_per_step": sum(n for *_, n in kernels),
+                    "by_kernel": [{"kernel": k[:80], "ms": round(ms, 4), "calls": n} for k, ms, n in kernels[:12]]})
+        print(f"profile {method}: {total:.3f} GPU ms a step; " + ", ".join(f"{k[:30]} {ms:.3f}" for k, ms, _ in
+                                                                          kernels[:6]), flush=True)
+        del store
+    return out
+
+
 def ratios(rows: list[dict]) -> dict:
-    """bf16 SDPA time over each method's, per shape, batch, context and what was timed."""
+    """The bf16 baselines' times over each method's, per shape, batch, context and what was timed: SDPA alone
+    against attention, and both the concatenating and the in-place dense step against the step."""
     out = {}
     at = {(r["shape"], r["batch"], r["context"], r["what"], r["method"]): r["median_ms"] for r in rows}
     for (shape, b, t, what, method), ms in at.items():
-        if method != "dense-bfloat16":
-            dense = at[(shape, b, t, what, "dense-bfloat16")]
-            out[f"{shape} B={b} T={t} {what}: bf16 / {method}"] = float(f"{dense / ms:.4g}")
+        if method in ("dense-bfloat16", "static-bfloat16"):
+            continue
+        for base in ("dense-bfloat16", "static-bfloat16"):
+            if (shape, b, t, what, base) in at:
+                out[f"{shape} B={b} T={t} {what}: {base} / {method}"] = float(f"{at[(shape, b, t, what, base)] / ms:.4g}")
     return out
 
 
 def e2e(args, device: torch.device) -> dict:
     """Greedy decode tokens/s after a long prompt: compressed cache + fused decode against DynamicCache."""
-    from transformers import DynamicCache
+    from transformers import DynamicCache, StaticCache
 
     import kvsqueeze
     from kvsqueeze.integrations.fused import enable_fused_decode
@@ -227,14 +280,16 @@ def e2e(args, device: torch.device) -> dict:
     model, recipe, about = _e2e_model(args, device)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, model.config.vocab_size, (1, args.e2e_context), generator=g).to(device)
-    runs = {"DynamicCache (bf16)": lambda: (DynamicCache(config=model.config), None)}
+    runs = {"DynamicCache (bf16)": lambda: (DynamicCache(config=model.config), None),
+            "StaticCache (bf16)": lambda: (StaticCache(config=model.config,
+                                                        max_cache_len=args.e2e_context + args.e2e_new + 1), None)}
 
     def ours():
         cache = kvsqueeze.cache_for(model, recipe, args.e2e_method)
         return cache, enable_fused_decode(model, cache, "triton")
 
     runs[f"kvsqueeze {args.e2e_method} (fused, triton)"] = ours
-    rows, first = [], None
+    rows, first, waits = [], None, {}
     for name, make in runs.items():
         cache, handle = make()
         try:
@@ -244,6 +299,8 @@ def e2e(args, device: torch.device) -> dict:
                 nxt = model(ids, cache=cache, use_cache=True).logits[:, -1:].argmax(-1)
                 sync(device)
                 prefill = time.perf_counter() - t0
+                if device.type == "cuda" and not isinstance(cache, StaticCache):  # it writes by position, in place
+                    waits[name] = host_waits(model, cache, nxt)
                 tokens = [int(nxt)]
                 t0 = time.perf_counter()
                 for _ in range(args.e2e_new):
@@ -260,8 +317,46 @@ def e2e(args, device: torch.device) -> dict:
                      "tokens_equal_to_dynamic_cache": f"{sum(a == b for a, b in zip(tokens, first))}/{len(tokens)}"})
         print(rows[-1], flush=True)
         del cache
-    base = rows[0]["decode_tokens_per_s"]
-    return {"model": about, "rows": rows, "speedup": round(rows[1]["decode_tokens_per_s"] / base, 3)}
+    ours_tps = rows[-1]["decode_tokens_per_s"]
+    return {"model": about, "layers": model.config.num_hidden_layers, "rows": rows,
+            "speedup_vs_dynamic_cache": round(ours_tps / rows[0]["decode_tokens_per_s"], 3),
+            "speedup_vs_static_cache": round(ours_tps / rows[1]["decode_tokens_per_s"], 3),
+            "host_waits_in_one_decode_step": waits}
+
+
+def host_waits(model, cache, token) -> dict:
+    """The ops of one decode step (all layers) that make the host wait for the GPU, counted by CUDA's own sync
+    check (`torch.cuda.set_sync_debug_mode`), by the line of kvsqueeze's code that called them. The step counted
+    is the second after the prefill (the first builds tables that later steps reuse); both steps' tokens are
+    taken back (`cache.crop`), so that the timed decoding starts from the prefill as before."""
+    import traceback
+    import warnings
+
+    length = cache.get_seq_length()
+    model(token, cache=cache, use_cache=True)  # a first step builds what later steps reuse (RoPE tables, ...)
+    cache.crop(length - cache.get_seq_length())
+    counts: dict[str, int] = {}
+
+    def note(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return
+        ours = [f for f in traceback.extract_stack() if "/kvsqueeze/" in f.filename]
+        where = (f"{ours[-1].filename.split('/kvsqueeze/')[-1]}:{ours[-1].name}" if ours
+                 else f"{Path(filename).name}:{lineno}")
+        counts[where] = counts.get(where, 0) + 1
+
+    torch.cuda.synchronize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = note
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            model(token, cache=cache, use_cache=True)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    cache.crop(length - cache.get_seq_length())  # a negative count: the tokens to take back
+    print(f"host waits in one decode step: {counts}", flush=True)
+    return {"total": sum(counts.values()), "by_line": counts}
 
 
 def _e2e_model(args, device: torch.device):
@@ -310,12 +405,14 @@ def main(argv=None) -> None:
                         "its step adds DynamicLayer's torch.cat of the new token"}
     payload["rows"] = kernel_rows(args, device)
     payload["ratios"] = ratios(payload["rows"])
+    if args.profile and device.type == "cuda":
+        payload["profile"] = profile(args, device)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")  # the kernel rows, whatever follows
     if args.e2e:
         try:
             payload["e2e"] = e2e(args, device)
-        except (ImportError, RuntimeError, ValueError, OSError) as exc:  # e.g. another transformers there
+        except Exception as exc:  # noqa: BLE001 - the kernel rows are kept; the JSON says why this part is missing
             payload["e2e_error"] = f"{type(exc).__name__}: {exc}"
             print(f"generate() part not measured: {payload['e2e_error']}", flush=True)
     payload["seconds"] = round(time.perf_counter() - t0, 1)

@@ -26,8 +26,9 @@ def test_the_gpu_benchmark_runs_under_the_interpreter(tmp_path):
                 "--e2e-layers", "1", "--random-model", "--json", str(out)])
     data = json.loads(out.read_text())
     kinds = {(r["batch"], r["method"], r["what"]) for r in data["rows"]}
-    assert kinds == {(b, m, w) for b in (1, 2) for m in ("nuq3-1%", "dense-bfloat16") for w in ("attention", "step")}
+    assert kinds == ({(b, m, w) for b in (1, 2) for m in ("nuq3-1%", "dense-bfloat16") for w in ("attention", "step")}
+                     | {(b, "static-bfloat16", "step") for b in (1, 2)})
     assert all(r["max_abs_error_vs_reference"] < 5e-5 for r in data["rows"] if r["method"] == "nuq3-1%")
-    assert len(data["ratios"]) == 4 and all(v > 0 for v in data["ratios"].values())
-    assert [r["cache"].split()[0] for r in data["e2e"]["rows"]] == ["DynamicCache", "kvsqueeze"]
+    assert len(data["ratios"]) == 6 and all(v > 0 for v in data["ratios"].values())
+    assert [r["cache"].split()[0] for r in data["e2e"]["rows"]] == ["DynamicCache", "StaticCache", "kvsqueeze"]
     assert "random weights" in data["e2e"]["model"] and data["machine"]["triton_interpreter"]

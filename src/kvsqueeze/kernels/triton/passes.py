@@ -129,8 +129,9 @@ def _entries(cbase_ptr, xbase_ptr, e, n, mask, FIXED: tl.constexpr):
     pointers, at e in both."""
     if FIXED > 0:
         i = e - n * FIXED
-        return (tl.load(cbase_ptr + n, mask=mask, other=0) + i, tl.load(xbase_ptr + n, mask=mask, other=0) + i)
-    return e, e
+        return ((tl.load(cbase_ptr + n, mask=mask, other=0) + i).to(tl.int64),
+                (tl.load(xbase_ptr + n, mask=mask, other=0) + i).to(tl.int64))
+    return e.to(tl.int64), e.to(tl.int64)  # one type on both paths: the compiler types every return alike
 
 
 @triton.jit
