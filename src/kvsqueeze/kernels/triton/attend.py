@@ -36,6 +36,10 @@ from . import passes
 
 BLOCK_T = 64  # tokens a key / value program takes at a time
 SPARSE_BLOCK = 128  # outlier entries per sparse program
+DOT_MIN = 16  # the smallest side of a tile tl.dot takes: query heads and channels are padded to it
+# The key and value products run on the matrix units in three tf32 passes, which keep float32's accuracy (one
+# tf32 pass rounds operands to 10 bits of mantissa, about 1e-3, past what the check against the reference allows)
+DOT_PRECISION = "tf32x3"
 INTERPRETED_BLOCK_T, INTERPRETED_SPARSE_BLOCK = 128, 1024  # the interpreter pays per program: fewer, larger
 _TABLES: dict[tuple, tuple[int, tuple[torch.Tensor, ...]]] = {}  # (frequencies, scaling, device) -> tables
 _RANGES = WeakIdKeyDictionary()  # positions array -> (its version, tokens, min, max)
@@ -71,6 +75,11 @@ def interpreting() -> bool:
 
 def _p2(n: int) -> int:
     return triton.next_power_of_2(max(1, n))
+
+
+def _dot(n: int) -> int:
+    """A power of two of at least 16: a side of the tiles `tl.dot` multiplies (the rows past n are masked)."""
+    return max(DOT_MIN, _p2(n))
 
 
 def _tables(rope: Rope, max_position: int, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -214,12 +223,12 @@ def _decode(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float, key_mask
     block_t, sparse_block = BLOCK_T, SPARSE_BLOCK
     if interpreting():
         block_t, sparse_block = INTERPRETED_BLOCK_T, INTERPRETED_SPARSE_BLOCK
-    shape = dict(D=d, G=g, G_P=_p2(g), HALF=half, HALF_P=_p2(half), PASS=rest, PASS_P=_p2(rest))
+    shape = dict(D=d, G=g, G_P=_dot(g), HALF=half, HALF_P=_dot(half), PASS=rest, PASS_P=_dot(rest))
 
     scores = torch.empty(bsz, hq, t, dtype=torch.float32, device=dev)
     passes.key_scores[(bsz * h, triton.cdiv(t, block_t))](
         q, k_codes, k_offs, klut, positions, cos_hi, sin_hi, cos_lo, sin_lo, scores, kbase, t, bsz, h, hq,
-        BITS=k_bits, KROW=klut.shape[1], BLOCK_T=block_t, **shape)
+        BITS=k_bits, KROW=klut.shape[1], BLOCK_T=block_t, PRECISION=DOT_PRECISION, **shape)
     k_out = kv.k_outliers
     k_nnz = 0 if k_out is None else _entries_in_use(k_out, slots)
     if k_nnz:
@@ -244,8 +253,8 @@ def _decode(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float, key_mask
     passes.value_partial[(bsz * h, nsplit)](
         scores, mask, v_codes, v_offs, vlut, sz, vbase, szbase, kv.sink_v, kv.sink_slot, m_part, l_part, acc_part,
         float(scaling), float(softcap or 1.0), t, bsz, h, hq, split_t, nsplit,
-        S=sinks, D=d, D_P=_p2(d), G=g, G_P=_p2(g), BITS=v_bits, VROW=vrow, HAS_MASK=key_mask is not None,
-        SOFTCAP=bool(softcap), BLOCK_T=block_t)
+        S=sinks, D=d, D_P=_dot(d), G=g, G_P=_dot(g), BITS=v_bits, VROW=vrow, HAS_MASK=key_mask is not None,
+        SOFTCAP=bool(softcap), BLOCK_T=block_t, PRECISION=DOT_PRECISION)
     out = torch.empty(bsz, hq, d, dtype=torch.float32, device=dev)
     stats = torch.empty(bsz * hq, 2, dtype=torch.float32, device=dev)
     has_sink_logit = sink_logits is not None

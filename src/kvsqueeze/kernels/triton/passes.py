@@ -59,7 +59,7 @@ def key_scores(q_ptr, codes_ptr, offs_ptr, klut_ptr, pos_ptr, cos_hi, sin_hi, co
                kbase_ptr, T, B, H, HQ,
                D: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr, HALF: tl.constexpr, HALF_P: tl.constexpr,
                PASS: tl.constexpr, PASS_P: tl.constexpr, BITS: tl.constexpr, KROW: tl.constexpr,
-               BLOCK_T: tl.constexpr):
+               BLOCK_T: tl.constexpr, PRECISION: tl.constexpr):
     """Raw scores q . RoPE(k) [B, Hq, T] of one block of BLOCK_T tokens and one KV head (all G query heads of
     its group), the keys dequantized from their codes by each channel's lookup table. Slot n = t * B + b's
     codes start at element kbase[n] of the flat codes."""
@@ -85,14 +85,15 @@ def key_scores(q_ptr, codes_ptr, offs_ptr, klut_ptr, pos_ptr, cos_hi, sin_hi, co
     qm = gmask[:, None] & (j < HALF)
     q_lo = tl.load(q_ptr + qrow + j, mask=qm, other=0.0)
     q_hi = tl.load(q_ptr + qrow + HALF + j, mask=qm, other=0.0)
-    acc = tl.sum(q_lo[:, None, :] * r_lo[None, :, :], axis=2) + tl.sum(q_hi[:, None, :] * r_hi[None, :, :], axis=2)
+    acc = (tl.dot(q_lo, tl.trans(r_lo), input_precision=PRECISION)  # [G_P, BLOCK_T] on the matrix units
+           + tl.dot(q_hi, tl.trans(r_hi), input_precision=PRECISION))
     if PASS > 0:  # partial rotary: channels 2 * HALF .. D do not turn
         p = tl.arange(0, PASS_P)[None, :]
         pm = tmask[:, None] & (p < PASS)
         c_p = h * D + 2 * HALF + p
         k_p = tl.load(klut_ptr + c_p * KROW + _codes(codes_ptr, offs_ptr, row, c_p, pm, BITS), mask=pm, other=0.0)
         q_p = tl.load(q_ptr + qrow + 2 * HALF + p, mask=gmask[:, None] & (p < PASS), other=0.0)
-        acc += tl.sum(q_p[:, None, :] * k_p[None, :, :], axis=2)
+        acc += tl.dot(q_p, tl.trans(k_p), input_precision=PRECISION)
     out = scores_ptr + ((b * HQ + h * G + g) * T)[:, None] + t[None, :]
     tl.store(out, acc, mask=gmask[:, None] & tmask[None, :])
 
@@ -227,7 +228,7 @@ def value_partial(scores_ptr, mask_ptr, codes_ptr, offs_ptr, vlut_ptr, sz_ptr, v
                   sink_slot, m_ptr, l_ptr, acc_ptr, scaling, softcap, T, B, H, HQ, SPLIT_T, NSPLIT,
                   S: tl.constexpr, D: tl.constexpr, D_P: tl.constexpr, G: tl.constexpr, G_P: tl.constexpr,
                   BITS: tl.constexpr, VROW: tl.constexpr, HAS_MASK: tl.constexpr, SOFTCAP: tl.constexpr,
-                  BLOCK_T: tl.constexpr):
+                  BLOCK_T: tl.constexpr, PRECISION: tl.constexpr):
     """One split of the tokens for one KV head (flash-decoding): the scores scaled, capped and masked (written
     back, for the value outliers), their running maximum and sum, and sum_t p_t v_t with each value dequantized
     from its codes and its slot's fp16 scale and zero-point; a sink's slot takes its exact fp16 value."""
@@ -276,7 +277,7 @@ def value_partial(scores_ptr, mask_ptr, codes_ptr, offs_ptr, vlut_ptr, sz_ptr, v
             exact = tl.load(sink_v + (b * S + i) * (H * D) + c, mask=dm, other=0.0).to(tl.float32)
             v = tl.where((t == slot)[:, None], exact[None, :], v)
         l_run = l_run * alpha + tl.sum(p, axis=1)
-        acc = acc * alpha[:, None] + tl.sum(p[:, :, None] * v[None, :, :], axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)  # [G_P, D_P]
         m_run = m_new
     part = r * NSPLIT + split
     tl.store(m_ptr + part, m_run, mask=gm)
