@@ -330,9 +330,9 @@ def vllm(data: dict) -> str:
 # block name -> (JSON file, renderer)
 BLOCKS = {
     "vllm": ("vllm.json", vllm),
-    "ruler-compact": ("ruler.json", ruler_compact),
-    "ruler-paired": ("ruler.json", ruler_paired),
-    "ruler": ("ruler.json", ruler),
+    "ruler-compact": ("ruler_one_sample.json", ruler_compact),
+    "ruler-paired": ("ruler_one_sample.json", ruler_paired),
+    "ruler": ("ruler_one_sample.json", ruler),
     "ladder": ("ladder.json", ladder),
     "models": ("models.json", models_table),
     "peers": ("peers.json", peers_table),

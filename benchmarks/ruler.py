@@ -1,32 +1,39 @@
-"""The RULER-style long-context suite on the default model (to its 8K limit) and a 32K-context model.
+"""The RULER-style suite on the default model (to its 8K limit) and a 32K-context model, with enough paired
+questions per cell to tell methods apart.
 
-    python benchmarks/ruler.py [--samples 1] [--methods fp16,nuq4-1%,nuq3-1%,nuq2-1%,kivi2,int4]
-        [--run smollm2-135m:out/recipe:4096,8192:separate]
-        [--run qwen2.5-coder-0.5b:out/models/qwen2.5-coder-0.5b/recipe:4096,8192,16384,32768:shared]
-        [--answers out/ruler/answers.jsonl] [--json benchmarks/results/ruler.json] [--summarize-only]
+    python benchmarks/ruler.py [--samples 4] [--methods fp16,nuq3-1%,q4.5,q3.5,q2.5,kivi2,turbo3:split,int4]
+        [--run smollm2-135m:out/recipe:4096,8192:many]
+        [--run qwen2.5-coder-0.5b:out/models/qwen2.5-coder-0.5b/recipe:4096,8192,16384,32768:many]
+        [--answers benchmarks/results/ruler_answers.jsonl] [--json benchmarks/results/ruler.json]
+        [--summarize-only]
 
-Every context is built from the held-out part of the BBC corpus and a seed (`kvsqueeze.eval.ruler`: six
-needle-in-a-haystack tasks and variable tracking, each in a context of its own for the default model, all in
-one shared context for the 32K model, whose prefills cost minutes; common- and frequent-words extraction
-share a `words` context); it is prefilled once with exact attention and each method answers from its own
-cache holding those keys and values (`--engine dense-prefill`; the compressed cache with the fused numba
-kernel for nuq, the simulated cache for KIVI and per-token int4). Greedy answers, scored as RULER does (the
-share of the expected strings found).
+Every context is built from the held-out part of the BBC corpus and a seed (`kvsqueeze.eval.ruler`). Layout
+`many` (the default): per sample, one `needles` context asks 24 questions (five single-number, five single-word
+and three single-uuid needles, four multi-key needles among three rivals each, two multi-value and two
+multi-query needles, three variable-tracking chains; each question's needles its own, among all the others')
+and a `words` context asks the common- and frequent-words questions: 26 paired questions a sample, 104 at 4
+samples, from 8 prefills a length. Each context is prefilled once with exact attention and each method
+answers from its own cache holding those keys and values (`--engine dense-prefill`; the compressed cache with
+the fused numba kernel for nuq and the presets, the simulated cache for KIVI, turbo and per-token int4), the
+cache cropped back to the context after each answer. Greedy answers, scored as RULER does (the share of the
+expected strings found).
+
+Presets (`q4.5`, `q3.5`, `q2.5`: `kvsqueeze.methods.PRESETS`) are chosen for each length they run at
+(`q3.5` at 8,192 tokens is `nuq@3.5:r32:chan:ctx8k`); their answers are logged under the preset's name.
 
 The run is sample-major (sample 0 at every length of every model, then sample 1, ...) and appends each answer
 to `--answers` as it is made: stopped anywhere, it resumes there, and what it has is balanced over lengths.
 `--summarize-only` rebuilds the JSON and the plot from the answers file. Each (model, length, sample)'s wall
-time is kept beside the answers (`<answers>_timing.jsonl`) and summed in the JSON.
+time is kept beside the answers (`<answers>_timing.jsonl`) and summed in the JSON (`cost`).
 
-Cost on 2 cores (AMD EPYC), measured by this script: see `cost` in the JSON (seconds per model and length,
-summed over samples); one sample of everything takes about 2.5-3 hours there, most of it greedy decoding
-(0.2-0.4 s a token through a compressed cache on 2 cores) and the 32K model's prefills (about 15 minutes per
-32K context).
+Per (model, method, length) the JSON's `paired` rows give: the questions answered by both the method and fp16,
+the mean difference in points with its 95% bootstrap interval over questions, the share of fp16's mean score,
+and the method's score on the questions fp16 answers fully (`on_fp16_right`, out of `fp16_right`).
 
 On a GPU (bf16, the Triton kernels; the first result of each kernel variant is checked against the
 reference backend):
 
-    python benchmarks/ruler.py --device cuda --dtype bfloat16 --samples 4 --answers out/ruler-gpu/answers.jsonl \
+    python benchmarks/ruler.py --device cuda --dtype bfloat16 --answers out/ruler-gpu/answers.jsonl \
         --json benchmarks/results/ruler_gpu.json --plot benchmarks/results/ruler_gpu.png
 """
 
@@ -42,14 +49,14 @@ from kvsqueeze.eval.plots import plot_ruler
 from kvsqueeze.eval.ruler import LAYOUTS, TASKS, build_contexts
 from kvsqueeze.eval.ruler_eval import AnswerLog, format_ruler_table, paired, ruler_eval, summarize
 from kvsqueeze.eval.texts import load_text
-from kvsqueeze.methods import parse_methods
+from kvsqueeze.methods import PRESETS, parse_methods, preset_for
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine  # noqa: E402
 
-METHODS = "fp16,nuq4-1%,nuq3-1%,nuq2-1%,kivi2,int4"
-RUNS = ["smollm2-135m:out/recipe:4096,8192:separate",
-        "qwen2.5-coder-0.5b:out/models/qwen2.5-coder-0.5b/recipe:4096,8192,16384,32768:shared"]
+METHODS = "fp16,nuq3-1%,q4.5,q3.5,q2.5,kivi2,turbo3:split,int4"
+RUNS = ["smollm2-135m:out/recipe:4096,8192:many",
+        "qwen2.5-coder-0.5b:out/models/qwen2.5-coder-0.5b/recipe:4096,8192,16384,32768:many"]
 
 
 def parse_run(text: str) -> tuple[str, str, list[int], str]:
@@ -79,7 +86,7 @@ def main() -> None:
     ap.add_argument("--run", action="append", help="MODEL:RECIPE_DIR:LENGTHS (repeatable; default: both models)")
     ap.add_argument("--methods", default=METHODS)
     ap.add_argument("--tasks", default=",".join(TASKS))
-    ap.add_argument("--samples", type=int, default=1)
+    ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine", default="dense-prefill")
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
@@ -92,7 +99,13 @@ def main() -> None:
     args = ap.parse_args()
 
     runs = [parse_run(r) for r in (args.run or RUNS)]
-    specs = parse_methods(args.methods)
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
+    parse_methods(",".join(n if n.lower() not in PRESETS else PRESETS[n.lower()] for n in names))  # refused early
+
+    def specs_at(length: int):
+        """The methods at one length: presets chosen for it, and {spec name: preset name} to log them under."""
+        specs = [preset_for(n, length) for n in names]
+        return specs, {s.name: n.lower() for s, n in zip(specs, names) if n.lower() in PRESETS}
     tasks = args.tasks.split(",")
     answers_path = Path(args.answers)
     timing_path = answers_path.with_name(answers_path.stem + "_timing.jsonl")
@@ -115,8 +128,9 @@ def main() -> None:
                     mine = [c for c in contexts[n] if c.sample == sample]
                     t0 = time.perf_counter()
                     before = len(log.answers)
+                    specs, labels = specs_at(n)
                     ruler_eval(model, tok, specs, mine, recipe, engine=args.engine, chunk=args.chunk,
-                               model_name=model_name, log=log)
+                               model_name=model_name, log=log, labels=labels)
                     if len(log.answers) > before:
                         with timing_path.open("a") as f:
                             f.write(json.dumps({"model": model_name, "length": n, "sample": sample,
@@ -125,8 +139,8 @@ def main() -> None:
                     print(format_ruler_table(summarize([a for a in log.answers if a.model == model_name])),
                           flush=True)
 
-    names = {s.name for s in specs}
-    kept = [a for a in log.answers if a.method in names and a.engine == args.engine and a.task in tasks]
+    shown = [n.lower() if n.lower() in PRESETS else preset_for(n, 2048).name for n in names]
+    kept = [a for a in log.answers if a.method in shown and a.engine == args.engine and a.task in tasks]
     scores = summarize(kept)
     covered: dict = {}
     for key in {(a.model, a.method, a.length) for a in kept}:
@@ -140,12 +154,13 @@ def main() -> None:
     result = {
         "config": {
             "machine": machine() if args.device == "cpu" else f"{args.device}, {machine()}", "dtype": args.dtype,
-            "engine": args.engine, "chunk": args.chunk, "methods": [s.name for s in specs],
+            "engine": args.engine, "chunk": args.chunk, "methods": shown,
+            "presets": {p: f"{PRESETS[p]}:ctxN at each length N" for p in shown if p in PRESETS},
             "tasks": tasks, "seed": args.seed, "samples_requested": args.samples,
             "runs": [{"model": m, "recipe": r, "lengths": ls, "layout": lay} for m, r, ls, lay in runs],
             "haystack": "BBC corpus, evaluation part (articles held out from calibration)",
             "scoring": "share of the expected strings in the greedy answer (RULER's string_match_all), x100; "
-                       "average = mean over tasks, ci95 = bootstrap over samples",
+                       "average = mean over tasks, ci95 = bootstrap over samples; paired: see the module docstring",
         },
         # an average over fewer tasks than asked (a run stopped inside a length) says how many it covers
         "rows": [{"model": s.model, "method": s.method, "task": s.task, "length": s.length, "samples": s.samples,
@@ -156,7 +171,9 @@ def main() -> None:
         # the same questions answered by each method and by fp16: mean difference in points, 95% bootstrap
         # interval over questions, share of fp16's mean score
         "paired": [{"model": p.model, "method": p.method, "length": p.length, "questions": p.questions,
-                    "diff": p.diff, "ci95": list(p.ci95), "share": p.share} for p in paired(kept)],
+                    "score": p.score, "fp16_score": p.reference_score, "diff": p.diff, "ci95": list(p.ci95),
+                    "share": p.share, "on_fp16_right": p.on_reference_right, "fp16_right": p.reference_right}
+                   for p in paired(kept)],
         "cost": cost,
         "answers": str(answers_path),
     }

@@ -278,3 +278,16 @@ def test_the_registry_names_the_unquantized_baseline():
     assert [name for name, fam in REGISTRY.items() if fam.unquantized] == ["fp16"]
     assert is_unquantized("fp16") and not is_unquantized("nuq3-1%") and not is_unquantized("kivi2")
     assert not is_unquantized("no such method")  # a row that is no method is no baseline
+
+
+def test_presets_resolve_to_a_windowed_per_channel_budget_at_the_context_given():
+    from kvsqueeze.methods import PRESETS, preset_for
+
+    assert parse_method("q3.5") == parse_method("nuq@3.5:r32:chan")
+    assert parse_method("Q2.5:ctx32k").name == "nuq@2.5:r32:chan:ctx32k"
+    spec = preset_for("q4.5", 8192)
+    assert (spec.budget, spec.window, spec.budget_unit, spec.context) == (4.5, 32, "channel", 8192)
+    assert preset_for("kivi2", 8192) == parse_method("kivi2")  # other names as they parse
+    assert set(PRESETS) == {"q4.5", "q3.5", "q2.5"}
+    with pytest.raises(MethodError, match="unknown preset 'q3.7'.*q4.5, q3.5, q2.5"):
+        parse_method("q3.7")

@@ -396,9 +396,10 @@ def cmd_ruler(args) -> None:
     from .eval.ruler_eval import ENGINES, AnswerLog, format_ruler_table, ruler_eval, summarize
     from .eval.texts import load_text
     from .integrations.loading import load_model
-    from .methods import parse_methods
+    from .methods import PRESETS, parse_methods, preset_for
 
-    specs = parse_methods(args.methods)
+    specs = parse_methods(args.methods)  # presets are chosen for each length below; checked here as at 2,048
+    names = [m.strip().lower() for m in args.methods.split(",") if m.strip()]
     lengths = _int_list(args.lengths, "--lengths")
     tasks = list(TASKS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in TASKS]
@@ -416,9 +417,13 @@ def cmd_ruler(args) -> None:
     _check_context(model, lengths, "--lengths")
     contexts = {n: build_contexts(tok, haystack, n, args.samples, seed=args.seed, tasks=tasks, layout=args.layout)
                 for n in lengths}
-    ordered = [c for s in range(args.samples) for n in lengths for c in contexts[n] if c.sample == s]
-    answers = ruler_eval(model, tok, specs, ordered, recipe, engine=args.engine, chunk=args.chunk,
-                         model_name=args.model, log=log)
+    answers = []
+    for sample in range(args.samples):  # sample-major: a stopped run is balanced over lengths
+        for n in lengths:
+            at = [preset_for(m, n) for m in names]  # a preset chosen for the length it runs at
+            answers += ruler_eval(model, tok, at, [c for c in contexts[n] if c.sample == sample], recipe,
+                                  engine=args.engine, chunk=args.chunk, model_name=args.model, log=log,
+                                  labels={sp.name: m for sp, m in zip(at, names) if m in PRESETS})
     scores = summarize(answers)
     print(format_ruler_table(scores))
     if args.by_task:
@@ -587,9 +592,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--tasks", default=_RULER.tasks, help="'all' or a comma-separated subset of the suite's tasks")
     r.add_argument("--samples", type=_bounded(1, 10_000), default=_RULER.samples, help="contexts of each kind per length")
     r.add_argument("--seed", type=int, default=_RULER.seed)
-    r.add_argument("--layout", choices=("separate", "shared"), default=_RULER.layout,
+    r.add_argument("--layout", choices=("separate", "shared", "many"), default=_RULER.layout,
                    help="separate: a context per needle task (as RULER); shared: one context carries every needle "
-                        "task's needles (one prefill instead of seven; harder: each question meets the others' needles)")
+                        "task's needles (one prefill instead of seven; harder: each question meets the others' "
+                        "needles); many: as shared, with 24 questions a context (several of each task)")
     r.add_argument("--text", default=DEFAULT_TEXT, help="haystack: 'bbc' (its evaluation part) or a text file")
     r.add_argument("--engine", default=_RULER.engine,
                    help="dense-prefill (one exact prefill shared by every method), chunked (each method prefills "

@@ -65,12 +65,12 @@ class PasskeyConfig:
 class RulerConfig:
     """What `kvsqueeze ruler` runs by default (the RULER-style suite, `eval/ruler.py`)."""
 
-    methods: str = "fp16,nuq4-1%,nuq3-1%,nuq2-1%,kivi2,int4"  # KVQuant's rungs, KIVI and a per-token baseline
+    methods: str = "fp16,nuq3-1%,q4.5,q3.5,q2.5,kivi2"  # the presets beside KVQuant's 3-bit rung and KIVI
     lengths: str = "4096,8192"  # the default model's context is 8K
     tasks: str = "all"
     samples: int = 2  # contexts of each kind per length (each carries several questions)
     seed: int = 0
-    layout: str = "separate"  # a context per needle task, as RULER builds them ("shared": one for all, cheaper)
+    layout: str = "many"  # 24 questions a needles context, 26 a sample with the words ("separate": as RULER)
     engine: str = "dense-prefill"  # one exact prefill per context, shared by every method (as a server prefills)
     chunk: int = 2048  # prefill chunk: bounds the attention scores a chunk materialises
 

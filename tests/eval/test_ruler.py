@@ -5,7 +5,7 @@ import re
 import pytest
 import torch
 
-from kvsqueeze.eval.ruler import TASKS, RulerError, build_contexts, score_answer
+from kvsqueeze.eval.ruler import MANY, TASKS, RulerError, build_contexts, score_answer
 from tests.conftest import byte_tokenizer, sample_text, tiny_model
 
 HAY = sample_text(6000, seed=5) + " ".join(f"word{chr(97 + i % 26)}{chr(97 + i // 26 % 26)}x" for i in range(900))
@@ -59,6 +59,38 @@ def test_contexts_fit_their_length_and_carry_every_needle_once(length):
     key = re.search(r"for (\S+) mentioned", mk.text).group(1)
     rivals = re.findall(rf"magic numbers for ({key.split('-')[0]}-\S+) is", needles.text)
     assert key in rivals and len(rivals) == 4
+
+
+@pytest.mark.parametrize("length", [4096, 8192])
+def test_the_many_layout_asks_each_task_several_times_each_with_needles_of_its_own(length):
+    tok = byte_tokenizer()
+    contexts = build_contexts(tok, TEXT, length, samples=2, seed=3, layout="many")
+    assert [c.kind for c in contexts] == ["needles", "words", "needles", "words"]
+    needles = contexts[0]
+    assert needles.text != contexts[2].text
+    assert len(needles.questions) == sum(MANY.values()) == 24
+    for task, copies in MANY.items():
+        assert [q.item for q in needles.questions if q.task == task] == list(range(copies))
+    n = len(tok(needles.text)["input_ids"])
+    assert n == needles.n_tokens and n + max(len(tok("\n" + q.text, add_special_tokens=False)["input_ids"])
+                                             + q.max_new_tokens for q in needles.questions) <= length
+    keys = re.findall(r"special magic \w+ for (\S+) is:", needles.text)
+    for q in needles.questions:
+        for a in q.answers:  # every expected string is in the text, a number or word once
+            assert needles.text.count(a) == 1 or q.task == "vt", (q.task, a)
+        if q.task.startswith("niah_single"):
+            (key,) = set(re.findall(r"for (\S+) mentioned", q.text))
+            assert keys.count(key) == 1  # its key has one needle
+    multikey = [q for q in needles.questions if q.task == "niah_multikey"]
+    firsts = [re.search(r"for (\S+) mentioned", q.text).group(1).split("-")[0] for q in multikey]
+    assert len(set(firsts)) == len(firsts)  # each with rivals of its own
+    for f in firsts:
+        assert sum(k.split("-")[0] == f for k in keys) == 4
+    values = [q.text.split("value ")[1].split(" ")[0] for q in needles.questions if q.task == "vt"]
+    assert len(set(values)) == MANY["vt"]
+    for q in (q for q in needles.questions if q.task == "vt"):
+        for a, b in zip(q.answers, q.answers[1:]):
+            assert f"VAR {b} = VAR {a}." in needles.text
 
 
 def test_word_list_counts_and_the_two_questions():
@@ -233,16 +265,17 @@ def test_ruler_cli_on_a_tiny_model(tiny_model_dir, tiny_recipe_dir, tmp_path, ca
     out, answers, png = tmp_path / "r.json", tmp_path / "answers.jsonl", tmp_path / "r.png"
     argv = ["ruler", "--model", str(tiny_model_dir), "--recipe", str(tiny_recipe_dir), "--methods", "fp16,nuq3-1%",
             "--lengths", "900", "--tasks", ",".join(TINY_TASKS), "--samples", "1", "--text", str(text),
-            "--chunk", "256", "--answers", str(answers), "--json", str(out), "--plot", str(png)]
+            "--layout", "shared", "--chunk", "256", "--answers", str(answers), "--json", str(out), "--plot", str(png)]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "RULER-style average score" in printed and "nuq3-1%" in printed
     rows = json.loads(out.read_text())["rows"]
     assert {(r["method"], r["task"]) for r in rows} == {(m, t) for m in ("fp16", "nuq3-1%")
                                                         for t in TINY_TASKS + ["average"]}
-    assert png.stat().st_size > 1000 and len(answers.read_text().splitlines()) == 2 * len(TINY_TASKS)
+    asked = 2 * len(TINY_TASKS)  # one question a task in the shared layout (the tiny model's 1K is short for many)
+    assert png.stat().st_size > 1000 and len(answers.read_text().splitlines()) == asked
     assert main(argv) == 0  # resumed: nothing left to ask
-    assert len(answers.read_text().splitlines()) == 2 * len(TINY_TASKS)
+    assert len(answers.read_text().splitlines()) == asked
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -275,3 +308,16 @@ def test_paired_differences_match_questions_one_to_one():
     (p,) = paired(rows)
     assert p.method == "nuq3-1%" and p.questions == 4 and p.diff == -25.0
     assert p.ci95[0] <= -25.0 <= p.ci95[1] and p.ci95[1] <= 0.0 and p.share == pytest.approx(1.5 / 2.5, abs=1e-3)
+    assert (p.score, p.reference_score) == (37.5, 62.5)
+    assert p.reference_right == 2 and p.on_reference_right == 50.0  # fp16 fully right on two; the method on one
+
+
+def test_paired_questions_are_told_apart_by_item():
+    from kvsqueeze.eval.ruler_eval import Answer, paired
+
+    # two questions of one task in one context: item 0 fp16 right and the method wrong, item 1 the reverse
+    rows = [Answer("m", meth, "e", "vt", 4096, 0, 7, 100, sc, "", ("x",), item)
+            for meth, scores in (("fp16", (1, 0)), ("q3.5", (0, 1))) for item, sc in enumerate(scores)]
+    (p,) = paired(rows)
+    assert p.questions == 2 and p.diff == 0.0 and p.reference_right == 1 and p.on_reference_right == 0.0
+    assert len({a.key for a in rows}) == 4

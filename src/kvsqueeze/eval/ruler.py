@@ -25,8 +25,11 @@ all six NIAH tasks and the variable chain at seeded depths of the haystack
 (every NIAH question thus faces needles of other keys, as RULER's multi-key
 variants do: harder than RULER's single-needle tasks); ``separate``: each
 needle task has its own context with its own needles only, as RULER builds
-them (seven prefills where ``shared`` needs one). In both, a ``words``
-context carries the list for ``cwe`` and ``fwe``.
+them (seven prefills where ``shared`` needs one); ``many``: one ``needles``
+context asks several questions of each task (`MANY`, 24 in all), each with
+needles of its own among the others', so that one prefill yields dozens of
+paired questions. In all three, a ``words`` context carries the list for
+``cwe`` and ``fwe``.
 
 The module does not import transformers: prompt building takes any
 tokenizer-like object (`passkey._token_ids`).
@@ -58,7 +61,11 @@ NEEDLE_TASKS = ("niah_single_number", "niah_single_word", "niah_single_uuid", "n
                 "niah_multivalue", "niah_multiquery", "vt")
 WORD_TASKS = ("cwe", "fwe")
 TASKS = NEEDLE_TASKS + WORD_TASKS
-LAYOUTS = ("shared", "separate")
+LAYOUTS = ("shared", "separate", "many")
+# Layout "many": the questions of one `needles` context, per task (each with needles of its own), 24 in all;
+# with the `words` context's two, 26 paired questions a sample
+MANY = {"niah_single_number": 5, "niah_single_word": 5, "niah_single_uuid": 3, "niah_multikey": 4,
+        "niah_multivalue": 2, "niah_multiquery": 2, "vt": 3}
 
 NEEDLES_INTRO = ("Some special magic numbers, words and uuids, and a chain of variable assignments, are hidden "
                  "within the following text. Make sure to memorize them. I will quiz you about them afterwards.")
@@ -85,6 +92,7 @@ class Question:
     text: str
     answers: tuple[str, ...]  # every one of them should appear in the answer
     max_new_tokens: int
+    item: int = 0  # which of the context's questions of this task (layout "many" asks several)
 
 
 @dataclass(frozen=True)
@@ -195,6 +203,66 @@ def _needles_plan(rng: random.Random, pool: list[str], tasks: set[str]):
     return sorted(inserts, key=lambda x: x[0]), questions
 
 
+def _many_plan(rng: random.Random, pool: list[str], tasks: set[str]):
+    """The inserted sentences and the questions of one `needles` context of layout "many": `MANY[task]`
+    questions of each task asked, each with needles of its own (every key distinct), all at seeded depths."""
+    words = rng.sample(pool, 160)
+    firsts, seconds = iter(words[:80]), iter(words[80:])
+    used: set[str] = set()
+
+    def key(first: str | None = None) -> str:
+        k = f"{first or next(firsts)}-{next(seconds)}"
+        used.add(k)
+        return k
+
+    value_words = [w for w in pool if w not in set(words)]
+    values = iter(rng.sample(value_words, 16))
+    inserts: list[tuple[float, str]] = []
+    questions: list[Question] = []
+    taken: set[str] = set()
+    for task, copies in MANY.items():
+        for item in range(copies):
+            if task == "niah_single_number":
+                k, v = key(), _number(rng)
+                sentences, question, answers, max_new = [_needle("numbers", k, v)], _ask("numbers", k, False), [v], 12
+            elif task == "niah_single_word":
+                k, v = key(), next(values)
+                sentences, question, answers, max_new = [_needle("words", k, v)], _ask("words", k, False), [v], 8
+            elif task == "niah_single_uuid":
+                k, v = key(), str(uuid.UUID(int=rng.getrandbits(128), version=4))
+                sentences, question, answers, max_new = [_needle("uuids", k, v)], _ask("uuids", k, False), [v], 48
+            elif task == "niah_multikey":
+                first = next(firsts)
+                rivals = [key(first) for _ in range(4)]
+                nums = [_number(rng) for _ in rivals]
+                sentences = [_needle("numbers", r, n) for r, n in zip(rivals, nums)]
+                question, answers, max_new = _ask("numbers", rivals[0], False), [nums[0]], 12
+            elif task == "niah_multivalue":
+                k = key()
+                answers = [_number(rng) for _ in range(4)]
+                sentences, question, max_new = [_needle("numbers", k, n) for n in answers], _ask("numbers", k, True), 48
+            elif task == "niah_multiquery":
+                ka, kb = key(), key()
+                answers = [_number(rng), _number(rng)]
+                sentences = [_needle("numbers", ka, answers[0]), _needle("numbers", kb, answers[1])]
+                question, max_new = _ask("numbers", f"{ka} and {kb}", True), 28
+            else:  # vt: a chain of its own, its own value
+                value = str(rng.randint(10_000, 99_999))
+                answers, sentences = [], []
+                for i in range(VT_CHAIN):
+                    answers.append(_var_name(rng, taken))
+                    sentences.append(f"VAR {answers[-1]} = {value if i == 0 else 'VAR ' + answers[-2]}.")
+                question = (f"Question: Find all variables that are assigned the value {value} in the text above. "
+                            f"Answer: According to the chain of variable assignments in the text above, {VT_CHAIN} "
+                            f"variables are assigned the value {value}, they are:")
+                max_new = 48
+            depths = sorted(rng.random() for _ in sentences)  # a chain keeps its order
+            if task in tasks:
+                inserts.extend(zip(depths, sentences))
+                questions.append(Question(task, question, tuple(answers), max_new, item))
+    return sorted(inserts, key=lambda x: x[0]), questions
+
+
 COMMON_SHARE = 0.35  # at most this share of a list's items are common words (RULER's counts: ~1/3 at 4K tokens)
 
 
@@ -270,7 +338,7 @@ def build_contexts(tokenizer, haystack: str, length: int, samples: int, seed: in
         raise RulerError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     wanted = set(tasks)
     needle_groups = [t for t in NEEDLE_TASKS if t in wanted]
-    if layout == "shared":
+    if layout in ("shared", "many"):
         needle_groups = [("needles", set(needle_groups))] if needle_groups else []
     else:
         needle_groups = [(t, {t}) for t in needle_groups]
@@ -288,9 +356,9 @@ def build_contexts(tokenizer, haystack: str, length: int, samples: int, seed: in
     out = []
     for sample in range(samples):
         for kind, group in needle_groups:
-            s = _derive_seed(seed, kind, length, sample)
+            s = _derive_seed(seed, kind if layout != "many" else "many", length, sample)
             rng = random.Random(s)
-            plan, questions = _needles_plan(rng, pool, group)
+            plan, questions = (_many_plan if layout == "many" else _needles_plan)(rng, pool, group)
             start = rng.randrange(len(sentences))
 
             def needles(n: int, plan=plan, start=start) -> str:

@@ -60,10 +60,16 @@ class Answer:
     score: float
     answer: str
     expected: tuple[str, ...]
+    item: int = 0  # which of the context's questions of this task (`Question.item`)
 
     @property
     def key(self) -> tuple:
-        return (self.model, self.method, self.engine, self.task, self.length, self.sample, self.seed)
+        return (self.model, self.method, self.engine, self.task, self.length, self.sample, self.seed, self.item)
+
+    @property
+    def question(self) -> tuple:
+        """The question answered, whatever the method: what paired comparisons match on."""
+        return (self.model, self.engine, self.length, self.task, self.sample, self.seed, self.item)
 
 
 class AnswerLog:
@@ -196,10 +202,13 @@ class _Method:
 
 def ruler_eval(model, tok, specs: Sequence[MethodSpec], contexts: Sequence[Context], recipe: Recipe | None = None,
                engine: str = "dense-prefill", chunk: int = 2048, model_name: str | None = None,
-               log: AnswerLog | None = None, progress: bool = True) -> list[Answer]:
+               log: AnswerLog | None = None, progress: bool = True,
+               labels: dict[str, str] | None = None) -> list[Answer]:
     """Every method's answers to every question of `contexts` (the log's earlier answers included).
 
     Contexts are taken in the order given (sample-major orders keep a stopped run balanced over lengths).
+    `labels`: the name answers are logged under, by the spec's name (a preset's short name for the budget it
+    resolves to at this length); others are logged under their own names.
     """
     from tqdm.auto import tqdm
 
@@ -217,8 +226,13 @@ def ruler_eval(model, tok, specs: Sequence[MethodSpec], contexts: Sequence[Conte
             raise ValueError(f"length {c.length} exceeds the model's {limit}-token context; use lengths up to "
                              f"{limit}")
 
+    labels = labels or {}
+
+    def label(spec) -> str:
+        return labels.get(spec.name, spec.name)
+
     def key(spec, c, q):
-        return (name, spec.name, engine, q.task, c.length, c.sample, c.seed)
+        return (name, label(spec), engine, q.task, c.length, c.sample, c.seed, q.item)
 
     todo = [(c, [s for s in specs if any(not log.has(key(s, c, q)) for q in c.questions)]) for c in contexts]
     total = sum(len(ss) * len(c.questions) for c, ss in todo)
@@ -241,9 +255,9 @@ def ruler_eval(model, tok, specs: Sequence[MethodSpec], contexts: Sequence[Conte
                                 continue
                             q_ids = torch.tensor([_question_ids(tok, q)], device=device)
                             text = m.answer(cache, q_ids, q.max_new_tokens)
-                            log.add(Answer(name, spec.name, engine, q.task, c.length, c.sample, c.seed,
+                            log.add(Answer(name, label(spec), engine, q.task, c.length, c.sample, c.seed,
                                            ids.shape[1] + q_ids.shape[1], score_answer(text, q.answers), text,
-                                           q.answers))
+                                           q.answers, q.item))
                             bar.update(1)
                     finally:
                         m.close(cache)
@@ -315,7 +329,8 @@ def summarize(answers: Sequence[Answer]) -> list[Score]:
 @dataclass(frozen=True)
 class Paired:
     """A method against the reference on the very same questions: the mean score difference in points, its 95%
-    bootstrap interval over questions, and the method's share of the reference's mean score."""
+    bootstrap interval over questions, the method's share of the reference's mean score, and its mean score
+    (0-100) on the questions the reference answers fully (so the reference's own failures do not blur it)."""
 
     model: str
     method: str
@@ -325,16 +340,20 @@ class Paired:
     diff: float
     ci95: tuple[float, float]
     share: float | None
+    score: float = math.nan  # the method's mean score (0-100) on these questions
+    reference_score: float = math.nan
+    on_reference_right: float | None = None  # mean score (0-100) where the reference scores 1
+    reference_right: int = 0  # how many such questions
 
 
 def paired(answers: Sequence[Answer], reference: str = "fp16", reps: int = 2000, seed: int = 0) -> list[Paired]:
     """Each method's answers against the reference's to the same questions, per (model, engine, length)."""
     import random
 
-    ref = {(a.model, a.engine, a.length, a.task, a.sample, a.seed): a.score for a in answers if a.method == reference}
+    ref = {a.question: a.score for a in answers if a.method == reference}
     groups: dict[tuple, list[tuple[float, float]]] = {}
     for a in answers:
-        r = ref.get((a.model, a.engine, a.length, a.task, a.sample, a.seed))
+        r = ref.get(a.question)
         if a.method != reference and r is not None:
             groups.setdefault((a.model, a.method, a.engine, a.length), []).append((a.score, r))
     out = []
@@ -343,11 +362,13 @@ def paired(answers: Sequence[Answer], reference: str = "fp16", reps: int = 2000,
         n = len(pairs)
         diffs = [100 * (x - y) for x, y in pairs]
         means = sorted(sum(rng.choice(diffs) for _ in range(n)) / n for _ in range(reps))
-        ref_mean = sum(y for _, y in pairs) / n
-        share = (sum(x for x, _ in pairs) / n) / ref_mean if ref_mean > 0 else None
+        mean, ref_mean = sum(x for x, _ in pairs) / n, sum(y for _, y in pairs) / n
+        right = [x for x, y in pairs if y == 1.0]
         out.append(Paired(model, method, engine, length, n, round(sum(diffs) / n, 2),
                           (round(means[int(0.025 * reps)], 2), round(means[int(0.975 * reps) - 1], 2)),
-                          None if share is None else round(share, 3)))
+                          round(mean / ref_mean, 3) if ref_mean > 0 else None, round(100 * mean, 2),
+                          round(100 * ref_mean, 2), round(100 * sum(right) / len(right), 2) if right else None,
+                          len(right)))
     return out
 
 

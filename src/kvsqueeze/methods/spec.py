@@ -10,6 +10,8 @@ runs on is its family's (`families.py`, the registry).
 Grammar::
 
     FAMILY BITS [-PCT%] [:FLAG ...]      or      nuq@AVG [:sinkN] [:rN] [:kl] [:chan] [:ctxN]
+    or a preset: q4.5 | q3.5 | q2.5 [:ctxN]  (`PRESETS`: the recommended methods, a budget of that many
+    stored bits with a 32-token fp16 window and a width per channel, chosen for the context N)
 
     FAMILY  fp16 | int | nf | nuq | kivi | group | turbo
     AVG     a bit budget, e.g. 3.5: average stored bits per K/V element, every byte counted; each
@@ -173,6 +175,12 @@ def parse_method(name: str) -> MethodSpec:
             widths, fractions or flags that the family does not support.
     """
     text = name.strip().lower()
+    preset = _PRESET_RE.match(text)
+    if preset:
+        if preset["name"] not in PRESETS:
+            raise MethodError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)} (each with an optional "
+                              "':ctxN', the context it is chosen for)")
+        return parse_method(PRESETS[preset["name"]] + (preset["ctx"] or ""))
     m = _NAME_RE.match(text)
     if not m:
         raise MethodError(
@@ -226,6 +234,20 @@ def parse_method(name: str) -> MethodSpec:
         if spec.sinks:
             raise MethodError(f"method {name!r}: KIVI has no attention sinks; drop ':sink{spec.sinks}'")
     return spec
+
+
+# The recommended methods, by the bits their cache stores: a per-channel budget with a 32-token fp16 window,
+# chosen for the context given with ':ctxN' (default `DEFAULT_CONTEXT`), e.g. 'q3.5:ctx32k'.
+PRESETS = {"q4.5": "nuq@4.5:r32:chan", "q3.5": "nuq@3.5:r32:chan", "q2.5": "nuq@2.5:r32:chan"}
+_PRESET_RE = re.compile(r"^(?P<name>q\d+(?:\.\d+)?)(?P<ctx>:ctx\d+k?)?$")
+
+
+def preset_for(name: str, context: int) -> MethodSpec:
+    """A preset (`PRESETS`) chosen for `context` cached tokens; any other method name as it parses."""
+    base = name.strip().lower()
+    if base in PRESETS:
+        return parse_method(f"{PRESETS[base]}:ctx{context}")
+    return parse_method(name)
 
 
 def _budget_method(name: str, family: str, m: re.Match) -> MethodSpec:
