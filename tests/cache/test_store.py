@@ -346,11 +346,62 @@ def test_triton_encoder_writes_the_bits_of_the_torch_path(c, bits, fraction, sin
     assert torch.equal(stores[1].dequantize()[1], stores[0].dequantize()[1])
 
 
+@pytest.mark.parametrize("c, bits, fraction, sinks, window, family, widths", [
+    (32, 3, 0.05, 1, 0, "nuq", False), (40, 2, 0.0, 0, 0, "nf", False), (80, 4, 0.05, 2, 3, "int", False),
+    (130, 3, 0.02, 3, 0, "nuq", True), (64, 2, 0.01, 0, 4, "nuq", True), (192, 3, 0.01, 1, 32, "nuq", True),
+])
+def test_numba_encoder_writes_the_bits_of_the_torch_path(c, bits, fraction, sinks, window, family, widths):
+    """The CPU's fused quantize-and-pack (`kernels.numba.encode`) against the torch ops, array by array, over a
+    left-padded prefill (sinks and padding: the torch ops), chunks of several tokens and single-token steps (the
+    numba encoder), with one width or a width per channel (1 to 6 bits), with and without an fp16 window."""
+    kq, vq = _quantizers(c, bits, fraction, "vector", family=family)
+    if widths:
+        g = torch.Generator().manual_seed(c)
+        books = {w: uniform_levels(w) if w == 1 else normal_float_levels(w) for w in range(1, 7)}
+        kq, vq = (dataclasses.replace(q, widths=torch.randint(1, 7, (c,), generator=g), codebooks=books,
+                                      levels=books[6]) for q in (kq, vq))
+    stores = [KVStore(kq, vq, c, sinks, encoder=enc, window=window) for enc in ("torch", "numba")]
+    assert [store.encoder for store in stores] == ["torch", "numba"]
+    real = torch.ones(2, 9, dtype=torch.bool)
+    real[1, :4] = False
+    chunks = [(9, real), (5, None)] + [(1, None)] * 4 + [(3, torch.ones(2, 3, dtype=torch.bool))]
+    for step, (n, r) in enumerate(chunks):
+        k, v = _tokens(2, n, c, 100 + step)
+        for store in stores:
+            store.append(k, v, r)
+        got, want = _store_arrays(stores[1]), _store_arrays(stores[0])
+        assert got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), (step, name)
+    assert torch.equal(stores[1].dequantize()[1], stores[0].dequantize()[1])
+    assert stores[1].k_outliers is None or stores[1].k_outliers.tokens == stores[1].tokens * 2
+
+
+def test_numba_encoder_matches_torch_on_ties_and_extremes():
+    """Values with ties among the largest and smallest (the lower channel is the outlier, as the torch path keeps
+    it), keys on the very edges of their range, and magnitudes near fp16's limits and its subnormals."""
+    c = 48
+    kq, vq = _quantizers(c, 3, 0.05, "vector")
+    stores = [KVStore(kq, vq, c, 0, encoder=enc) for enc in ("torch", "numba")]
+    k = torch.stack([kq.lo, kq.hi, kq.lo - 1e-3, kq.hi + 60000.0]).view(1, 4, c)
+    v = torch.randn(1, 4, c)
+    v[0, 0, [3, 9, 20]] = 5.0  # ties among the largest
+    v[0, 1, [2, 7]] = -7.0  # and the smallest
+    v[0, 2] = torch.randn(c) * 1e-7  # a scale below fp16's normal range
+    v[0, 3] = 6.0e4 * torch.rand(c).sign()
+    for store in stores:
+        store.append(k, v)
+    got, want = _store_arrays(stores[1]), _store_arrays(stores[0])
+    for name in want:
+        assert torch.equal(got[name], want[name]), name
+
+
 def test_store_encoder_is_explicit():
     kq, vq = _quantizers(32, 3, 0.05, "vector")
-    assert KVStore(kq, vq, 32).encoder == "torch"  # a CPU store
+    assert KVStore(kq, vq, 32).encoder == "numba"  # a CPU store
     kq, vq = _quantizers(32, 3, 0.05, "matrix")
     assert KVStore(kq, vq, 32, encoder="triton").encoder == "torch"  # per-matrix value thresholds: torch alone
+    assert KVStore(kq, vq, 32, encoder="numba").encoder == "torch"
     with pytest.raises(ValueError, match="encoder must be"):
         KVStore(kq, vq, 32, encoder="cuda")
 

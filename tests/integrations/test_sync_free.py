@@ -125,10 +125,11 @@ def _step_waits(layers: int, method: str, path: str) -> collections.Counter:
     fused = contextlib.nullcontext() if path == "dense" else fused_decode(model, cache, path)
     with torch.no_grad(), fused:
         model(input_ids=ids[:, :40], attention_mask=mask[:, :40], cache=cache, use_cache=True)
-        if path == "triton":  # and the encoder a GPU store takes, for the steps (`auto` takes torch on the CPU)
-            for layer in cache.layers:
-                if layer.store.k_offsets is None and layer.store.v_offsets is None:  # ':chan' widths: torch there too
-                    layer.store.encoder = "triton"
+        # and the encoder a GPU store takes, for the steps: triton, or the torch ops where it does not encode the
+        # method (':chan' widths); `auto` takes numba on the CPU, whose reads of host arrays wait for nothing
+        for layer in cache.layers:
+            fused_encoder = path == "triton" and layer.store.k_offsets is None and layer.store.v_offsets is None
+            layer.store.encoder = "triton" if fused_encoder else "torch"
         model(input_ids=ids[:, 40:41], attention_mask=mask[:, :41], cache=cache, use_cache=True)
         with host_waits() as counts:
             model(input_ids=ids[:, 41:], attention_mask=mask, cache=cache, use_cache=True)

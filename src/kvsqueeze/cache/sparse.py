@@ -130,6 +130,31 @@ class TokenOutliers:
         self._loose += n * c
         return mask
 
+    def reserve(self, tokens: int, entries: int):
+        """Room on the CPU for `tokens` more tokens of up to `entries` entries, for an encoder that writes them in
+        place (`kernels.numba.encode`): (their row pointers as a numpy view, None for fixed-count rows; channels
+        int16 and values as fp16 bit patterns int16, numpy views of `entries`; the entries before them). End it
+        with `commit`."""
+        if self.device.type != "cpu":
+            raise ValueError("TokenOutliers.reserve writes numpy views: a CPU store's")
+        self.settle()  # on the CPU the true count costs nothing to read
+        base = len(self.values)
+        if base + entries > _INT32_MAX and self.pointers.dtype == torch.int32:
+            self.pointers.astype(torch.int64)
+        pointers = None
+        if self.fixed is None:
+            at = len(self.pointers)
+            pointers = self.pointers.extend(tokens)[at: at + tokens].numpy()
+        channels = self.channels.extend(entries)[base: base + entries].numpy()
+        values = self.values.extend(entries)[base: base + entries].view(torch.int16).numpy()
+        return pointers, channels, values, base
+
+    def commit(self, tokens: int, base: int, entries: int) -> None:
+        """End a `reserve` that returned `base`: the new tokens hold the first `entries` entries of its room."""
+        self._tokens += tokens
+        self.channels.truncate(base + entries)
+        self.values.truncate(base + entries)
+
     def settle(self, nnz: int | None = None) -> None:
         """Drop the room `append_unsettled` left past the outliers; `nnz`: their count, when already read."""
         if not self._loose:

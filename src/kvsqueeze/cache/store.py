@@ -46,10 +46,12 @@ how many of their rows are in use, nothing copied.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import operator
 import os
 
+import numpy as np
 import torch
 
 from ..numerics.affine import choose_qparams
@@ -75,8 +77,11 @@ class KVStore:
         head_dim: D, the width of one KV head (default: C, one head).
         positions: the cache's `PositionLog`, shared by its layers (default: a log of this store's own).
         encoder: who quantizes and packs new tokens: "torch" (the quantizer's torch ops), "triton" (one fused
-            Triton program per slot, `kernels.triton.encode`; on CPU tensors only under Triton's interpreter) or
-            "auto" (triton for a store on a CUDA device, torch elsewhere). Both write the same bits.
+            Triton program per slot, `kernels.triton.encode`; on CPU tensors only under Triton's interpreter),
+            "numba" (one numba call per append on the CPU, writing into the arrays in place,
+            `kernels.numba.encode`; appends that take sinks or padding go through the torch ops) or "auto"
+            (triton for a store on a CUDA device, numba on the CPU, torch where neither encodes the method).
+            All write the same bits.
     """
 
     OUTLIER_CODE = OUTLIER_CODE  # the code stored under every outlier (and in sink slots)
@@ -112,14 +117,18 @@ class KVStore:
         self.k_levels, self.v_levels = (q.decode_levels.to(self.device) for q in (k_quant, v_quant))
         scale, zero = choose_qparams(k_quant.lo.view(1, -1), k_quant.hi.view(1, -1))  # fp16-exact float32 [1, C]
         self.k_scale, self.k_zero = scale.view(-1).half().to(self.device), zero.view(-1).half().to(self.device)
-        if encoder not in ("auto", "torch", "triton"):
-            raise ValueError(f"encoder must be 'auto', 'torch' or 'triton', got {encoder!r}")
-        if encoder == "auto":  # the same bits either way: triton where it runs, else the torch ops
+        if encoder not in ("auto", "torch", "triton", "numba"):
+            raise ValueError(f"encoder must be 'auto', 'torch', 'triton' or 'numba', got {encoder!r}")
+        if encoder == "auto":  # the same bits either way: a fused encoder where it runs, else the torch ops
             fused = self.device.type == "cuda" and importlib.util.find_spec("triton") is not None
-            encoder = "triton" if fused else "torch"
-        if encoder == "triton" and (k_quant.group or v_quant.scope != "vector" or k_quant.slots
-                                    or self.k_offsets is not None or self.v_offsets is not None):
-            encoder = "torch"  # per-matrix value thresholds, key slots, channel widths: the torch path alone
+            encoder = "triton" if fused else "numba" if self.device.type == "cpu" else "torch"
+        if encoder in ("triton", "numba") and (k_quant.group or v_quant.scope != "vector" or k_quant.slots):
+            encoder = "torch"  # per-matrix value thresholds, key slots: the torch path alone
+        if encoder == "triton" and (self.k_offsets is not None or self.v_offsets is not None):
+            encoder = "torch"  # channel widths: not in the Triton encoder
+        if encoder == "numba" and self.device.type != "cpu":
+            raise ValueError(f"the numba encoder writes CPU arrays (this store is on {self.device}); use "
+                             "encoder='auto'")
         if encoder == "triton" and self.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError(f"the triton encoder runs on CUDA tensors (this store is on {self.device}); use "
                              "encoder='auto' or 'torch'")
@@ -189,6 +198,10 @@ class KVStore:
         if positions is None:
             positions = torch.arange(start, start + t, device=keys.device).expand(b, t)
         self.positions.write(start, positions)
+        if (self.encoder == "numba" and (self.sinks == 0 or int(self.sinks_taken.min()) >= self.sinks)
+                and (real is None or bool(real.all()))):  # on the CPU these reads cost nothing
+            self._append_numba(keys, values, t, b)
+            return
         sink = self._take_sinks(keys, values, real)  # [B, T]
         if self.window:
             self._take_window(keys, values, real, sink)
@@ -246,6 +259,56 @@ class KVStore:
         self.k_codes.append(enc["k_words"].view(t, b, -1))
         self.v_codes.append(enc["v_words"].view(t, b, -1))
         self.v_scale_zero.append(enc["v_sz"].view(t, b, 2))
+
+    def _append_numba(self, keys: torch.Tensor, values: torch.Tensor, t: int, b: int) -> None:
+        """`append`'s encoding of real tokens that are no sinks, in one numba call writing the arrays in place
+        (`kernels.numba.encode`); the same bits as the torch ops."""
+        from ..kernels.numba.encode import encode_append, write_window
+
+        n, c, start = t * b, self.channels, self.tokens
+        xk = keys.detach().float().transpose(0, 1).reshape(n, c).contiguous()  # [T*B, C], slot order
+        xv = values.detach().float().transpose(0, 1).reshape(n, c).contiguous()
+        if self.window:
+            write_window(keys.detach().float().contiguous().numpy(), values.detach().float().contiguous().numpy(),
+                         self.sinks, self.window, self.window_taken.numpy(), start,
+                         self.sink_k.view(torch.int16).numpy(), self.sink_v.view(torch.int16).numpy(),
+                         self.sink_slot.numpy())
+        k_words = self.k_codes.extend(t)[start: start + t].view(n, -1).numpy().view(np.uint32)
+        v_words = self.v_codes.extend(t)[start: start + t].view(n, -1).numpy().view(np.uint32)
+        v_sz = self.v_scale_zero.extend(t)[start: start + t].view(torch.int16).view(n, 2).numpy()
+        ko, vo = self.k_outliers, self.v_outliers
+        none16 = np.empty(0, np.int16)
+        k_ptr, k_chan, k_val, k_base = ko.reserve(n, n * c) if ko is not None else (
+            np.empty(0, np.int32), none16, none16, 0)
+        side = self.v_fixed // 2 if vo is not None else 0
+        _, v_chan, v_val, v_base = vo.reserve(n, n * 2 * side) if vo is not None else (None, none16, none16, 0)
+        tab = self._numba_tables
+        written = encode_append(xk.numpy(), xv.numpy(), *tab, k_words, v_words, v_sz, ko is not None, k_ptr,
+                                k_base, k_chan, k_val, side, v_chan, v_val)
+        if ko is not None:
+            ko.commit(n, k_base, written)
+        if vo is not None:
+            vo.commit(n, v_base, n * 2 * side)
+
+    @functools.cached_property
+    def _numba_tables(self) -> tuple:
+        """What the numba encoder reads of the quantizers: the key range, scale and zero-point [C] and, of keys
+        and values, each channel's codebook midpoints [C, M], their count [C] and its stream bit offsets [C + 1]."""
+        kq = self.key_quantizer
+        out = [kq.lo, kq.hi, self.k_scale.float(), self.k_zero.float()]
+        for q, offsets in ((kq, self.k_offsets), (self.value_quantizer, self.v_offsets)):
+            if q.widths is None:
+                books = [q.levels.float().cpu()] * self.channels
+                offsets = torch.arange(self.channels + 1, dtype=torch.int64) * q.bits
+            else:
+                books = [q.codebooks[int(w)].float().cpu() for w in q.widths.tolist()]
+            count = torch.tensor([lv.numel() - 1 for lv in books], dtype=torch.int64)
+            mids = torch.full((self.channels, max(1, int(count.max()))), float("inf"))
+            for ch, lv in enumerate(books):
+                mids[ch, : lv.numel() - 1] = (lv[1:] + lv[:-1]) * 0.5  # as `affine.quantize` computes them
+            out += [mids, count, offsets.to(torch.int64).cpu()]
+        return tuple(x.float().cpu().contiguous().numpy() if x.is_floating_point() else x.contiguous().numpy()
+                     for x in out)
 
     def _take_sinks(self, keys: torch.Tensor, values: torch.Tensor, real: torch.Tensor | None) -> torch.Tensor:
         """Mark the new tokens that are sinks [B, T] and store them in fp16."""

@@ -136,12 +136,13 @@ class VectorQuantizer:
         k = self.outliers_per_side(x.shape[1])
         if k == 0:
             return x.amin(1, keepdim=True), x.amax(1, keepdim=True), torch.zeros_like(x, dtype=torch.bool)
-        top = x.topk(k + 1, dim=1)
-        bottom = x.topk(k + 1, dim=1, largest=False)
-        mask = torch.zeros_like(x, dtype=torch.bool)
-        mask.scatter_(1, top.indices[:, :k], True)
-        mask.scatter_(1, bottom.indices[:, :k], True)
-        return bottom.values[:, k:], top.values[:, k:], mask
+        # stable sorts: among equal elements the lower channel is the outlier (what the fused encoders do)
+        top = torch.sort(x, dim=1, descending=True, stable=True).indices[:, : k + 1]
+        mask = torch.zeros_like(x, dtype=torch.bool).scatter_(1, top[:, :k], True)
+        rest = x.masked_fill(mask, float("inf"))  # the smallest among the channels the top k left
+        bottom = torch.sort(rest, dim=1, stable=True).indices[:, : k + 1]
+        mask.scatter_(1, bottom[:, :k], True)
+        return x.gather(1, bottom[:, k:]), x.gather(1, top[:, k:]), mask
 
     def _encode_grouped(self, x: torch.Tensor) -> Encoded:
         n, c = x.shape
