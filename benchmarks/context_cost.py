@@ -85,8 +85,7 @@ def hf_rows(model, recipe, ids: torch.Tensor, length: int, methods: list[str], n
     caches = [(kind, lambda kind=kind: (dense(kind), None)) for kind in ("DynamicCache", "StaticCache")]
     for name in methods:
         spec = preset_for(name, length)
-        caches.append((f"kvsqueeze {name}" + (f" ({spec.name})" if spec.name != name else ""),
-                       lambda spec=spec: (filled_cache(model, recipe, spec, prefill), spec)))
+        caches.append((f"kvsqueeze {name}", lambda spec=spec: (filled_cache(model, recipe, spec, prefill), spec)))
     for label, make in caches:
         cache, spec = make()
         times = []
@@ -99,6 +98,7 @@ def hf_rows(model, recipe, ids: torch.Tensor, length: int, methods: list[str], n
         if hasattr(cache, "close"):
             cache.close()
         rows.append({"engine": "transformers (fp32 weights)", "cache": label, "context": length,
+                     **({"method": spec.name} if spec is not None else {}),  # a preset as chosen for this length
                      "ms_per_token": _median_ms(times), "tokens_timed": len(times),
                      "shared_prefill_s": round(prefill_s, 1)})
         print(rows[-1], flush=True)
