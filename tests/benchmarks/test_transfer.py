@@ -1,0 +1,68 @@
+"""`benchmarks/transfer.py`: which texts count as in-domain, its summary over cells, resuming, and refusals made
+before any model is loaded."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "transfer.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("transfer", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_in_domain_is_the_calibration_text_or_a_text_of_the_mix():
+    tr = _load()
+    assert tr.in_domain("bbc", "bbc") and not tr.in_domain("bbc", "code")
+    assert tr.in_domain("mix", "code") and tr.in_domain("mix", "es") and not tr.in_domain("mix", "plays")
+
+
+def _row(calib, text, method, delta, bits=3.5):
+    tr = _load()
+    return {"model": "m", "calib_text": calib, "eval_text": text, "method": method, "delta_pct": delta,
+            "in_domain": tr.in_domain(calib, text), "avg_bits": bits}
+
+
+def test_summary_takes_the_worst_text_and_the_out_of_domain_ratio():
+    tr = _load()
+    rows = [_row("bbc", "bbc", "fp16", 0.0), _row("bbc", "bbc", "q3.5", 1.0), _row("bbc", "code", "q3.5", 3.0),
+            _row("bbc", "plays", "q3.5", 2.0, bits=3.6),
+            _row("mix", "bbc", "q3.5", 1.0), _row("mix", "code", "q3.5", 2.0), _row("mix", "plays", "q3.5", 4.5)]
+    by = {(s["calib_text"], s["method"]): s for s in tr.summary(rows)}
+    assert set(by) == {("bbc", "q3.5"), ("mix", "q3.5")}  # fp16 is the reference, not summarised
+    bbc = by[("bbc", "q3.5")]
+    assert bbc["worst_delta_pct"] == 3.0 and bbc["worst_text"] == "code" and bbc["in_domain_delta_pct"] == 1.0
+    assert bbc["out_over_in"] == 3.0 and bbc["avg_bits"] == pytest.approx((3.5 + 3.5 + 3.6) / 3, abs=1e-4)
+    mix = by[("mix", "q3.5")]
+    assert mix["in_domain_delta_pct"] == 1.5 and mix["worst_out_of_domain_delta_pct"] == 4.5
+    assert mix["out_over_in"] == 3.0
+
+
+def test_rows_of_other_settings_are_not_resumed(tmp_path):
+    tr = _load()
+    p = tmp_path / "t.json"
+    settings = {"windows": 8, "seqlen": 2048, "methods": ["fp16", "q3.5"]}
+    p.write_text(json.dumps({"settings": settings, "rows": [_row("bbc", "bbc", "q3.5", 1.0)]}))
+    assert len(tr.load_rows(p, settings)) == 1
+    assert tr.load_rows(p, {**settings, "windows": 4}) == []
+    assert tr.load_rows(tmp_path / "missing.json", settings) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--eval", "bbc,wikipedia"], "unknown text 'wikipedia'; known: bbc, code"),
+    (["--methods", "fp16,nuq9-1%"], "nuq9"),
+    (["--windows", "0"], "--windows must be at least 1"),
+])
+def test_bad_arguments_are_refused_before_loading(argv, message, tmp_path):
+    tr = _load()
+    with pytest.raises((SystemExit, ValueError), match=message):
+        tr.main([*argv, "--models", "no-such-model", "--json", str(tmp_path / "t.json")])
+    assert not (tmp_path / "t.json").exists()
