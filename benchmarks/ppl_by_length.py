@@ -1,0 +1,187 @@
+"""Perplexity against window length on the 32K-context model: does a method lose more at 32K than at 2K?
+
+    python benchmarks/ppl_by_length.py [--model qwen2.5-coder-0.5b] [--recipe out/models/qwen2.5-coder-0.5b/recipe]
+        [--methods fp16,nuq3-1%,q4.5,q3.5,q2.5,kivi2] [--lengths 2048,8192,16384,32768] [--tokens 65536]
+        [--segment 1024] [--check-length 8192] [--check-methods nuq3-1%,q3.5]
+        [--json benchmarks/results/ppl_by_length.json]
+
+At each length, `--tokens` evaluation tokens of the text (`--text`, default the BBC evaluation part) in windows
+of that length spread evenly over it (32 windows of 2K, 2 of 32K), each one teacher-forced through every method's
+simulated cache (keys and values quantized as the method stores them; presets resolve for the window's length)
+and scored segment by segment against the fp16 cache on the same window (`kvsqueeze.eval.long_ppl`): PPL, its
+change with a paired 95% interval over `--segment`-token blocks, KL divergence, top-1, and the average bits the
+cache holds at that length, every component counted.
+
+One check against the engine users run: on the first window of `--check-length`, each of `--check-methods` is
+also run through the compressed cache (`cache_for`, the store `generate` uses) and its per-token NLL compared
+with the simulated path's (`cache_check`).
+
+Each (length, window, method) is one forward of up to 32K tokens (about 10-15 minutes for the 0.5B model on 2
+cores), appended to `<json stem>_windows.jsonl` as it finishes; a run resumes from there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine  # noqa: E402
+
+METHODS = "fp16,nuq3-1%,q4.5,q3.5,q2.5,kivi2"
+
+
+def aggregate(records: list[dict], methods: list[str], lengths: list[int]) -> list[dict]:
+    """Per (method, length): PPL over all its windows, the change against fp16 with the paired interval over
+    segments, mean KL divergence, top-1 and average held bits (only windows fp16 was also measured on)."""
+    import torch
+
+    from kvsqueeze.eval.perplexity import paired_interval
+
+    rows = []
+    for length in lengths:
+        at = {(r["method"], r["window"]): r for r in records if r["length"] == length}
+        for method in methods:
+            windows = sorted(w for (m, w) in at if m == method and ("fp16", w) in at)
+            if not windows:
+                continue
+            mine = [at[(method, w)] for w in windows]
+            base = [at[("fp16", w)] for w in windows]
+            nll = torch.tensor([x for r in mine for x in r["nll"]], dtype=torch.float64)
+            ref = torch.tensor([x for r in base for x in r["nll"]], dtype=torch.float64)
+            tok = torch.tensor([x for r in mine for x in r["tokens"]], dtype=torch.float64)
+            count = float(tok.sum())
+            ppl, ppl_ref = math.exp(float(nll.sum()) / count), math.exp(float(ref.sum()) / count)
+            ci = None if method == "fp16" else paired_interval(nll, ref, tok)
+            rows.append({"method": method, "resolved": mine[0]["resolved"], "length": length, "windows": len(windows),
+                         "tokens": int(count), "avg_bits": round(sum(r["held_bits"] for r in mine)
+                                                                 / sum(r["elements"] for r in mine), 4),
+                         "ppl": round(ppl, 4), "delta_pct": round(100 * (ppl / ppl_ref - 1), 3),
+                         "ci95": None if ci is None else [round(x, 3) for x in ci],
+                         "kld_mean": round(sum(r["kld_sum"] for r in mine) / count, 5),
+                         "top1": round(sum(r["top1"] for r in mine) / count, 4)})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--recipe", default="out/models/qwen2.5-coder-0.5b/recipe")
+    ap.add_argument("--text", default="bbc")
+    ap.add_argument("--methods", default=METHODS)
+    ap.add_argument("--lengths", default="2048,8192,16384,32768")
+    ap.add_argument("--tokens", type=int, default=65536, help="evaluation tokens at every length")
+    ap.add_argument("--segment", type=int, default=1024, help="tokens per block of the paired interval")
+    ap.add_argument("--check-length", type=int, default=8192)
+    ap.add_argument("--check-methods", default="nuq3-1%,q3.5")
+    ap.add_argument("--json", default="benchmarks/results/ppl_by_length.json")
+    args = ap.parse_args(argv)
+
+    from kvsqueeze.methods import preset_for
+
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if "fp16" not in methods:
+        methods.insert(0, "fp16")
+    lengths = sorted(int(x) for x in args.lengths.split(","))
+    checks = [m.strip() for m in args.check_methods.split(",") if m.strip()]
+    for name in methods + checks:
+        for length in lengths:
+            preset_for(name, length)  # a typo is refused before the model loads
+    if args.segment < 1 or any(n < 2 for n in lengths) or args.tokens < max(lengths):
+        raise SystemExit("--segment must be positive, lengths at least 2, and --tokens at least the longest length")
+
+    import torch
+
+    from kvsqueeze.eval.long_ppl import check_head, hidden_states, score_window
+    from kvsqueeze.eval.texts import evaluation_windows, load_text
+    from kvsqueeze.integrations.cache import cache_for
+    from kvsqueeze.integrations.loading import load_model
+    from kvsqueeze.integrations.simulate import SimulatedQuantization
+    from kvsqueeze.recipe import Recipe
+
+    out = Path(args.json)
+    log = out.with_name(out.stem + "_windows.jsonl")
+    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
+    done = {(r["length"], r["window"], r["method"]) for r in records}
+    model, tok = load_model(args.model)
+    recipe = Recipe.load(args.recipe)
+    text = load_text(args.text)
+    fp16 = preset_for("fp16", 2)
+    check_head(model, torch.arange(100, 164).view(1, -1), lambda: SimulatedQuantization(model, fp16, recipe).new_cache())
+    result = {"model": args.model, "recipe": args.recipe, "text": args.text, "machine": machine(),
+              "threads": torch.get_num_threads(), "segment": args.segment, "tokens_per_length": args.tokens,
+              "command": "python benchmarks/ppl_by_length.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    if out.is_file():
+        result["cache_check"] = json.loads(out.read_text()).get("cache_check", [])
+
+    def write() -> None:
+        result["rows"] = aggregate(records, methods, lengths)
+        result["windows_log"] = log.name
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=1) + "\n")
+        tmp.replace(out)
+
+    for length in lengths:
+        ew = evaluation_windows(tok, text, length, max(1, args.tokens // length))
+        result.setdefault("windows", {})[str(length)] = {"windows": int(ew.ids.shape[0]), "of": ew.available}
+        for w, ids in enumerate(ew.ids):
+            ids = ids.view(1, -1)
+            todo = [m for m in methods if (length, w, m) not in done]
+            need_check = length == args.check_length and w == 0 and not result.get("cache_check")
+            if not todo and not need_check:
+                continue
+            t0 = time.perf_counter()
+            ref_sim = SimulatedQuantization(model, fp16, recipe)
+            with ref_sim as sim:
+                reference = hidden_states(model, ids, sim.new_cache())
+            ref_s = time.perf_counter() - t0
+            for method in todo:
+                spec = preset_for(method, length)
+                t1 = time.perf_counter()
+                if method == "fp16":
+                    hidden, held, shape = reference, 8 * sum(ref_sim.storage(length).values()), ref_sim.shape
+                else:
+                    with SimulatedQuantization(model, spec, recipe) as sim:
+                        hidden = hidden_states(model, ids, sim.new_cache())
+                        held, shape = 8 * sum(sim.storage(length).values()), sim.shape  # the outliers it kept
+                score = score_window(model, ids, hidden, reference, args.segment)
+                score.held_bits, score.elements = held, 2 * length * shape.channels * shape.layers
+                seconds = (time.perf_counter() - t1) + (ref_s if method == "fp16" else 0.0)
+                rec = {"length": length, "window": w, "method": method, "resolved": spec.name,
+                       "seconds": round(seconds, 1), **score.as_dict()}
+                records.append(rec)
+                done.add((length, w, method))
+                with log.open("a") as f:
+                    f.write(json.dumps(rec) + "\n")
+                print(f"{length} window {w} {method}: NLL {sum(score.nll) / sum(score.tokens):.4f} "
+                      f"({seconds:.0f} s)", flush=True)
+                write()
+            if need_check:
+                checks_out = []
+                for method in checks:
+                    spec = preset_for(method, length)
+                    with SimulatedQuantization(model, spec, recipe) as sim:
+                        simulated = hidden_states(model, ids, sim.new_cache())
+                    cache = cache_for(model, recipe, spec)
+                    engine = hidden_states(model, ids, cache)
+                    a = score_window(model, ids, simulated, reference, args.segment)
+                    b = score_window(model, ids, engine, reference, args.segment)
+                    na, nb = sum(a.nll) / sum(a.tokens), sum(b.nll) / sum(b.tokens)
+                    checks_out.append({"method": method, "resolved": spec.name, "length": length, "window": 0,
+                                       "nll_simulated": round(na, 6), "nll_compressed_cache": round(nb, 6),
+                                       "ppl_ratio": round(math.exp(nb - na), 6),
+                                       "hidden_max_abs_diff": float((simulated - engine).abs().max())})
+                    print("cache check:", checks_out[-1], flush=True)
+                result["cache_check"] = checks_out
+                write()
+    write()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
