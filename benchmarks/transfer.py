@@ -15,6 +15,11 @@ One cell (model, calibration text, evaluation text) at a time, written into the 
 is stopped resumes at the first missing cell with the same windows, length and methods. `summary` gives, per model
 and calibration text, each method's largest loss over the evaluation texts, its loss in its own domain, and the
 ratio of the largest out-of-domain loss to the in-domain one.
+
+`--outliers` measures instead where a recipe meets keys it was not calibrated for: on the first evaluation window
+of every text, the share of key and value elements each layer keeps exact under `nuq3-1%` (1% per channel is
+what the recipe's key ranges leave out on its calibration text; more says the text's keys reach past the
+calibrated ranges), into the JSON's `outliers`.
 """
 
 from __future__ import annotations
@@ -111,6 +116,21 @@ def evaluate_cell(model, tok, recipe, text, methods: list[str], windows: int, se
                                                           "pieces": described["pieces"], "seconds": round(seconds, 1)}
 
 
+def outlier_shares(model, recipe, ids, method: str = "nuq3-1%") -> dict:
+    """The share of key and value elements of each layer kept exact by `method` over one window ids [1, T]."""
+    from kvsqueeze.eval.perplexity import window_logits
+    from kvsqueeze.integrations.simulate import SimulatedQuantization
+    from kvsqueeze.methods import parse_method
+
+    with SimulatedQuantization(model, parse_method(method), recipe) as sim:
+        window_logits(model, ids, sim)
+        elements = ids.numel() * sim.shape.channels
+        k = [float(n) / elements for n in sim.counter.k]
+        v = [float(n) / elements for n in sim.counter.v]
+    return {"method": method, "key_share": round(sum(k) / len(k), 5), "value_share": round(sum(v) / len(v), 5),
+            "key_share_max_layer": round(max(k), 5), "key_share_by_layer": [round(x, 5) for x in k]}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=MODELS)
@@ -121,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seqlen", type=int, default=2048)
     ap.add_argument("--recipes", default="out/transfer", help="where the recipes are calibrated and kept")
     ap.add_argument("--json", default="benchmarks/results/transfer.json")
+    ap.add_argument("--outliers", action="store_true", help="only the outlier shares of each recipe on each text")
     args = ap.parse_args(argv)
 
     from kvsqueeze.eval.texts import TEXTS
@@ -156,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
     if path.is_file() and rows:
         old = json.loads(path.read_text())
         result["recipes"], result["cells"] = old.get("recipes", {}), old.get("cells", {})
+        if "outliers" in old:
+            result["outliers"] = old["outliers"]
 
     def write() -> None:
         result["rows"], result["summary"] = rows, summary(rows)
@@ -164,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
         tmp.write_text(json.dumps(result, indent=1) + "\n")
         tmp.replace(path)  # never half-written
 
+    if args.outliers:
+        return outliers_only(args, models, calibs, evals, result, write, load_text, load_model, Recipe)
     for model_name in models:
         todo = [(c, e) for c in calibs for e in evals if (model_name, c, e) not in done]
         if not todo:
@@ -205,6 +230,31 @@ def main(argv: list[str] | None = None) -> int:
         del model
     write()
     assert all(parse_method(r["resolved"]) for r in rows)
+    return 0
+
+
+def outliers_only(args, models, calibs, evals, result, write, load_text, load_model, Recipe) -> int:
+    """`--outliers`: each recipe on the first evaluation window of each text (recipes must exist already)."""
+    from kvsqueeze.eval.texts import evaluation_windows
+
+    shares = result.setdefault("outliers", [])
+    have = {(o["model"], o["calib_text"], o["eval_text"]) for o in shares}
+    for model_name in models:
+        model, tok = load_model(model_name)
+        for calib in calibs:
+            rdir = recipe_dir(Path(args.recipes), model_name, calib)
+            if not (rdir / "recipe.json").is_file():
+                print(f"no recipe at {rdir}: run without --outliers first", flush=True)
+                continue
+            recipe = Recipe.load(rdir)
+            for evaluated in evals:
+                if (model_name, calib, evaluated) in have:
+                    continue
+                ids = evaluation_windows(tok, load_text(evaluated), args.seqlen, 1).ids
+                shares.append({"model": model_name, "calib_text": calib, "eval_text": evaluated,
+                               "in_domain": in_domain(calib, evaluated), **outlier_shares(model, recipe, ids)})
+                print({k: v for k, v in shares[-1].items() if k != "key_share_by_layer"}, flush=True)
+                write()
     return 0
 
 
