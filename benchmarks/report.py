@@ -327,9 +327,60 @@ def vllm(data: dict) -> str:
     return "\n".join(rows)
 
 
+def transfer(data: dict, methods: tuple[str, ...] | None = None) -> str:
+    """Each recipe's PPL change against fp16 on every text, with its paired interval; in-domain cells in bold."""
+    rows = data["rows"]
+    texts = list(dict.fromkeys(r["eval_text"] for r in rows))
+    out = [f"{data['settings']['windows']} windows of {data['settings']['seqlen']:,} tokens per text; {data['machine']}",
+           "", "| model | calibrated on | method | bits held | " + " | ".join(texts) + " |",
+           "|---|---|---|---:|" + "---:|" * len(texts)]
+    keys = list(dict.fromkeys((r["model"], r["calib_text"], r["method"]) for r in rows if r["method"] != "fp16"))
+    for model, calib, method in keys:
+        if methods is not None and method not in methods:
+            continue
+        mine = {r["eval_text"]: r for r in rows if (r["model"], r["calib_text"], r["method"]) == (model, calib, method)}
+        cells = []
+        for t in texts:
+            r = mine.get(t)
+            if r is None:
+                cells.append("–")
+                continue
+            cell = f"{r['delta_pct']:+.2f}%" + (f" ({r['ci95'][0]:+.2f} … {r['ci95'][1]:+.2f})" if r["ci95"] else "")
+            cells.append(f"**{cell}**" if r["in_domain"] else cell)
+        bits = sum(r["avg_bits"] for r in mine.values()) / len(mine)
+        out.append(f"| {model} | {calib} | `{method}` | {bits:.2f} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def ppl_by_length(data: dict) -> str:
+    """PPL change against fp16 at each window length, with the paired interval over blocks of tokens."""
+    rows = data["rows"]
+    lengths = sorted({r["length"] for r in rows})
+    out = [f"{data['model']}, {data['text']} evaluation part, {data['tokens_per_length']:,} tokens per length; "
+           f"{data['machine']}", "",
+           "| method | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
+    for method in dict.fromkeys(r["method"] for r in rows):
+        at = {r["length"]: r for r in rows if r["method"] == method}
+        cells = []
+        for n in lengths:
+            r = at.get(n)
+            if r is None:
+                cells.append("–")
+            elif r["ci95"] is None:
+                cells.append(f"PPL {r['ppl']:.3f} ({r['windows']} windows)")
+            else:
+                cells.append(f"{r['delta_pct']:+.2f}% ({r['ci95'][0]:+.2f} … {r['ci95'][1]:+.2f}), "
+                             f"{r['avg_bits']:.2f} bits")
+        out.append(f"| `{method}` | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 # block name -> (JSON file, renderer)
 BLOCKS = {
     "vllm": ("vllm.json", vllm),
+    "transfer": ("transfer.json", transfer),
+    "transfer-q3.5": ("transfer.json", lambda d: transfer(d, ("nuq3-1%", "q3.5"))),
+    "ppl-by-length": ("ppl_by_length.json", ppl_by_length),
     "ruler-compact": ("ruler_one_sample.json", ruler_compact),
     "ruler-paired": ("ruler_one_sample.json", ruler_paired),
     "ruler": ("ruler_one_sample.json", ruler),
