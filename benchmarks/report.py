@@ -370,7 +370,7 @@ def ppl_by_length(data: dict) -> str:
                 cells.append(f"PPL {r['ppl']:.3f} ({r['windows']} windows)")
             else:
                 cells.append(f"{r['delta_pct']:+.2f}% ({r['ci95'][0]:+.2f} … {r['ci95'][1]:+.2f}), "
-                             f"{r['avg_bits']:.2f} bits")
+                             f"{r['avg_bits']:.2f} bits, {r['windows']} windows")
         out.append(f"| `{method}` | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
