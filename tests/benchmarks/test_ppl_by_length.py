@@ -1,0 +1,48 @@
+"""`benchmarks/ppl_by_length.py`: rows from per-window records, paired with fp16 window by window, and refusals
+made before any model is loaded."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "ppl_by_length.py"
+
+
+def _load():
+    spec = importlib.util.spec_from_file_location("ppl_by_length", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _rec(method, window, nll, length=4, bits=16.0):
+    return {"length": length, "window": window, "method": method, "resolved": method, "nll": nll,
+            "tokens": [2] * len(nll), "kld_sum": 0.0 if method == "fp16" else 0.1 * len(nll), "top1": 2 * len(nll),
+            "held_bits": bits * 8, "elements": 8}
+
+
+def test_rows_pair_each_method_with_fp16_on_the_same_windows():
+    pbl = _load()
+    records = [_rec("fp16", 0, [2.0, 2.0]), _rec("fp16", 1, [4.0, 4.0]),
+               _rec("q3.5", 0, [2.2, 2.2], bits=3.5), _rec("q3.5", 1, [4.2, 4.2], bits=3.5),
+               _rec("kivi2", 1, [5.0, 5.0], bits=4.0)]  # its fp16-less window 0 is missing: only window 1 counts
+    rows = {r["method"]: r for r in pbl.aggregate(records, ["fp16", "q3.5", "kivi2"], [4])}
+    assert rows["fp16"]["ppl"] == pytest.approx(math.exp(12 / 8), rel=1e-4) and rows["fp16"]["ci95"] is None
+    q = rows["q3.5"]
+    assert q["windows"] == 2 and q["tokens"] == 8 and q["avg_bits"] == 3.5
+    assert q["delta_pct"] == pytest.approx(100 * math.expm1(0.8 / 8), abs=1e-3)
+    assert q["ci95"][0] <= q["delta_pct"] <= q["ci95"][1] and q["kld_mean"] == pytest.approx(0.4 / 8)
+    k = rows["kivi2"]
+    assert k["windows"] == 1 and k["delta_pct"] == pytest.approx(100 * math.expm1(2.0 / 4), abs=1e-3)
+
+
+def test_bad_arguments_are_refused_before_loading():
+    pbl = _load()
+    with pytest.raises(SystemExit, match="--tokens at least the longest length"):
+        pbl.main(["--lengths", "2048,32768", "--tokens", "4096", "--model", "no-such-model"])
+    with pytest.raises(ValueError, match="nuq9"):
+        pbl.main(["--methods", "fp16,nuq9-1%", "--model", "no-such-model"])
