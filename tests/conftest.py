@@ -226,3 +226,14 @@ def layer_bits(spec, tokens: int, channels: int, head_dim: int | None = None, re
     bits["total"] = sum(bits.values())
     bits["elements"] = 2 * tokens * channels
     return bits
+
+
+def load_benchmark(name: str):
+    """The script benchmarks/<name>.py as a module, loaded by path (benchmarks/ is not a package)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).parents[1] / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "context_cost.py"
+from conftest import load_benchmark
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("context_cost", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("context_cost")
 
 
 def test_the_fit_recovers_slope_and_intercept_per_cache():

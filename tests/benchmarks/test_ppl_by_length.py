@@ -3,20 +3,15 @@ made before any model is loaded."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "ppl_by_length.py"
+from conftest import load_benchmark
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("ppl_by_length", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("ppl_by_length")
 
 
 def _rec(method, window, nll, length=4, bits=16.0):

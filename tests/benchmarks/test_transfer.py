@@ -3,20 +3,15 @@ before any model is loaded."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-SCRIPT = Path(__file__).parents[2] / "benchmarks" / "transfer.py"
+from conftest import load_benchmark
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("transfer", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_benchmark("transfer")
 
 
 def test_in_domain_is_the_calibration_text_or_a_text_of_the_mix():
