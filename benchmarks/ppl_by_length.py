@@ -115,11 +115,13 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": args.model, "recipe": args.recipe, "text": args.text, "machine": machine(),
               "threads": torch.get_num_threads(), "segment": args.segment, "tokens_per_length": args.tokens,
               "command": "python benchmarks/ppl_by_length.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    if out.is_file():
-        result["cache_check"] = json.loads(out.read_text()).get("cache_check", [])
+    if out.is_file():  # a run over some lengths keeps what earlier runs measured at the others
+        before = json.loads(out.read_text())
+        result["cache_check"] = before.get("cache_check", [])
+        result["windows"] = before.get("windows", {})
 
     def write() -> None:
-        result["rows"] = aggregate(records, methods, lengths)
+        result["rows"] = aggregate(records, methods, sorted(set(lengths) | {r["length"] for r in records}))
         result["windows_log"] = log.name
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(".tmp")

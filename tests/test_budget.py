@@ -482,8 +482,8 @@ def test_channel_budgets_reach_the_simulated_path_the_compressed_cache_and_the_f
 
 
 def test_channel_widths_the_kernels_cannot_read_and_broken_tables_are_refused(tiny_recipe):
-    """A width past the kernels' 64-level tables, a store or a page layout handed channel widths they cannot hold,
-    and per-channel errors that are not finite all raise before any token is stored."""
+    """A width past the kernels' 64-level tables, handed to a store or a page layout, and per-channel errors that
+    are not finite all raise before any token is stored."""
     import copy
     import dataclasses
 
@@ -496,8 +496,8 @@ def test_channel_widths_the_kernels_cannot_read_and_broken_tables_are_refused(ti
     wide = dataclasses.replace(kq, widths=torch.full((32,), 7))
     with pytest.raises(MethodError, match=r"widths \[7\] are not supported"):
         KVStore(wide, vq, 32, 1, head_dim=8)
-    with pytest.raises(ValueError, match="widths of their own"):
-        PageLayout(kq, vq, 32, 8, block_size=16, sinks=1)
+    with pytest.raises(MethodError, match=r"widths \[7\] are not supported"):
+        PageLayout(wide, vq, 32, 8, block_size=16, sinks=1)
     broken = copy.deepcopy(tiny_recipe)
     key = next(k for k in broken.tensors if ".chanerr." in k)
     broken.tensors[key] = broken.tensors[key].clone().fill_(float("nan"))

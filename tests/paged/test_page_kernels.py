@@ -19,11 +19,13 @@ from test_pages import _quantizers
 CASES = [  # channels, head_dim, bits, outlier fraction, sinks, key slots, block size
     (64, 32, 3, 0.02, 1, 4, 8), (128, 64, 2, 0.01, 0, 3, 16), (96, 32, 4, 0.05, 2, 8, 8), (64, 64, 3, 0.0, 1, 0, 4),
     (576, 64, 3, 0.01, 1, 6, 128), (160, 32, 1, 0.03, 3, 5, 4),
+    # channels with widths of their own (a ':chan' budget): codes straddle words
+    (96, 32, 3, 0.02, 1, 4, 8, (1, 2, 3, 4, 5, 6)), (128, 64, 2, 0.0, 0, 0, 16, (2, 3)),
 ]
 
 
-def _pair(c, d, bits, fraction, sinks, key_slots, bs, seed=0):
-    kq, vq = _quantizers(c, bits, fraction, seed=seed, slots=key_slots)
+def _pair(c, d, bits, fraction, sinks, key_slots, bs, widths=(), seed=0):
+    kq, vq = _quantizers(c, bits, fraction, seed=seed, slots=key_slots, widths=widths)
     return (PageLayout(kq, vq, c, d, block_size=bs, sinks=sinks, kernels="torch"),
             PageLayout(kq, vq, c, d, block_size=bs, sinks=sinks, kernels="numba"))
 
@@ -52,7 +54,7 @@ def test_numba_writes_the_bytes_torch_writes(case):
     """Chunked writes (as prefill chunks and decode steps come) with padding slots: every byte of every page
     equal, the garbage a page held before included, and the same clipped-outlier counts."""
     ref, fast = _pair(*case)
-    lens = [37, 1, 2 * case[-1] + 3]
+    lens = [37, 1, 2 * case[6] + 3]
     seqs, _, n_pages = _sequences(ref, lens, seed=1)
     g = torch.Generator().manual_seed(2)
     pages_ref = ref.allocate(n_pages)
@@ -71,7 +73,7 @@ def test_numba_writes_the_bytes_torch_writes(case):
 @pytest.mark.parametrize("case", CASES)
 def test_numba_reads_and_gathers_what_torch_does(case):
     ref, fast = _pair(*case, seed=4)
-    lens = [29, 1, 3 * case[-1] + 1]
+    lens = [29, 1, 3 * case[6] + 1]
     seqs, table, n_pages = _sequences(ref, lens, seed=5)
     pages = ref.allocate(n_pages)
     pages.random_(0, 256)
@@ -162,7 +164,7 @@ def test_decode_reads_pages_in_place(case, monkeypatch):
     reference over the gathered copy, on ragged batches, whatever garbage the pages hold past the sequences;
     numba and Triton both read the pages in place."""
     ref, _ = _pair(*case, seed=8)
-    c, d, bs = case[0], case[1], case[-1]
+    c, d, bs = case[0], case[1], case[6]
     lens = [3 * bs + 5, 1, bs, 2]
     seqs, table, n_pages = _sequences(ref, lens, seed=9)
     pages = ref.allocate(n_pages)
@@ -189,7 +191,7 @@ def test_decode_reads_pages_in_place(case, monkeypatch):
     torch.testing.assert_close(got, copy, rtol=0, atol=0)  # the same arithmetic, in place or on the copy
     torch.testing.assert_close(decode_attention(q, paged, rope, d**-0.5, key_mask=mask, backend="reference"), want,
                                rtol=1e-6, atol=1e-7)
-    if case[-1] <= 16:  # Triton (its interpreter here) reads the pages in place as well: no gathered copy
+    if case[6] <= 16:  # Triton (its interpreter here) reads the pages in place as well: no gathered copy
         from kvsqueeze.kernels.view import StoreView
 
         def no_copy(self):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,13 +15,27 @@ from kvsqueeze.numerics.quantizer import VectorQuantizer
 from kvsqueeze.numerics.rope import Rope
 
 
-def _quantizers(c: int, bits: int, fraction: float, seed: int = 0, slots: int = 0):
-    g = torch.Generator().manual_seed(seed)
+def _codebook(bits: int, g: torch.Generator) -> torch.Tensor:
     levels = torch.sort(torch.rand(2**bits, generator=g) * 2 - 1).values
     levels[0], levels[-1] = -1.0, 1.0
+    return levels
+
+
+def _quantizers(c: int, bits: int, fraction: float, seed: int = 0, slots: int = 0, widths: tuple = ()):
+    """Key (per channel, offline range) and value (per token) quantizers with random codebooks; with `widths`,
+    each channel of both takes one of those widths at random, with a codebook per width (a ':chan' budget)."""
+    g = torch.Generator().manual_seed(seed)
+    levels = _codebook(bits, g)
     lo, hi = -1.5 - torch.rand(c, generator=g), 1.0 + torch.rand(c, generator=g)
-    return (VectorQuantizer(levels=levels, axis="channel", fraction=fraction, lo=lo, hi=hi, slots=slots),
-            VectorQuantizer(levels=levels, axis="token", fraction=fraction))
+    kq = VectorQuantizer(levels=levels, axis="channel", fraction=fraction, lo=lo, hi=hi, slots=slots)
+    vq = VectorQuantizer(levels=levels, axis="token", fraction=fraction)
+    if widths:
+        books = {w: _codebook(w, g) for w in widths}
+        mixed = lambda q: dataclasses.replace(  # noqa: E731
+            q, levels=books[max(widths)], codebooks=books,
+            widths=torch.tensor(widths, dtype=torch.uint8)[torch.randint(len(widths), (c,), generator=g)])
+        kq, vq = mixed(kq), mixed(vq)
+    return kq, vq
 
 
 def _fill(layout, lens, seed=0, garbage=True):
@@ -46,14 +62,16 @@ def _fill(layout, lens, seed=0, garbage=True):
     return pages, table, seqs
 
 
-@pytest.mark.parametrize("c, d, bits, fraction, sinks, key_slots", [
-    (64, 32, 3, 0.02, 1, 4), (128, 64, 2, 0.01, 0, 3), (96, 32, 4, 0.05, 2, 8), (64, 64, 3, 0.0, 1, 0),
+@pytest.mark.parametrize("c, d, bits, fraction, sinks, key_slots, widths", [
+    (64, 32, 3, 0.02, 1, 4, ()), (128, 64, 2, 0.01, 0, 3, ()), (96, 32, 4, 0.05, 2, 8, ()), (64, 64, 3, 0.0, 1, 0, ()),
+    (96, 32, 3, 0.02, 1, 4, (1, 2, 3, 4, 5, 6)), (64, 64, 2, 0.0, 0, 0, (2, 3)),
 ])
-def test_pages_hold_what_the_store_holds(c, d, bits, fraction, sinks, key_slots):
-    """Dequantized pages equal the HF path's store of the same quantizers bit for bit, whatever the block table;
-    against a store keeping every outlier, a token within budget differs only where it keeps more exactly."""
-    kq, vq = _quantizers(c, bits, fraction, slots=key_slots)
-    plain_kq, _ = _quantizers(c, bits, fraction)
+def test_pages_hold_what_the_store_holds(c, d, bits, fraction, sinks, key_slots, widths):
+    """Dequantized pages equal the HF path's store of the same quantizers bit for bit, whatever the block table
+    (channels with widths of their own too); against a store keeping every outlier, a token within budget differs
+    only where it keeps more exactly."""
+    kq, vq = _quantizers(c, bits, fraction, slots=key_slots, widths=widths)
+    plain_kq, _ = _quantizers(c, bits, fraction, widths=widths)
     layout = PageLayout(kq, vq, c, d, block_size=8, sinks=sinks)
     assert layout.key_slots == key_slots
     lens = [21, 8, 1, 13]

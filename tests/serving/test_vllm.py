@@ -32,27 +32,27 @@ def _prompts() -> list[list[int]]:
             torch.randint(0, 256, (23,), generator=g).tolist()]
 
 
-def _vllm(tmp_path, model_dir, recipe_dir, prompts, *extra) -> dict:
+def _vllm(tmp_path, model_dir, recipe_dir, prompts, *extra, method: str = METHOD) -> dict:
     pf = tmp_path / "prompts.json"
     pf.write_text(json.dumps(prompts))
     out = tmp_path / "out.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
     env.update(OMP_NUM_THREADS="2", VLLM_CPU_OMP_THREADS_BIND="nobind")
     cmd = [str(VLLM_PYTHON), "-m", "kvsqueeze.serving.vllm_run", "--model", str(model_dir), "--recipe",
-           str(recipe_dir), "--method", METHOD, "--prompts", str(pf), "--max-tokens", "12", "--block-size", "16",
+           str(recipe_dir), "--method", method, "--prompts", str(pf), "--max-tokens", "12", "--block-size", "16",
            "--max-model-len", "256", "--kv-bytes", str(64 << 20), "--skip-tokenizer-init", "--out", str(out), *extra]
     run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     return json.loads(out.read_text())
 
 
-def _hf_tokens(model, recipe_dir, prompts, new: int) -> list[list[int]]:
+def _hf_tokens(model, recipe_dir, prompts, new: int, method: str = METHOD) -> list[list[int]]:
     import kvsqueeze
 
     out = []
     for p in prompts:
         ids = torch.tensor([p])
-        with kvsqueeze.cache_for(model, recipe_dir, METHOD) as cache, kvsqueeze.fused_decode(model, cache):
+        with kvsqueeze.cache_for(model, recipe_dir, method) as cache, kvsqueeze.fused_decode(model, cache):
             g = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                                do_sample=False, cache=cache, pad_token_id=0)  # token 0 is in the prompts too
         out.append(g[0, len(p):].tolist())
@@ -78,13 +78,40 @@ def test_vllm_engine_generates_what_the_hf_path_generates(tiny_llama, tiny_model
     assert got["kv_tokens"] > 4 * fp_tokens
 
 
-def test_vllm_refuses_a_recipe_of_another_model(tiny_model_dir, tmp_path, tiny_recipe):
-    """A recipe whose model has another shape is refused when the engine builds its layers, naming the fix."""
-    import copy
+def test_vllm_serves_a_bit_budget_with_pages_of_each_layer_s_own_size(tiny_llama, tiny_model_dir, tiny_recipe,
+                                                                     tmp_path):
+    """A per-channel bit budget whose two layers have different widths and outliers: vLLM gives each layer pages
+    of its own size (the KV space holds as many blocks as the sum of the layers' pages allows, not the largest
+    page twice), and generates what the HF path's compressed cache generates for the same method."""
+    from kvsqueeze.serving.settings import ServingConfig
+    from test_budget import _mixed
 
-    other = copy.deepcopy(tiny_recipe)
-    other.meta["model"]["fingerprint"]["layers"] = 5
-    bad = other.save(tmp_path / "other")
+    recipe_dir = _mixed(tiny_recipe, 3.0).save(tmp_path / "budget")
+    config = ServingConfig(str(recipe_dir), "nuq@3:chan")
+    sizes = [config.page_bytes(layer, 32, 16, 16) for layer in range(2)]
+    assert sizes[0] != sizes[1]
+    prompts = _prompts()
+    got = _vllm(tmp_path, tiny_model_dir, recipe_dir, prompts, method="nuq@3:chan")
+    assert got["method"] == config.spec.name
+    assert got["num_blocks"] == (64 << 20) // sum(sizes)
+    want = _hf_tokens(tiny_llama, recipe_dir, prompts, 12, method=config.spec.name)
+    first = got["runs"][0]["tokens"]
+    equal = sum(a == b for w, g in zip(want, first) for a, b in zip(w, g))
+    assert equal >= 0.95 * 48, (want, first)
+
+
+def test_vllm_refuses_a_recipe_of_another_model(tiny_model_dir, tmp_path):
+    """A recipe calibrated on a model of another shape (three layers, not two) is refused when the engine builds
+    its layers, naming the fix."""
+    from conftest import random_ids, tiny_model
+    from kvsqueeze.calibrate.collect import collect
+    from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
+
+    model = tiny_model("llama", seed=5, num_hidden_layers=3)
+    ids = random_ids(2, 64, seed=6)
+    recipe = fit_recipe(model, collect(model, ids, sinks=1, progress=False),
+                        CalibrationConfig(samples=2, seqlen=64), "tiny-llama-3", "random", progress=False)
+    bad = recipe.save(tmp_path / "other")
     pf = tmp_path / "p.json"
     pf.write_text(json.dumps([[1, 2, 3]]))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}

@@ -112,8 +112,6 @@ class KVQuant(Family):
         if spec.value_axis != "token":
             return f"its values are quantized per {spec.value_axis}"
         if path == "pages":
-            if spec.budget is not None:
-                return "a bit budget gives layers different bits, and pages of one engine have one size"
             if spec.outlier_fraction and spec.outlier_scope != "vector":
                 return "per-matrix outliers vary in count per token; use per-vector ones (drop ':pm')"
             if spec.window:
@@ -229,8 +227,9 @@ class Nuq(KVQuant):
         plain = dict(budget=None, outlier_scope="vector")
         # a ':chan' choice is built at a supported width, then given its channels' own codebooks (up to 6 bits)
         kb, vb = (min(max(c.bits, min(SUPPORTED_BITS)), max(SUPPORTED_BITS)) for c in (k, v))
-        kq = super().quantizers(dataclasses.replace(spec, k_bits=kb, v_bits=kb, outlier_fraction=k.fraction, **plain),
-                                recipe, layer, channels, head_dim)[0]
+        slots = spec.key_slots if k.fraction else 0  # ':kslotsN': in the layers that keep key outliers
+        kq = super().quantizers(dataclasses.replace(spec, k_bits=kb, v_bits=kb, outlier_fraction=k.fraction,
+                                                    key_slots=slots, **plain), recipe, layer, channels, head_dim)[0]
         vq = super().quantizers(dataclasses.replace(spec, k_bits=vb, v_bits=vb, outlier_fraction=v.fraction, **plain),
                                 recipe, layer, channels, head_dim)[1]
         if k.widths is not None:

@@ -278,10 +278,11 @@ def _budget_method(name: str, family: str, m: re.Match) -> MethodSpec:
                                   f"1 to {MAX_CONTEXT} (e.g. ':ctx32k')")
             fields["context"] = context
             continue
-        if not re.fullmatch(r"(sink|r)\d+", flag):
+        if not re.fullmatch(r"(sink|r|kslots)\d+", flag):
             raise MethodError(f"method {name!r}: a bit budget takes a sink count (':sinkN'), an fp16 window "
-                              f"(':rN'), ':kl' (measured sensitivities), ':chan' (a bit width per channel) and the "
-                              f"context it is chosen for (':ctxN', e.g. ':ctx32k'), "
+                              f"(':rN'), ':kl' (measured sensitivities), ':chan' (a bit width per channel), the "
+                              f"context it is chosen for (':ctxN', e.g. ':ctx32k') and a fixed count of exact key "
+                              f"elements per token in the layers that keep key outliers (':kslotsN'), "
                               f"not ':{flag}'")
         _apply_flag(name, family, flag, fields)
     # the widest choice stands in for the spec's own bits; every consumer reads the layer's choice instead
@@ -348,7 +349,8 @@ def canonical_name(spec: MethodSpec) -> str:
         sinks = FAMILY_DEFAULTS[spec.family].get("sinks", 0)
         return (f"{spec.family}@{spec.budget:g}" + (f":sink{spec.sinks}" if spec.sinks != sinks else "")
                 + (f":r{spec.window}" if spec.window else "") + (":kl" if spec.budget_proxy == "kl" else "")
-                + (":chan" if spec.budget_unit == "channel" else "") + context_flag(spec.budget_context))
+                + (":chan" if spec.budget_unit == "channel" else "") + context_flag(spec.budget_context)
+                + (f":kslots{spec.key_slots}" if spec.key_slots else ""))
     bits = str(spec.k_bits) if spec.k_bits == spec.v_bits else f"-k{spec.k_bits}v{spec.v_bits}"
     out = spec.family + bits
     if spec.outlier_fraction:

@@ -44,7 +44,8 @@ import numpy as np
 import torch
 
 from ..kernels.view import ARRAYS, Outliers, Rows, StoreView
-from ..numerics.packing import OUTLIER_CODE, pack_codes, words_per_vector
+from ..methods.budget import check_widths
+from ..numerics.packing import OUTLIER_CODE, code_offsets, mixed_words, pack_codes, pack_mixed, words_per_vector
 from ..numerics.quantizer import VectorQuantizer
 
 ALIGN = 16
@@ -88,12 +89,13 @@ class Region:
     shape: tuple[int, ...]  # of one page's region, in `dtype` elements
 
 
-def regions(channels: int, k_bits: int, v_bits: int, key_slots: int, value_slots: int, sinks: int,
+def regions(channels: int, k_words: int, v_words: int, key_slots: int, value_slots: int, sinks: int,
             block_size: int) -> dict[str, Region]:
-    """Where each part of a page lies (see the module docstring); every region starts on 16 bytes."""
+    """Where each part of a page lies (see the module docstring); every region starts on 16 bytes. `k_words`,
+    `v_words`: int32 words of one token's key and value codes (`code_words`)."""
     bs, c = block_size, channels
-    specs = [("k_codes", torch.int32, (bs, words_per_vector(c, k_bits))),
-             ("v_codes", torch.int32, (bs, words_per_vector(c, v_bits))),
+    specs = [("k_codes", torch.int32, (bs, k_words)),
+             ("v_codes", torch.int32, (bs, v_words)),
              ("v_scale_zero", torch.float16, (bs, 2)),
              ("k_channels", torch.int16, (bs, key_slots)), ("k_values", torch.float16, (bs, key_slots)),
              ("v_channels", torch.int16, (bs, value_slots)), ("v_values", torch.float16, (bs, value_slots)),
@@ -104,6 +106,19 @@ def regions(channels: int, k_bits: int, v_bits: int, key_slots: int, value_slots
         out[name] = Region(name, offset, nbytes, dtype, shape)
         offset += _up(nbytes)
     return out
+
+
+def code_offsets_of(q: VectorQuantizer, channels: int) -> torch.Tensor:
+    """Stream bit offsets int64 [C + 1] of a token's codes: c * bits for one width, the running sum of the channels'
+    own widths (`nuq@AVG:chan`) otherwise (`packing.code_offsets`)."""
+    if q.widths is None:
+        return torch.arange(channels + 1, dtype=torch.int64) * q.bits
+    return code_offsets(q.widths.cpu()).to(torch.int64)
+
+
+def code_words(q: VectorQuantizer, channels: int) -> int:
+    """int32 words one token's codes of `q` take in a page."""
+    return words_per_vector(channels, q.bits) if q.widths is None else mixed_words(code_offsets_of(q, channels))
 
 
 def page_bytes(parts: dict[str, Region], block_size: int) -> int:
@@ -144,9 +159,13 @@ class PageLayout:
                             f"1 to {channels} slots (a method with ':kslotsN', e.g. 'nuq3-1%:kslots6')")
         if channels > 1 << 16:
             problems.append(f"{channels} channels: outlier channel indices are 16 bits")
-        if k_quant.widths is not None or v_quant.widths is not None:
-            problems.append("pages hold one code width per layer and tensor, and these channels have widths of "
-                            "their own (nuq@AVG:chan): serve a method of one width per layer")
+        for name, q in (("key", k_quant), ("value", v_quant)):
+            if q.widths is not None:
+                check_widths(q.widths.tolist(), f"PageLayout {name}s")
+            if q.widths is not None and (q.widths.numel() != channels
+                                         or not set(q.widths.tolist()) <= set(q.codebooks or ())):
+                problems.append(f"{q.widths.numel()} {name} channel widths for {channels} channels, or a width "
+                                "without its codebook")
         if problems:
             raise ValueError("PageLayout: " + "; ".join(problems))
         self.k_quant, self.v_quant = k_quant, v_quant
@@ -158,7 +177,11 @@ class PageLayout:
 
         scale, zero = choose_qparams(k_quant.lo.view(1, -1), k_quant.hi.view(1, -1))
         self.k_scale, self.k_zero = scale.view(-1).half(), zero.view(-1).half()
-        self.regions = regions(channels, self.k_bits, self.v_bits, key_slots, self.value_slots, sinks, block_size)
+        # channels with widths of their own (`nuq@AVG:chan`): one bit stream of every width, as the HF store packs it
+        self.k_offsets, self.v_offsets = (None if q.widths is None else code_offsets(q.widths.cpu())
+                                          for q in (k_quant, v_quant))
+        self.regions = regions(channels, code_words(k_quant, channels), code_words(v_quant, channels), key_slots,
+                               self.value_slots, sinks, block_size)
         self.page_bytes = page_bytes(self.regions, block_size)
         self.kernels = kernels
         if kernels == "numba":
@@ -178,16 +201,31 @@ class PageLayout:
 
     @functools.cached_property
     def _tables(self) -> dict[str, np.ndarray]:
-        """What the numba kernels read of the quantizers, float32 numpy (computed as the torch path does)."""
+        """What the numba kernels read of the quantizers, numpy (computed as the torch path does): per channel, the
+        codebook midpoints float32 [M, C] (+inf past a channel's own, as `affine.quantize`'s boundaries), the
+        levels float32 [C, L] and the codes' stream bit offsets int64 [C + 1]; the key range, scale, zero [C]."""
         from ..numerics.affine import choose_qparams
 
+        c = self.channels
         kq, vq = self.k_quant, self.v_quant
         k_scale, k_zero = choose_qparams(kq.lo.view(1, -1), kq.hi.view(1, -1))
-        f = lambda x: np.ascontiguousarray(x.detach().float().cpu().reshape(-1).numpy())  # noqa: E731
-        mids = lambda levels: f((levels[1:] + levels[:-1]) * 0.5)  # noqa: E731  affine.quantize's boundaries
-        return {"k_mids": mids(kq.levels.float()), "k_levels": f(kq.decode_levels), "k_scale": f(k_scale),
-                "k_zero": f(k_zero), "k_lo": f(kq.lo), "k_hi": f(kq.hi), "v_mids": mids(vq.levels.float()),
-                "v_levels": f(vq.levels), "k_scale_read": f(self.k_scale), "k_zero_read": f(self.k_zero)}
+        f = lambda x: np.ascontiguousarray(x.detach().float().cpu().numpy())  # noqa: E731
+
+        def per_channel(q: VectorQuantizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+            books = [q.levels.float().cpu()] * c if q.widths is None else \
+                [q.codebooks[int(w)].float().cpu() for w in q.widths.tolist()]
+            mids = torch.full((max(1, max(b.numel() for b in books) - 1), c), float("inf"))
+            for ch, lv in enumerate(books):
+                mids[: lv.numel() - 1, ch] = (lv[1:] + lv[:-1]) * 0.5
+            levels = q.decode_levels.float().cpu()
+            levels = levels.view(1, -1).expand(c, -1) if levels.dim() == 1 else levels
+            return f(mids), f(levels), np.ascontiguousarray(code_offsets_of(q, c).numpy())
+
+        k_mids, k_levels, k_offs = per_channel(kq)
+        v_mids, v_levels, v_offs = per_channel(vq)
+        return {"k_mids": k_mids, "k_levels": k_levels, "k_offs": k_offs, "k_scale": f(k_scale.view(-1)),
+                "k_zero": f(k_zero.view(-1)), "k_lo": f(kq.lo.view(-1)), "k_hi": f(kq.hi.view(-1)), "v_mids": v_mids,
+                "v_levels": v_levels, "v_offs": v_offs, "k_scale_read": f(self.k_scale), "k_zero_read": f(self.k_zero)}
 
     _REGION_ORDER = (*ARRAYS, "sink_k", "sink_v")  # what the numba page kernels take, in this order
 
@@ -271,8 +309,8 @@ class PageLayout:
             self._put(pages, "v_values", block, offset, xv.gather(1, chosen).half())
         k_codes = k_codes.masked_fill(sink, OUTLIER_CODE)
         v_codes = v_codes.masked_fill(sink, OUTLIER_CODE)
-        self._put(pages, "k_codes", block, offset, pack_codes(k_codes, self.k_bits))
-        self._put(pages, "v_codes", block, offset, pack_codes(v_codes, self.v_bits))
+        self._put(pages, "k_codes", block, offset, self._pack(k_codes, self.k_offsets, self.k_bits, "k_codes"))
+        self._put(pages, "v_codes", block, offset, self._pack(v_codes, self.v_offsets, self.v_bits, "v_codes"))
         sz = torch.cat([enc_v.scale.expand(n, 1), enc_v.zero.expand(n, 1)], dim=1).masked_fill(sink, 0)
         self._put(pages, "v_scale_zero", block, offset, sz.half())
         rows = sink.view(-1).nonzero().flatten()
@@ -290,9 +328,14 @@ class PageLayout:
         as_np = lambda x: np.ascontiguousarray(x.numpy())  # noqa: E731
         fast.write_tokens(as_np(xk.contiguous()), as_np(xv.contiguous()), as_np(block), as_np(offset),
                           as_np(positions.long()), self.sinks, tab["k_mids"], tab["k_levels"], tab["k_scale"],
-                          tab["k_zero"], tab["k_lo"], tab["k_hi"], self.k_bits, self.key_slots, tab["v_mids"],
-                          tab["v_levels"], self.v_bits, side, *self._regions_np(pages), clipped)
+                          tab["k_zero"], tab["k_lo"], tab["k_hi"], tab["k_offs"], self.key_slots, tab["v_mids"],
+                          tab["v_levels"], tab["v_offs"], side, *self._regions_np(pages), clipped)
         return int(clipped.sum())
+
+    def _pack(self, codes: torch.Tensor, offsets: torch.Tensor | None, bits: int, region: str) -> torch.Tensor:
+        if offsets is None:
+            return pack_codes(codes, bits)
+        return pack_mixed(codes, offsets, words=self.regions[region].shape[1])
 
     def _put(self, pages: torch.Tensor, name: str, block: torch.Tensor, offset: torch.Tensor, rows: torch.Tensor):
         self.region(pages, name)[block, offset] = rows.to(self.regions[name].dtype)
@@ -366,10 +409,9 @@ class PageLayout:
         rank = torch.arange(s).view(1, -1)
         sink_slot = torch.where(rank < lens.view(-1, 1), rank, -1).to(torch.int32).to(dev)
         positions = torch.arange(t, dtype=torch.int32, device=dev).view(-1, 1).expand(t, b).contiguous()
-        kq, vq = self.k_quant, self.v_quant
         view = StoreView(self.heads, self.head_dim, self.k_bits, self.v_bits, t, k_codes, v_codes,
-                         self.k_scale.to(dev), self.k_zero.to(dev), kq.levels.to(dev), vq.levels.to(dev), sz, k_out,
-                         v_out, sink_k, sink_v, sink_slot, positions, {})
+                         self.k_scale.to(dev), self.k_zero.to(dev), *self._levels(dev), sz, k_out, v_out, sink_k,
+                         sink_v, sink_slot, positions, {}, *self._offsets(dev))
         return view, mask
 
     def _paged_view(self, pages: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, t: int,
@@ -401,11 +443,17 @@ class PageLayout:
         rank = torch.arange(self.sinks).view(1, -1)
         sink_slot = torch.where(rank < lens.view(-1, 1), rank, -1).to(torch.int32).to(dev)
         positions = torch.arange(t, dtype=torch.int32, device=dev).view(-1, 1).expand(t, b).contiguous()
-        kq, vq = self.k_quant, self.v_quant
         return StoreView(self.heads, self.head_dim, self.k_bits, self.v_bits, t, words, words, self.k_scale.to(dev),
-                         self.k_zero.to(dev), kq.levels.to(dev), vq.levels.to(dev), halves, k_out, v_out,
+                         self.k_zero.to(dev), *self._levels(dev), halves, k_out, v_out,
                          self.region(pages, "sink_k")[first], self.region(pages, "sink_v")[first], sink_slot,
-                         positions, self._memo, rows=rows)
+                         positions, self._memo, *self._offsets(dev), rows=rows)
+
+    def _levels(self, dev) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value levels a view decodes with: the codebook, or [C, 2**bits] with channel widths."""
+        return self.k_quant.decode_levels.to(dev), self.v_quant.decode_levels.to(dev)
+
+    def _offsets(self, dev) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        return tuple(None if o is None else o.to(dev) for o in (self.k_offsets, self.v_offsets))
 
     @functools.cached_property
     def _memo(self) -> dict:
@@ -438,7 +486,7 @@ class PageLayout:
         keys = torch.empty(length, self.channels, dtype=torch.float32)  # not the default dtype (an engine sets it)
         values = torch.empty(length, self.channels, dtype=torch.float32)
         fast.read_sequence(np.ascontiguousarray(table[:nb].to(torch.int64).numpy()), length, self.block_size,
-                           self.sinks, self.k_bits, self.v_bits, tab["k_levels"], tab["k_scale_read"],
+                           self.sinks, tab["k_offs"], tab["v_offs"], tab["k_levels"], tab["k_scale_read"],
                            tab["k_zero_read"], tab["v_levels"], *self._regions_np(pages), keys.numpy(),
                            values.numpy())
         return keys, values

@@ -5,7 +5,8 @@ the recipe, builds the quantizers and lays out pages with kvsqueeze's own numeri
 the environment, so that every process of an engine (front end, engine core, workers) sees the same ones:
 
     KVSQUEEZE_RECIPE   the recipe directory (`kvsqueeze calibrate --out DIR`), required
-    KVSQUEEZE_METHOD   the method (default nuq3-1%:kslots6; a method without ':kslotsN' gets the default slots)
+    KVSQUEEZE_METHOD   the method (default nuq3-1%:kslots6; a method without ':kslotsN' gets the default slots, a
+                       bit budget the slots its layers' key outliers paid for)
     KVSQUEEZE_DECODE   the decode kernel: auto (numba on CPU, Triton on GPU), numba, triton or reference
 """
 
@@ -14,13 +15,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..methods import MethodError, MethodSpec, family, parse_method, topk_per_side
-from ..paged.layout import PageLayout, page_bytes, regions
+from ..methods import MethodError, MethodSpec, family, parse_method
+from ..paged.layout import PageLayout
 
 DEFAULT_METHOD = "nuq3-1%"
 # exact key elements per token in a page: on SmolLM2-135M's evaluation text (192 channels, 1% per-channel
@@ -72,9 +74,24 @@ class ServingConfig:
             problems.append(reason)
         if problems:
             raise ServingError(f"KVSQUEEZE_METHOD={self.method!r}: " + "; ".join(problems))
-        if spec.outlier_fraction and not spec.key_slots:
+        if spec.key_slots:
+            return spec
+        if spec.budget is not None:  # the exact key elements per token its layers' outlier fractions paid for
+            slots = self._budget_key_slots(spec)
+            return dataclasses.replace(spec, key_slots=slots) if slots else spec
+        if spec.outlier_fraction:
             spec = dataclasses.replace(spec, key_slots=DEFAULT_KEY_SLOTS)
         return spec
+
+    def _budget_key_slots(self, spec: MethodSpec) -> int:
+        """A budget's default key slots: the most any layer's key outliers take per token on average, rounded up
+        (a layer keeping 1% of 192 channels exact gets 2 slots), so a page holds what the budget paid for."""
+        from ..methods.budget import layer_choices
+
+        fp = self._recipe.meta["model"]["fingerprint"]
+        channels = int(fp["kv_heads"]) * int(fp["head_dim"])
+        fractions = [layer_choices(spec, self._recipe, layer)[0].fraction for layer in range(int(fp["layers"]))]
+        return max(math.ceil(f * channels - 1e-9) for f in fractions)
 
     @property
     def _recipe(self):
@@ -91,23 +108,26 @@ class ServingConfig:
             raise ServingError(f"recipe {self.recipe} belongs to another model ({diff}): calibrate one for this model "
                                "with `kvsqueeze calibrate --model ... --out DIR`")
 
-    def page_bytes(self, channels: int, block_size: int) -> int:
-        """Bytes of one page of `block_size` tokens, the same for every layer (no recipe read)."""
-        s = self.spec
-        value_slots = 2 * topk_per_side(s.outlier_fraction, channels) if s.outlier_fraction else 0
-        key_slots = s.key_slots if s.outlier_fraction else 0
-        return page_bytes(regions(channels, s.k_bits, s.v_bits, key_slots, value_slots, s.sinks, block_size),
-                          block_size)
-
     def layout(self, layer: int, channels: int, head_dim: int, block_size: int) -> PageLayout:
-        from ..methods import build_quantizers
+        """How layer `layer` holds its tokens in pages (each layer its own widths, outliers and page size)."""
+        return _layout(self, layer, channels, head_dim, block_size)
 
-        kq, vq = build_quantizers(self.spec, self._recipe, layer, channels, head_dim)
-        out = PageLayout(kq, vq, channels, head_dim, block_size, sinks=self.spec.sinks)
-        if out.page_bytes != self.page_bytes(channels, block_size):  # the engine sized its pages from page_bytes
-            raise ServingError(f"layer {layer}: its page would take {out.page_bytes} bytes, the engine allocated "
-                               f"{self.page_bytes(channels, block_size)}")
-        return out
+    def page_bytes(self, layer: int, channels: int, block_size: int, head_dim: int) -> int:
+        """Bytes of one page of `block_size` tokens of layer `layer`."""
+        return self.layout(layer, channels, head_dim, block_size).page_bytes
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(config: ServingConfig, layer: int, channels: int, head_dim: int, block_size: int) -> PageLayout:
+    """One layout per layer, shape and block size a process (the engine sizes pages from it, the backend writes
+    them with it); built outside inference mode, so the tables the kernels keep from it carry version counters."""
+    import torch
+
+    from ..methods import build_quantizers
+
+    with torch.inference_mode(False):
+        kq, vq = build_quantizers(config.spec, config._recipe, layer, channels, head_dim)
+        return PageLayout(kq, vq, channels, head_dim, block_size, sinks=config.spec.sinks)
 
 
 @functools.lru_cache(maxsize=4)

@@ -12,8 +12,9 @@ for; `register` makes it honour a CUSTOM choice, and nothing else changes.
 
 What the backend does, per layer and step:
 
-* `customize_spec` gives each layer's KV spec `PageLayout.page_bytes / block_size` uint8 bytes per token, so
-  vLLM's allocator sizes, counts and hands out pages of the compressed layout (`kvsqueeze.paged.layout`).
+* each layer's KV spec gets that layer's `PageLayout.page_bytes / block_size` uint8 bytes per token (a bit budget's
+  layers differ in size; `_size_pages_per_layer`), so vLLM's allocator sizes, counts and hands out pages of the
+  compressed layout (`kvsqueeze.paged.layout`).
 * vLLM hands the attention post-RoPE keys. `register` also wraps vLLM's rotary step so that it keeps the keys it
   is about to turn; the attention takes those (after checking that they are this layer's: turned back, the keys
   it was handed must give them), and otherwise turns the keys back by their positions (the layer's RoPE, from the
@@ -56,6 +57,7 @@ def register() -> None:
     use_own_numba_cache()
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     _keep_pre_rope_keys()
+    _size_pages_per_layer()
     try:
         from vllm.platforms.cpu import CpuPlatform
     except ImportError:  # a build without the CPU platform
@@ -114,6 +116,37 @@ def _keep_pre_rope_keys() -> None:
         setattr(RotaryEmbedding, name, forward)
 
 
+def _size_pages_per_layer() -> None:
+    """Wrap vLLM's `Attention.get_kv_cache_spec` so that each kvsqueeze layer's spec carries that layer's page size:
+    a bit budget gives layers different widths and outliers, so different bytes per token. vLLM keeps layers whose
+    specs differ only in size in one group, each with its own pages (`UniformTypeKVCacheSpecs`), all with the same
+    number of blocks."""
+    try:
+        from vllm.model_executor.layers.attention.attention import Attention
+    except ImportError:
+        return
+    original = Attention.get_kv_cache_spec
+    if getattr(original, "_kvsqueeze", False):
+        return
+
+    def get_kv_cache_spec(self, vllm_config):
+        spec = original(self, vllm_config)
+        backend = getattr(self, "attn_backend", None)
+        if isinstance(spec, AttentionSpec) and isinstance(backend, type) and issubclass(backend, KVSqueezeBackend):
+            spec = KVSqueezeBackend.layer_spec(spec, self.layer_name)
+        return spec
+
+    get_kv_cache_spec._kvsqueeze = True
+    Attention.get_kv_cache_spec = get_kv_cache_spec
+
+
+def _layer_index(name: str) -> int:
+    m = _LAYER_INDEX.search(name)
+    if m is None:
+        raise ServingError(f"cannot tell the decoder layer of attention {name!r}: its recipe statistics are per layer")
+    return int(m[1])
+
+
 class KVSqueezeBackend(AttentionBackend):
     accept_output_buffer: bool = True
     forward_includes_kv_cache_update: bool = True  # forward quantizes the new tokens: it knows their positions
@@ -145,13 +178,22 @@ class KVSqueezeBackend(AttentionBackend):
         return attn_type == AttentionType.DECODER
 
     @classmethod
-    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
-        """One page of `block_size` tokens holds the compressed layout: uint8, `page_bytes / block_size` a token."""
-        if spec.state_content_bytes is not None:
-            return spec
+    def layer_spec(cls, spec: AttentionSpec, layer_name: str) -> AttentionSpec:
+        """One page of `block_size` tokens of this layer holds its compressed layout: uint8, the layer's
+        `page_bytes / block_size` a token."""
         channels = spec.num_kv_heads * spec.head_size
-        per_token = ServingConfig.from_env().page_bytes(channels, spec.block_size) // spec.block_size
+        per_token = ServingConfig.from_env().page_bytes(_layer_index(layer_name), channels, spec.block_size,
+                                                         spec.head_size) // spec.block_size
         return replace(spec, dtype=torch.uint8, num_head_slots=1, state_content_bytes=per_token)
+
+    @classmethod
+    def customize_spec(cls, spec: AttentionSpec) -> AttentionSpec:
+        """The layer's spec as `layer_spec` sized it (vLLM asks without naming the layer)."""
+        if spec.state_content_bytes is None:
+            raise ServingError("the kvsqueeze backend sizes each layer's pages from its layer name, and this vLLM "
+                               "asked for a KV spec without it (Attention.get_kv_cache_spec was not wrapped); "
+                               "serve with the vLLM version kvsqueeze pins")
+        return spec
 
 
 @dataclass
@@ -249,16 +291,15 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         PreRopeKeys.enabled = True
         self._warm_up()
 
-    def _layout(self, layer):
+    def _layout(self, layer, kv_cache: torch.Tensor):
         if self.layout is None:
-            m = _LAYER_INDEX.search(getattr(layer, "layer_name", ""))
-            if m is None:
-                raise ServingError(f"cannot tell the decoder layer of attention {getattr(layer, 'layer_name', '?')!r}: "
-                                   "its recipe statistics are per layer")
-            with torch.inference_mode(False):  # tensors with version counters: the kernels keep tables built from
-                # them between steps (checking the versions), where inference tensors would have them rebuilt
-                self.layout = self.config.layout(int(m[1]), self.num_kv_heads * self.head_size, self.head_size,
-                                                 self.block_size)
+            name = getattr(layer, "layer_name", "")
+            layout = self.config.layout(_layer_index(name), self.num_kv_heads * self.head_size, self.head_size,
+                                        self.block_size)
+            if kv_cache[0].numel() != layout.page_bytes:
+                raise ServingError(f"attention {name!r}: the engine gave it pages of {kv_cache[0].numel()} bytes, its "
+                                   f"layout takes {layout.page_bytes} ({self.config.spec.name})")
+            self.layout = layout
         return self.layout
 
     def forward(self, layer, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, kv_cache: torch.Tensor,
@@ -271,7 +312,7 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             return output.zero_()
         md = attn_metadata
         n = md.num_actual_tokens
-        layout = self._layout(layer)
+        layout = self._layout(layer, kv_cache)
         pages = kv_cache.view(kv_cache.shape[0], -1)
         h, hq, d = self.num_kv_heads, self.num_heads, self.head_size
         q = query[:n].view(n, hq, d).float()

@@ -43,24 +43,30 @@ def _rounded(x):
 
 
 @njit(cache=True, inline="always")
-def _pack(codes, bits, words):
-    """codes uint8 [C] -> words uint32 [W], the stream `packing.pack_codes` writes (code c at bit c * bits): the
-    codes enter a 64-bit accumulator, whose low word is stored each time 32 bits are full."""
-    acc = np.uint64(0)
-    filled = 0
-    w = 0
+def _pack(codes, offs, words):
+    """codes uint8 [C] -> words uint32 [W], the stream `packing.pack_codes` / `pack_mixed` write (code c at stream
+    bit offs[c], its width offs[c + 1] - offs[c]; a code may straddle two words), zero padding after the last."""
+    for w in range(words.shape[0]):
+        words[w] = 0
     for c in range(codes.shape[0]):
-        acc |= np.uint64(codes[c]) << np.uint64(filled)
-        filled += bits
-        if filled >= 32:
-            words[w] = np.uint32(acc & np.uint64(0xFFFFFFFF))
-            w += 1
-            acc >>= np.uint64(32)
-            filled -= 32
-    while w < words.shape[0]:  # the last partial word, then zero padding
-        words[w] = np.uint32(acc & np.uint64(0xFFFFFFFF))
-        acc = np.uint64(0)
-        w += 1
+        off = offs[c]
+        wi, sh = off >> 5, off & 31
+        v = np.uint64(codes[c]) << np.uint64(sh)
+        words[wi] |= np.uint32(v & np.uint64(0xFFFFFFFF))
+        if sh + offs[c + 1] - off > 32:
+            words[wi + 1] |= np.uint32(v >> np.uint64(32))
+
+
+@njit(cache=True, inline="always")
+def _nearest(err, mids, qi):
+    """qi[j] = the nearest level of err[j] in channel j's codebook: the count of its midpoints below err[j]
+    (mids float32 [M, C], +inf past a channel's own), counted without a branch."""
+    for j in range(err.shape[0]):
+        qi[j] = 0
+    for i in range(mids.shape[0]):
+        row = mids[i]
+        for j in range(err.shape[0]):
+            qi[j] += row[j] < err[j]
 
 
 @njit(cache=True, inline="always")
@@ -83,17 +89,18 @@ def _top(x, k, side, idx, val):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")  # no zero-division branch: scales are >= 1e-6
-def write_tokens(xk, xv, block, offset, positions, sinks, k_mids, k_levels, k_scale, k_zero, k_lo, k_hi, k_bits,
-                 key_slots, v_mids, v_levels, v_bits, v_side, r_kcodes, r_vcodes, r_sz, r_kch, r_kval, r_vch, r_vval,
+def write_tokens(xk, xv, block, offset, positions, sinks, k_mids, k_levels, k_scale, k_zero, k_lo, k_hi, k_offs,
+                 key_slots, v_mids, v_levels, v_offs, v_side, r_kcodes, r_vcodes, r_sz, r_kch, r_kval, r_vch, r_vval,
                  r_sink_k, r_sink_v, clipped):
     """Quantize tokens n < N into slot (block[n], offset[n]) of their pages; see the module docstring.
 
     Args:
         xk, xv: float32 [N, C] pre-RoPE keys and values; block, offset, positions: int64 [N].
         sinks: positions below it are stored exactly (sink area of the page).
-        k_mids, k_levels: float32 key boundaries [L - 1] and levels [L]; k_scale, k_zero: float32 [C] (fp16
-            values); k_lo, k_hi: float32 [C] calibrated range; key_slots: exact key elements per token (0: none).
-        v_mids, v_levels: the value codebook's; v_side: value outliers per side of each token (0: none).
+        k_mids, k_levels: float32 each channel's key boundaries [M, C] (+inf past its own) and levels [C, L];
+            k_scale, k_zero: float32 [C] (fp16 values); k_lo, k_hi: float32 [C] calibrated range; k_offs: int64
+            [C + 1] stream bit offsets of the codes; key_slots: exact key elements per token (0: none).
+        v_mids, v_levels, v_offs: the values'; v_side: value outliers per side of each token (0: none).
         r_*: the page regions (`layout.regions`), written.
         clipped: int64 [N], written: the token's outliers that did not get a slot.
     """
@@ -117,17 +124,13 @@ def write_tokens(xk, xv, block, offset, positions, sinks, k_mids, k_levels, k_sc
             xn = xk[n]
             for j in range(c):  # simple loops over contiguous float32 rows: LLVM vectorizes them
                 err[j] = (xn[j] - k_zero[j]) / k_scale[j]
-                qi[j] = 0
-            for i in range(k_mids.shape[0]):  # the nearest level, counted without a branch
-                m = k_mids[i]
-                for j in range(c):
-                    qi[j] += m < err[j]
+            _nearest(err, k_mids, qi)
             worst = np.float32(0.0)
             for j in range(c):
                 x = xn[j]
                 q = qi[j]
                 codes[j] = q
-                e = abs(k_levels[q] * k_scale[j] + k_zero[j] - x)
+                e = abs(k_levels[j, q] * k_scale[j] + k_zero[j] - x)
                 err[j] = e
                 past[j] = x < k_lo[j] or x > k_hi[j]
                 worst = max(worst, e)
@@ -151,7 +154,7 @@ def write_tokens(xk, xv, block, offset, positions, sinks, k_mids, k_levels, k_sc
             clipped[n] = over
             if sink:
                 codes[:] = 0
-            _pack(codes, k_bits, words_k)
+            _pack(codes, k_offs, words_k)
             for i in range(words_k.shape[0]):
                 r_kcodes[p, o, i] = words_k[i]
             # values: the token's range between its top-k outliers per side, its fp16 scale and zero-point
@@ -175,11 +178,7 @@ def write_tokens(xk, xv, block, offset, positions, sinks, k_mids, k_levels, k_sc
             xn = xv[n]
             for j in range(c):
                 err[j] = (xn[j] - zero) / scale
-                qi[j] = 0
-            for i in range(v_mids.shape[0]):
-                m = v_mids[i]
-                for j in range(c):
-                    qi[j] += m < err[j]
+            _nearest(err, v_mids, qi)
             s = 0
             for j in range(c):
                 if taken[j]:
@@ -200,27 +199,29 @@ def write_tokens(xk, xv, block, offset, positions, sinks, k_mids, k_levels, k_sc
             else:
                 r_sz[p, o, 0] = half_bits(scale)
                 r_sz[p, o, 1] = half_bits(zero)
-            _pack(codes, v_bits, words_v)
+            _pack(codes, v_offs, words_v)
             for i in range(words_v.shape[0]):
                 r_vcodes[p, o, i] = words_v[i]
 
 
 @njit(parallel=True, cache=True)
-def read_sequence(table, length, bs, sinks, k_bits, v_bits, k_lut_levels, k_scale, k_zero, v_levels, r_kcodes,
+def read_sequence(table, length, bs, sinks, k_offs, v_offs, k_levels, k_scale, k_zero, v_levels, r_kcodes,
                   r_vcodes, r_sz, r_kch, r_kval, r_vch, r_vval, r_sink_k, r_sink_v, keys, values):
     """Keys (pre-RoPE) and values float32 [T, C] of one sequence's first T = `length` tokens, read from its pages
     (`table` int [>= pages]) as `kernels.reference.dequantize_view` reconstructs them: level * scale + zero,
-    each exact element in place, the sinks whole."""
+    each exact element in place, the sinks whole. Levels float32 [C, L] per channel, codes at stream bits offs
+    [C + 1]."""
     c = keys.shape[1]
     for t in prange(length):
         p, o = table[t // bs], t % bs
         for j in range(c):
-            keys[t, j] = k_lut_levels[code_at(r_kcodes[p, o], 0, j * k_bits, k_bits)] * k_scale[j] + k_zero[j]
+            kc = code_at(r_kcodes[p, o], 0, k_offs[j], k_offs[j + 1] - k_offs[j])
+            keys[t, j] = k_levels[j, kc] * k_scale[j] + k_zero[j]
         for s in range(r_kch.shape[2]):
             keys[t, np.int64(r_kch[p, o, s])] = f16(r_kval[p, o, s])
         scale, zero = f16(r_sz[p, o, 0]), f16(r_sz[p, o, 1])
         for j in range(c):
-            values[t, j] = v_levels[code_at(r_vcodes[p, o], 0, j * v_bits, v_bits)] * scale + zero
+            values[t, j] = v_levels[j, code_at(r_vcodes[p, o], 0, v_offs[j], v_offs[j + 1] - v_offs[j])] * scale + zero
         for s in range(r_vch.shape[2]):
             values[t, np.int64(r_vch[p, o, s])] = f16(r_vval[p, o, s])
         if t < sinks:

@@ -1,0 +1,83 @@
+"""The pages a serving engine holds against the HF path's store, given the same keys and values.
+
+The vLLM backend builds each layer's pages with `ServingConfig.layout` (the served method, its key slots resolved)
+and writes into them the pre-RoPE keys and values of every new token; kvsqueeze's own cache (`cache_for`, what
+`generate` fills) stores the same method. Fed the keys and values of one forward, the two hold the same codes
+bit for bit and reconstruct the same floats, in every layer, for plain methods and for bit budgets whose layers
+have their own widths, outliers and page sizes. These run without vLLM; `make vllm-test` runs the engine itself.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvsqueeze.integrations.cache import cache_for
+from kvsqueeze.kernels.reference import dequantize_view
+from kvsqueeze.serving.settings import ServingConfig, ServingError
+
+from test_budget import _mixed
+
+
+def _captured(model, ids, cache):
+    """Each layer's pre-RoPE keys and values [T, C] (the k_proj / v_proj outputs of a LLaMA) of one forward that
+    fills `cache` (its prefill attends the quantized cache, so each layer's inputs are the cache's own)."""
+    got, hooks = {}, []
+    for i, layer in enumerate(model.model.layers):
+        for name in ("k_proj", "v_proj"):
+            hooks.append(getattr(layer.self_attn, name).register_forward_hook(
+                lambda mod, inp, out, key=(i, name): got.__setitem__(key, out[0].detach().float())))
+    try:
+        with torch.no_grad():
+            model(ids, cache=cache, use_cache=True)
+    finally:
+        for h in hooks:
+            h.remove()
+    return [(got[(i, "k_proj")], got[(i, "v_proj")]) for i in range(len(model.model.layers))]
+
+
+@pytest.mark.parametrize("method, budget", [("nuq3-1%", None), ("nuq@3:chan", 3.0), ("nuq@3.5", None)])
+def test_pages_hold_the_codes_the_hf_store_holds(tiny_llama, tiny_recipe, tmp_path, method, budget):
+    recipe = _mixed(tiny_recipe, budget) if budget else tiny_recipe
+    recipe_dir = recipe.save(tmp_path / "recipe")
+    config = ServingConfig(str(recipe_dir), method)
+    spec = config.spec
+    from kvsqueeze.methods import build_quantizers
+
+    keeps = [build_quantizers(spec, recipe, i, 32)[0].fraction > 0 for i in range(2)]
+    assert (spec.key_slots > 0) == any(keeps)  # resolved: pages hold a fixed count of exact key elements a token
+    ids = torch.randint(0, 256, (1, 45), generator=torch.Generator().manual_seed(3))
+    cache = cache_for(tiny_llama, recipe_dir, spec)
+    kv = _captured(tiny_llama, ids, cache)
+    c, d, bs, n = kv[0][0].shape[1], tiny_llama.config.head_dim, 8, ids.shape[1]
+    sizes = set()
+    for i, (k, v) in enumerate(kv):
+        layout = config.layout(i, c, d, bs)
+        sizes.add(layout.page_bytes)
+        need = -(-n // bs)
+        pages = layout.allocate(need + 2).random_(0, 256)  # garbage where no token is written
+        table = torch.randperm(need + 2, generator=torch.Generator().manual_seed(i))[:need].to(torch.int32)
+        pos = torch.arange(n)
+        slots = table[pos // bs].long() * bs + pos % bs
+        for chunk in pos.split(16):  # a prefill chunk at a time, then single decode tokens
+            layout.write(pages, slots[chunk], k[chunk], v[chunk], pos[chunk])
+        view, _ = layout.view(pages, table.view(1, -1), torch.tensor([n]))
+        store = cache.layers[i].store.view().trim()
+        for name in ("k_codes", "v_codes"):  # the packed codes, every word (a sink's codes are no code: skipped)
+            a, b = getattr(view, name)[spec.sinks:n, 0], getattr(store, name)[spec.sinks:n, 0]
+            assert a.shape == b.shape and torch.equal(a, b), (i, name)
+        assert torch.equal(view.v_scale_zero[spec.sinks:n, 0].view(torch.int16),
+                           store.v_scale_zero[spec.sinks:n, 0].view(torch.int16))
+        pk, pv = dequantize_view(view)
+        sk, sv = cache.layers[i].store.dequantize()
+        assert torch.equal(pk[:n, 0], sk[:, 0]) and torch.equal(pv[:n, 0], sv[:, 0]), i
+        assert torch.equal(layout.read(pages, table, n)[0], sk[:, 0])
+    if budget:  # the budget gives its layers different widths: pages of different sizes
+        assert len(sizes) > 1
+
+
+def test_methods_pages_cannot_hold_are_refused_with_the_fix(tiny_recipe_dir):
+    with pytest.raises(ServingError, match="fp16 window"):
+        _ = ServingConfig(str(tiny_recipe_dir), "nuq@3.5:r32:chan").spec
+    with pytest.raises(ServingError, match="per-vector"):
+        _ = ServingConfig(str(tiny_recipe_dir), "nuq3-1%:pm").spec
