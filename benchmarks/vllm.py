@@ -55,7 +55,8 @@ def _engine(py: Path, args: list[str], tmp: Path, name: str) -> dict:
         raise SystemExit(f"vLLM run {name!r} failed (log {tmp / name}.log):\n{run.stderr[-4000:]}")
     result = json.loads(out.read_text())
     result["process_seconds"] = round(time.perf_counter() - t0, 1)
-    print(f"{name}: {json.dumps({k: v for k, v in result.items() if k != 'runs'})}", flush=True)
+    print(f"{name}: {json.dumps({k: v for k, v in result.items() if k not in ('runs', 'scores', 'predicted')})}",
+          flush=True)
     return result
 
 

@@ -81,3 +81,25 @@ def test_methods_pages_cannot_hold_are_refused_with_the_fix(tiny_recipe_dir):
         _ = ServingConfig(str(tiny_recipe_dir), "nuq@3.5:r32:chan").spec
     with pytest.raises(ServingError, match="per-vector"):
         _ = ServingConfig(str(tiny_recipe_dir), "nuq3-1%:pm").spec
+
+
+@pytest.mark.parametrize("method, budget", [("nuq3-1%", None), ("nuq@3:chan", 3.0)])
+def test_a_page_holds_the_registry_s_bytes_per_token(tiny_recipe, tmp_path, method, budget):
+    """Each layer's page holds, per token, exactly the bytes the registry counts for one more token of the HF
+    store, less the key outliers' pointers (a page's slot count is fixed, so it needs none); the rest of a page
+    is its sink area and the alignment of its regions (under 16 bytes each)."""
+    from kvsqueeze.methods import family
+    from kvsqueeze.storage import Rows, total
+
+    recipe = _mixed(tiny_recipe, budget) if budget else tiny_recipe
+    config = ServingConfig(str(recipe.save(tmp_path / "recipe")), method)
+    spec, bs, c, d = config.spec, 16, 32, 16
+    for layer in range(2):
+        layout = config.layout(layer, c, d, bs)
+        a, b = (family(spec).layer_bytes(spec, recipe, layer, c, d, Rows(n)) for n in (500, 501))
+        per_token = total(b) - total(a) - (b["pointers"] - a["pointers"])
+        data = sum(r.nbytes for name, r in layout.regions.items() if not name.startswith("sink"))
+        assert data == bs * per_token
+        sink_area = sum(r.nbytes for name, r in layout.regions.items() if name.startswith("sink"))
+        assert sink_area == 2 * 2 * spec.sinks * c
+        assert 0 <= layout.page_bytes - data - sink_area < 16 * len(layout.regions)

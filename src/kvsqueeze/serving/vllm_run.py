@@ -40,6 +40,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--predict", action="store_true",
                     help="teacher-forced: for every prompt token after the first, the token the engine ranks first "
                          "given the tokens before it (prompt logprobs), written as `predicted`")
+    ap.add_argument("--score", action="store_true",
+                    help="teacher-forced scoring: for every prompt token after the first, its log-probability given "
+                         "the tokens before it and the engine's first choice there (prompt logprobs), written as "
+                         "`scores` (per prompt: `logprob`, `top1`)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
 
@@ -82,7 +86,16 @@ def main(argv: list[str] | None = None) -> None:
         for o in outs:  # position j: the engine's first choice after tokens[:j] (None for the first token)
             predicted.append([None if lp is None else next(t for t, v in lp.items() if v.rank == 1)
                               for lp in o.prompt_logprobs])
-    for _ in range(args.repeat if not args.predict else 0):
+    if args.score:
+        t1 = time.perf_counter()
+        outs = llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1), use_tqdm=False)
+        scores = []
+        for p, o in zip(prompts, outs):  # position j >= 1: log P(token j | tokens < j), and the rank-1 token there
+            lps = o.prompt_logprobs[1:]
+            scores.append({"logprob": [lp[t].logprob for t, lp in zip(p[1:], lps)],
+                           "top1": [next(t for t, v in lp.items() if v.rank == 1) for lp in lps]})
+        score_seconds = round(time.perf_counter() - t1, 2)
+    for _ in range(args.repeat if not (args.predict or args.score) else 0):
         t1 = time.perf_counter()
         outs = llm.generate(inputs, params, use_tqdm=False)
         wall = time.perf_counter() - t1
@@ -90,6 +103,7 @@ def main(argv: list[str] | None = None) -> None:
                      "generated": sum(len(o.outputs[0].token_ids) for o in outs)})
     result = {
         **({"predicted": predicted} if args.predict else {}),
+        **({"scores": scores, "score_seconds": score_seconds} if args.score else {}),
         "backend": args.backend, "model": args.model, "recipe": args.recipe, "dtype": args.dtype,
         "method": os.environ.get("KVSQUEEZE_METHOD") if args.backend == "kvsqueeze" else None,
         "block_size": cache.block_size, "num_blocks": cache.num_gpu_blocks,
@@ -102,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
         result["method"] = ServingConfig.from_env().spec.name
     with open(args.out, "w") as f:
         json.dump(result, f)
-    print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
+    print(json.dumps({k: v for k, v in result.items() if k not in ("runs", "scores", "predicted")}))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,183 @@
+"""Quality through vLLM's engine: the served method's perplexity beside the HF path's, on the same tokens.
+
+    python benchmarks/vllm_quality.py [--model smollm2-135m] [--recipe out/transfer/smollm2-135m/bbc]
+        [--method nuq@3.5:chan] [--text bbc] [--windows 8] [--length 2048] [--block-size 128]
+        [--vllm-python .venv-vllm/bin/python] [--json benchmarks/results/vllm.json]
+
+Windows of `--length` tokens spread over the evaluation text (`evaluation_windows`, as every perplexity of the
+project) are scored teacher-forced four ways, all in float32:
+
+* vLLM's engine with the kvsqueeze backend serving the method (`kvsqueeze.serving.vllm_run --score`: the
+  log-probability vLLM's `prompt_logprobs` gives each token, and its first choice there), and vLLM's engine with
+  its own backend and unquantized cache: the change in perplexity through vLLM;
+* kvsqueeze's HF path, the same method in its compressed cache (`cache_for`: the store `generate` fills), and
+  the fp16 cache: the change in perplexity with its paired 95% interval over the windows, KL divergence and
+  top-1 agreement.
+
+A bug in the pages (codes written to the wrong slot, a wrong page size, keys turned by the wrong angles, a layer
+reading another layer's pages) moves vLLM's figure far outside the HF path's interval; float rounding does not.
+Also written: the page bytes per token the engine holds (the layers' pages) beside the registry's bytes per
+token of the same method (what one more token costs the HF store), and the token slots of both engines.
+
+The results go into `--json` under `quality`, with the top-level keys `served_method`, `page_bytes_per_token`,
+`registry_bytes_per_token` and `ppl_inside_hf_interval`; the file's other measurements are kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _engine_runner():
+    """`_engine` of benchmarks/vllm.py (loaded by path: the file's name is the vllm package's)."""
+    spec = importlib.util.spec_from_file_location("vllm_benchmark", Path(__file__).parent / "vllm.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod._engine
+
+
+def token_bytes(config, layers: int, channels: int, head_dim: int, block_size: int) -> dict:
+    """Bytes per token of the served method: the layers' pages (`page_bytes / block_size`), the registry's
+    marginal count (what one more token costs the HF store, every layer), and the pages' parts that are not
+    per-token data (each page's sink area and region alignment)."""
+    from kvsqueeze.methods import family
+    from kvsqueeze.storage import Rows, total
+
+    spec, recipe = config.spec, config._recipe
+    fam = family(spec)
+    page = registry = overhead = pointers = 0.0
+    for layer in range(layers):
+        layout = config.layout(layer, channels, head_dim, block_size)
+        bs = block_size
+        page += layout.page_bytes / bs
+        data = sum(r.nbytes for name, r in layout.regions.items() if not name.startswith("sink"))
+        overhead += (layout.page_bytes - data) / bs
+        a, b = (fam.layer_bytes(spec, recipe, layer, channels, head_dim, Rows(n)) for n in (4096, 4097))
+        registry += total(b) - total(a)
+        pointers += b["pointers"] - a["pointers"]
+    return {"page_bytes_per_token": round(page, 3), "registry_bytes_per_token": round(registry, 3),
+            "page_overhead_bytes_per_token": round(overhead, 3), "registry_pointer_bytes_per_token": round(pointers, 3),
+            "page_data_equals_registry_without_pointers": bool(abs(page - overhead - (registry - pointers)) < 1e-6)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--recipe", default="out/transfer/smollm2-135m/bbc")
+    ap.add_argument("--method", default="nuq@3.5:chan")
+    ap.add_argument("--text", default="bbc")
+    ap.add_argument("--windows", type=int, default=8)
+    ap.add_argument("--length", type=int, default=2048)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    ap.add_argument("--json", default="benchmarks/results/vllm.json")
+    args = ap.parse_args(argv)
+
+    from kvsqueeze.eval.long_ppl import hidden_states, score_window
+    from kvsqueeze.eval.perplexity import paired_interval
+    from kvsqueeze.eval.texts import evaluation_windows, load_text
+    from kvsqueeze.integrations.cache import cache_for, kv_shape
+    from kvsqueeze.integrations.loading import load_model, resolve_model_path
+    from kvsqueeze.serving.settings import ServingConfig
+
+    py = Path(args.vllm_python)
+    if not py.exists():
+        raise SystemExit(f"no vLLM environment at {py}: run `make vllm-setup`")
+    recipe = str(Path(args.recipe).resolve())
+    config = ServingConfig(recipe, args.method)
+    served = config.spec.name  # what the backend serves (':kslotsN' resolved); the HF path runs the same name
+    model, tok = load_model(args.model, "float32")
+    shape = kv_shape(model.config)
+    ew = evaluation_windows(tok, load_text(args.text), args.length, args.windows)
+    windows = [w.tolist() for w in ew.ids]
+    started = time.perf_counter()
+    engine = _engine_runner()
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        (tmp / "windows.json").write_text(json.dumps(windows))
+        common = ["--model", resolve_model_path(args.model), "--dtype", "float32", "--max-model-len",
+                  str(args.length + 16), "--kv-bytes", str(1 << 30), "--block-size", str(args.block_size),
+                  "--prompts", str(tmp / "windows.json"), "--skip-tokenizer-init", "--score"]
+        ours = engine(py, [*common, "--backend", "kvsqueeze", "--recipe", recipe, "--method", served], tmp,
+                      "quality-kvsqueeze")
+        own = engine(py, [*common, "--backend", "vllm"], tmp, "quality-vllm")
+    vllm_seconds = time.perf_counter() - started
+
+    t0 = time.perf_counter()
+    hf_m, hf_f, tokens, kld, top1 = [], [], [], 0.0, 0
+    for ids in ew.ids:
+        ids = ids.view(1, -1)
+        with cache_for(model, recipe, "fp16") as cache:
+            ref = hidden_states(model, ids, cache)
+        with cache_for(model, recipe, served) as cache:
+            hid = hidden_states(model, ids, cache)
+        base, mine = score_window(model, ids, ref, ref, args.length), score_window(model, ids, hid, ref, args.length)
+        hf_f.append(sum(base.nll))
+        hf_m.append(sum(mine.nll))
+        tokens.append(sum(mine.tokens))
+        kld += mine.kld_sum
+        top1 += mine.top1
+    hf_seconds = time.perf_counter() - t0
+
+    v_m = [-sum(s["logprob"]) for s in ours["scores"]]
+    v_o = [-sum(s["logprob"]) for s in own["scores"]]
+    if [len(s["logprob"]) for s in ours["scores"]] != tokens or [len(s["logprob"]) for s in own["scores"]] != tokens:
+        raise SystemExit("vLLM scored another number of tokens than the HF path")
+    count = float(sum(tokens))
+    t = lambda xs: torch.tensor(xs, dtype=torch.float64)  # noqa: E731
+    change = lambda a, b: 100 * math.expm1((sum(a) - sum(b)) / count)  # noqa: E731
+    ci = paired_interval(t(hf_m), t(hf_f), t(tokens))
+    hf_delta, vllm_delta = change(hf_m, hf_f), change(v_m, v_o)
+    agree = sum(a == b for s, r in zip(ours["scores"], own["scores"]) for a, b in zip(s["top1"], r["top1"]))
+    inside = ci is not None and ci[0] <= vllm_delta <= ci[1]
+    sizes = token_bytes(config, shape.layers, shape.channels, shape.head_dim, args.block_size)
+    quality = {
+        "machine": machine(), "model": args.model, "recipe": args.recipe, "method": args.method,
+        "served_method": served, "text": f"{args.text}, evaluation part", "windows": len(windows),
+        "window_tokens": args.length, "tokens_scored": int(count), "block_size": args.block_size, "dtype": "float32",
+        "hf": {"ppl_fp16": round(math.exp(sum(hf_f) / count), 4), "ppl": round(math.exp(sum(hf_m) / count), 4),
+               "delta_pct": round(hf_delta, 3), "ci95": None if ci is None else [round(x, 3) for x in ci],
+               "kld_mean": round(kld / count, 5), "top1_vs_fp16": round(top1 / count, 4),
+               "seconds": round(hf_seconds, 1)},
+        "vllm": {"ppl_own_backend": round(math.exp(sum(v_o) / count), 4),
+                 "ppl": round(math.exp(sum(v_m) / count), 4), "delta_pct": round(vllm_delta, 3),
+                 "top1_vs_own_backend": round(agree / count, 4), "kv_tokens": ours["kv_tokens"],
+                 "kv_tokens_own_backend_float32": own["kv_tokens"], "seconds": round(vllm_seconds, 1)},
+        "vllm_own_over_hf_fp16_ppl": round(math.exp((sum(v_o) - sum(hf_f)) / count), 5),
+        "vllm_over_hf_ppl": round(math.exp((sum(v_m) - sum(hf_m)) / count), 5),
+        "ppl_inside_hf_interval": inside,
+        **sizes,
+        "kld_through_vllm": "not measured: vLLM's prompt_logprobs return the top-k of each position, not the whole "
+                            "distribution KL divergence needs",
+        "how": "vllm.delta_pct: vLLM with the kvsqueeze backend against vLLM with its own unquantized float32 cache, "
+               "token for token; hf.delta_pct: kvsqueeze's compressed cache against the fp16 cache on the same "
+               "windows, with its paired 95% interval over windows (paired_interval)",
+    }
+    out = Path(args.json)
+    result = json.loads(out.read_text()) if out.is_file() else {}
+    result["quality"] = quality
+    result.update({"served_method": served, "page_bytes_per_token": sizes["page_bytes_per_token"],
+                   "registry_bytes_per_token": sizes["registry_bytes_per_token"], "ppl_inside_hf_interval": inside})
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(quality, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
