@@ -1,0 +1,103 @@
+"""Capacity turned into throughput: a queue of long requests in a KV space vLLM's own cache holds only a few of.
+
+    python benchmarks/vllm_capacity.py [--model smollm2-135m] [--recipe out/transfer/smollm2-135m/bbc]
+        [--method nuq@3.5:chan] [--fit 2] [--queue 8] [--prompt-tokens 2048] [--new-tokens 128]
+        [--block-size 128] [--json benchmarks/results/vllm.json]
+
+The KV space is sized so that vLLM's own bfloat16 cache holds `--fit` requests of `--prompt-tokens` +
+`--new-tokens` tokens at once (plus one block); `--queue` such requests (prompts cut from the BBC evaluation text,
+greedy) are submitted at once to each engine in turn, bfloat16: vLLM with its default CPU backend, then with the
+kvsqueeze backend serving the method, whose pages hold several times more tokens in the same bytes. vLLM's
+scheduler runs what fits and queues (or preempts, and later recomputes) the rest. Written: requests per second
+of each engine over the whole queue and their ratio (`capacity_bound_ratio`), the token slots each engine's
+allocator reports for the space (`capacity_ratio`), and every engine's log under `capacity_bound` in `--json`
+(the file's other measurements are kept).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from common import machine  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--recipe", default="out/transfer/smollm2-135m/bbc")
+    ap.add_argument("--method", default="nuq@3.5:chan")
+    ap.add_argument("--fit", type=int, default=2, help="requests vLLM's own bfloat16 cache holds at once")
+    ap.add_argument("--queue", type=int, default=8)
+    ap.add_argument("--prompt-tokens", type=int, default=2048)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    ap.add_argument("--json", default="benchmarks/results/vllm.json")
+    args = ap.parse_args(argv)
+
+    from kvsqueeze.eval.texts import load_text
+    from kvsqueeze.integrations.cache import kv_shape
+    from kvsqueeze.integrations.loading import load_model, resolve_model_path
+    from kvsqueeze.serving.settings import ServingConfig
+
+    py = Path(args.vllm_python)
+    if not py.exists():
+        raise SystemExit(f"no vLLM environment at {py}: run `make vllm-setup`")
+    spec_ = importlib.util.spec_from_file_location("vllm_benchmark", Path(__file__).parent / "vllm.py")
+    bench = importlib.util.module_from_spec(spec_)
+    spec_.loader.exec_module(bench)
+    recipe = str(Path(args.recipe).resolve())
+    served = ServingConfig(recipe, args.method).spec.name
+    model, tok = load_model(args.model, "float32")
+    shape = kv_shape(model.config)
+    per_request = args.prompt_tokens + args.new_tokens
+    blocks = -(-per_request // args.block_size)
+    bf16_block = 2 * 2 * shape.channels * shape.layers * args.block_size  # keys and values, 2 bytes each
+    kv_bytes = (args.fit * blocks + 1) * bf16_block
+    ids = tok(load_text("bbc").evaluation, add_special_tokens=False).input_ids
+    queue = [ids[(20 + i) * args.prompt_tokens:(21 + i) * args.prompt_tokens] for i in range(args.queue)]
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmpdir:
+        tmp = Path(tmpdir)
+        (tmp / "queue.json").write_text(json.dumps(queue))
+        common = ["--model", resolve_model_path(args.model), "--dtype", "bfloat16", "--max-model-len",
+                  str(per_request + 16), "--kv-bytes", str(kv_bytes), "--block-size", str(args.block_size),
+                  "--prompts", str(tmp / "queue.json"), "--max-tokens", str(args.new_tokens),
+                  "--skip-tokenizer-init"]
+        for name, backend in (("vllm", ["--backend", "vllm"]),
+                              ("kvsqueeze", ["--backend", "kvsqueeze", "--recipe", recipe, "--method", served])):
+            runs[name] = bench._engine(py, [*common, *backend], tmp, f"capacity-{name}")
+    rate = {k: args.queue / r["runs"][0]["seconds"] for k, r in runs.items()}
+    result = {
+        "machine": machine(), "model": args.model, "recipe": args.recipe, "served_method": served,
+        "dtype": "bfloat16", "kv_space_bytes": kv_bytes, "block_size": args.block_size,
+        "requests": args.queue, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
+        "kv_tokens": {k: r["kv_tokens"] for k, r in runs.items()},
+        "requests_at_once": {k: r["kv_tokens"] // (blocks * args.block_size) for k, r in runs.items()},
+        "seconds": {k: r["runs"][0]["seconds"] for k, r in runs.items()},
+        "requests_per_s": {k: round(v, 4) for k, v in rate.items()},
+        "how": "the queue submitted at once to each engine (offline LLM.generate), wall time until every request "
+               "finished; the KV space holds `fit` whole requests in vLLM's own bfloat16 cache",
+    }
+    out = Path(args.json)
+    whole = json.loads(out.read_text()) if out.is_file() else {}
+    whole["capacity_bound"] = result
+    whole["capacity_bound_ratio"] = round(rate["kvsqueeze"] / rate["vllm"], 3)
+    whole["capacity_ratio"] = round(runs["kvsqueeze"]["kv_tokens"] / runs["vllm"]["kv_tokens"], 3)
+    out.write_text(json.dumps(whole, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+    print("capacity_bound_ratio", whole["capacity_bound_ratio"], "capacity_ratio", whole["capacity_ratio"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
