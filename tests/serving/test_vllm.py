@@ -147,6 +147,21 @@ def test_vllm_refuses_a_recipe_of_another_model(tiny_model_dir, tmp_path):
     assert "belongs to another model" in run.stdout + run.stderr and "kvsqueeze calibrate" in run.stdout + run.stderr
 
 
+def test_vllm_refuses_tensor_parallelism_naming_why(tiny_model_dir, tiny_recipe_dir, tmp_path):
+    """With --tensor-parallel-size 2 each rank holds one of the tiny model's two KV heads; a token's values are
+    quantized over both at once, so the backend refuses before serving anything, and says what to do."""
+    pf = tmp_path / "p.json"
+    pf.write_text(json.dumps([[1, 2, 3]]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
+    env.update(VLLM_CPU_OMP_THREADS_BIND="nobind")
+    run = subprocess.run([str(VLLM_PYTHON), "-m", "kvsqueeze.serving.vllm_run", "--model", str(tiny_model_dir),
+                          "--recipe", str(tiny_recipe_dir), "--prompts", str(pf), "--max-model-len", "256",
+                          "--kv-bytes", str(64 << 20), "--skip-tokenizer-init", "--tensor-parallel-size", "2",
+                          "--out", str(tmp_path / "o.json")], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode != 0
+    assert "--tensor-parallel-size 1" in run.stdout + run.stderr, (run.stdout + run.stderr)[-3000:]
+
+
 def test_the_plugin_is_registered_for_vllm():
     """The installed entry point is what vLLM's plugin loader reads (group vllm.general_plugins)."""
     out = subprocess.run([str(VLLM_PYTHON), "-c", "from importlib.metadata import entry_points; "

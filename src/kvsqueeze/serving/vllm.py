@@ -26,8 +26,9 @@ What the backend does, per layer and step:
   That is what kvsqueeze's own HF path computes: its prefill also attends the quantized cache. Pages in CPU
   memory are written and read by numba kernels (`kvsqueeze.kernels.numba.pages`), loaded at start-up.
 
-Refused at start-up with the reason: sliding windows, ALiBi, learned attention sinks, encoder attention, KV
-sharing across layers, interleaved (GPT-J) RoPE, RoPE scalings whose frequencies change with the length.
+Refused at start-up with the reason: tensor parallelism (values are quantized per token over all KV heads),
+sliding windows, ALiBi, learned attention sinks, encoder attention, KV sharing across layers, interleaved (GPT-J)
+RoPE, RoPE scalings whose frequencies change with the length.
 """
 
 from __future__ import annotations
@@ -280,6 +281,13 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         if refused:
             raise ServingError(f"{hf.model_type}: the kvsqueeze backend does not serve {', '.join(refused)}; serve "
                                "this model with vLLM's own backend")
+        tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
+        if tp > 1:
+            raise ServingError(f"{hf.model_type}: --tensor-parallel-size {tp} gives each rank {self.num_kv_heads} of "
+                               f"the model's {hf.num_key_value_heads} KV heads, and kvsqueeze quantizes each token's "
+                               "values over all its KV heads at once (one scale, zero-point and top-k outliers per "
+                               "token): a rank cannot store what the method stores. Serve with "
+                               "--tensor-parallel-size 1 (pipeline parallelism splits layers and is not affected)")
         self.config = ServingConfig.from_env()
         _ = self.config.spec  # a bad method fails here, before any weight is loaded
         self.config.check_model(int(hf.num_hidden_layers), self.num_kv_heads, head_size)

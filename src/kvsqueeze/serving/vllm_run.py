@@ -35,6 +35,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=None, help="small values force chunked prefill")
     ap.add_argument("--kv-bytes", type=int, default=1 << 30, help="KV cache space in bytes")
     ap.add_argument("--no-prefix-caching", action="store_true")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--repeat", type=int, default=1, help="run the prompts this many times (prefix hits)")
     ap.add_argument("--skip-tokenizer-init", action="store_true", help="token-id prompts only: load no tokenizer")
     ap.add_argument("--predict", action="store_true",
@@ -68,6 +69,8 @@ def main(argv: list[str] | None = None) -> None:
                   kv_cache_memory_bytes=args.kv_bytes, enable_prefix_caching=not args.no_prefix_caching, seed=0)
     if args.block_size:
         kwargs["block_size"] = args.block_size
+    if args.tensor_parallel_size > 1:
+        kwargs["tensor_parallel_size"] = args.tensor_parallel_size
     if args.skip_tokenizer_init:
         kwargs["skip_tokenizer_init"] = True
     if args.max_num_batched_tokens:
