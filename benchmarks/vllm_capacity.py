@@ -17,46 +17,29 @@ allocator reports for the space (`capacity_ratio`), and every engine's log under
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-
+from common import machine, merge_json, serving_arguments, serving_setup, vllm_engine  # noqa: E402
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--recipe", default="out/transfer/smollm2-135m/bbc")
-    ap.add_argument("--method", default="nuq@3.5:chan")
+    serving_arguments(ap)
     ap.add_argument("--fit", type=int, default=2, help="requests vLLM's own bfloat16 cache holds at once")
     ap.add_argument("--queue", type=int, default=8)
     ap.add_argument("--prompt-tokens", type=int, default=2048)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
-    ap.add_argument("--json", default="benchmarks/results/vllm.json")
     args = ap.parse_args(argv)
 
     from kvsqueeze.eval.texts import load_text
     from kvsqueeze.integrations.cache import kv_shape
     from kvsqueeze.integrations.loading import load_model, resolve_model_path
-    from kvsqueeze.serving.settings import ServingConfig
 
-    py = Path(args.vllm_python)
-    if not py.exists():
-        raise SystemExit(f"no vLLM environment at {py}: run `make vllm-setup`")
-    spec_ = importlib.util.spec_from_file_location("vllm_benchmark", Path(__file__).parent / "vllm.py")
-    bench = importlib.util.module_from_spec(spec_)
-    spec_.loader.exec_module(bench)
-    recipe = str(Path(args.recipe).resolve())
-    served = ServingConfig(recipe, args.method).spec.name
+    py, recipe, served = serving_setup(args)
     model, tok = load_model(args.model, "float32")
     shape = kv_shape(model.config)
     per_request = args.prompt_tokens + args.new_tokens
@@ -75,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
                   "--skip-tokenizer-init"]
         for name, backend in (("vllm", ["--backend", "vllm"]),
                               ("kvsqueeze", ["--backend", "kvsqueeze", "--recipe", recipe, "--method", served])):
-            runs[name] = bench._engine(py, [*common, *backend], tmp, f"capacity-{name}")
+            runs[name] = vllm_engine(py, [*common, *backend], tmp, f"capacity-{name}")
     rate = {k: args.queue / r["runs"][0]["seconds"] for k, r in runs.items()}
     result = {
         "machine": machine(), "model": args.model, "recipe": args.recipe, "served_method": served,
@@ -88,12 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         "how": "the queue submitted at once to each engine (offline LLM.generate), wall time until every request "
                "finished; the KV space holds `fit` whole requests in vLLM's own bfloat16 cache",
     }
-    out = Path(args.json)
-    whole = json.loads(out.read_text()) if out.is_file() else {}
-    whole["capacity_bound"] = result
-    whole["capacity_bound_ratio"] = round(rate["kvsqueeze"] / rate["vllm"], 3)
-    whole["capacity_ratio"] = round(runs["kvsqueeze"]["kv_tokens"] / runs["vllm"]["kv_tokens"], 3)
-    out.write_text(json.dumps(whole, indent=1) + "\n")
+    whole = merge_json(args.json, capacity_bound=result,
+                       capacity_bound_ratio=round(rate["kvsqueeze"] / rate["vllm"], 3),
+                       capacity_ratio=round(runs["kvsqueeze"]["kv_tokens"] / runs["vllm"]["kv_tokens"], 3))
     print(json.dumps(result, indent=1))
     print("capacity_bound_ratio", whole["capacity_bound_ratio"], "capacity_ratio", whole["capacity_ratio"])
     return 0

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures as cf
-import importlib.util
 import json
 import random
 import re
@@ -39,17 +38,9 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine  # noqa: E402
+from common import machine, merge_json, openai_server, serving_arguments, serving_setup  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT = 900  # seconds a request may take (queued behind the others included)
-
-
-def _vllm_benchmark():
-    spec = importlib.util.spec_from_file_location("vllm_benchmark", Path(__file__).parent / "vllm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def _post(port: int, body: dict, stream: bool = False):
@@ -109,9 +100,7 @@ def probe_usage(port: int, prompt: list[int]) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--recipe", default="out/transfer/smollm2-135m/bbc")
-    ap.add_argument("--method", default="nuq@3.5:chan")
+    serving_arguments(ap)
     ap.add_argument("--requests", type=int, default=200)
     ap.add_argument("--clients", type=int, default=24)
     ap.add_argument("--cancel", type=float, default=0.1)
@@ -120,19 +109,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--subset", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
-    ap.add_argument("--json", default="benchmarks/results/vllm.json")
     args = ap.parse_args(argv)
 
     from kvsqueeze.eval.texts import load_text
     from kvsqueeze.integrations.loading import load_model, resolve_model_path
-    from kvsqueeze.serving.settings import ServingConfig
 
-    py = Path(args.vllm_python)
-    if not py.exists():
-        raise SystemExit(f"no vLLM environment at {py}: run `make vllm-setup`")
-    recipe = str(Path(args.recipe).resolve())
-    served = ServingConfig(recipe, args.method).spec.name
+    py, recipe, served = serving_setup(args)
     _, tok = load_model(args.model, "float32")
     ids = tok(load_text("bbc").evaluation, add_special_tokens=False).input_ids
     rng = random.Random(args.seed)
@@ -149,9 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     subset = [i for i, p in enumerate(plan) if not p["cancel"]][:: max(1, args.requests // max(1, args.subset))]
     subset = subset[:args.subset]
 
-    bench = _vllm_benchmark()
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmpdir, bench.openai_server(
+    with tempfile.TemporaryDirectory() as tmpdir, openai_server(
             py, resolve_model_path(args.model), recipe, served, Path(tmpdir) / "serve.log", "--max-model-len",
             str(args.max_model_len), "--kv-cache-memory-bytes", str(args.kv_mib << 20)) as (port, boot):
         probe = ids[500:540]
@@ -224,13 +205,9 @@ def main(argv: list[str] | None = None) -> int:
                "to the idle server; subset_differences: each one's first differing token and the gap between the two "
                "choices' log-probabilities given the same prefix on the idle server",
     }
-    out = Path(args.json)
-    whole = json.loads(out.read_text()) if out.is_file() else {}
-    whole["load_test"] = result
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(whole, indent=1) + "\n")
+    merge_json(args.json, load_test=result)
     print(json.dumps(result, indent=1))
-    print(f"wrote {out}")
+    print(f"wrote {args.json}")
     return 0 if not errors and result["pages_freed"] else 1
 
 

@@ -26,7 +26,6 @@ The results go into `--json` under `quality`, with the top-level keys `served_me
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import sys
@@ -37,18 +36,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine  # noqa: E402
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _engine_runner():
-    """`_engine` of benchmarks/vllm.py (loaded by path: the file's name is the vllm package's)."""
-    spec = importlib.util.spec_from_file_location("vllm_benchmark", Path(__file__).parent / "vllm.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod._engine
-
+from common import machine, merge_json, serving_arguments, serving_setup, vllm_engine  # noqa: E402
 
 def token_bytes(config, layers: int, channels: int, head_dim: int, block_size: int) -> dict:
     """Bytes per token of the served method: the layers' pages (`page_bytes / block_size`), the registry's
@@ -76,15 +64,11 @@ def token_bytes(config, layers: int, channels: int, head_dim: int, block_size: i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--recipe", default="out/transfer/smollm2-135m/bbc")
-    ap.add_argument("--method", default="nuq@3.5:chan")
+    serving_arguments(ap)
     ap.add_argument("--text", default="bbc")
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=128)
-    ap.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
-    ap.add_argument("--json", default="benchmarks/results/vllm.json")
     args = ap.parse_args(argv)
 
     from kvsqueeze.eval.long_ppl import hidden_states, score_window
@@ -94,27 +78,22 @@ def main(argv: list[str] | None = None) -> int:
     from kvsqueeze.integrations.loading import load_model, resolve_model_path
     from kvsqueeze.serving.settings import ServingConfig
 
-    py = Path(args.vllm_python)
-    if not py.exists():
-        raise SystemExit(f"no vLLM environment at {py}: run `make vllm-setup`")
-    recipe = str(Path(args.recipe).resolve())
-    config = ServingConfig(recipe, args.method)
-    served = config.spec.name  # what the backend serves (':kslotsN' resolved); the HF path runs the same name
+    py, recipe, served = serving_setup(args)  # `served`: ':kslotsN' resolved; the HF path runs the same name
+    config = ServingConfig(recipe, served)
     model, tok = load_model(args.model, "float32")
     shape = kv_shape(model.config)
     ew = evaluation_windows(tok, load_text(args.text), args.length, args.windows)
     windows = [w.tolist() for w in ew.ids]
     started = time.perf_counter()
-    engine = _engine_runner()
     with tempfile.TemporaryDirectory() as tmpdir:
         tmp = Path(tmpdir)
         (tmp / "windows.json").write_text(json.dumps(windows))
         common = ["--model", resolve_model_path(args.model), "--dtype", "float32", "--max-model-len",
                   str(args.length + 16), "--kv-bytes", str(1 << 30), "--block-size", str(args.block_size),
                   "--prompts", str(tmp / "windows.json"), "--skip-tokenizer-init", "--score"]
-        ours = engine(py, [*common, "--backend", "kvsqueeze", "--recipe", recipe, "--method", served], tmp,
+        ours = vllm_engine(py, [*common, "--backend", "kvsqueeze", "--recipe", recipe, "--method", served], tmp,
                       "quality-kvsqueeze")
-        own = engine(py, [*common, "--backend", "vllm"], tmp, "quality-vllm")
+        own = vllm_engine(py, [*common, "--backend", "vllm"], tmp, "quality-vllm")
     vllm_seconds = time.perf_counter() - started
 
     t0 = time.perf_counter()
@@ -167,15 +146,10 @@ def main(argv: list[str] | None = None) -> int:
                "token for token; hf.delta_pct: kvsqueeze's compressed cache against the fp16 cache on the same "
                "windows, with its paired 95% interval over windows (paired_interval)",
     }
-    out = Path(args.json)
-    result = json.loads(out.read_text()) if out.is_file() else {}
-    result["quality"] = quality
-    result.update({"served_method": served, "page_bytes_per_token": sizes["page_bytes_per_token"],
-                   "registry_bytes_per_token": sizes["registry_bytes_per_token"], "ppl_inside_hf_interval": inside})
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=1) + "\n")
+    merge_json(args.json, quality=quality, served_method=served, page_bytes_per_token=sizes["page_bytes_per_token"],
+               registry_bytes_per_token=sizes["registry_bytes_per_token"], ppl_inside_hf_interval=inside)
     print(json.dumps(quality, indent=1))
-    print(f"wrote {out}")
+    print(f"wrote {args.json}")
     return 0
 
 

@@ -1,0 +1,44 @@
+"""The serving benchmarks' shared pieces (benchmarks/common.py) and the byte count vllm_quality.py reports."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from conftest import load_benchmark
+
+
+def test_each_serving_benchmark_writes_its_part_and_keeps_the_others(tmp_path):
+    common = load_benchmark("common")
+    out = tmp_path / "vllm.json"
+    out.write_text(json.dumps({"capacity_ratio": 4.1, "quality": {"old": 1}}))
+    whole = common.merge_json(out, load_test={"errors": 0}, quality={"new": 2})
+    assert whole == json.loads(out.read_text())
+    assert whole == {"capacity_ratio": 4.1, "quality": {"new": 2}, "load_test": {"errors": 0}}
+
+
+def test_serving_setup_refuses_a_missing_vllm_environment_and_resolves_the_served_name(tmp_path, tiny_recipe_dir):
+    common = load_benchmark("common")
+    ap = argparse.ArgumentParser()
+    common.serving_arguments(ap)
+    args = ap.parse_args(["--recipe", str(tiny_recipe_dir), "--method", "nuq3-1%",
+                          "--vllm-python", str(tmp_path / "none" / "python")])
+    with pytest.raises(SystemExit, match="make vllm-setup"):
+        common.serving_setup(args)
+    args.vllm_python = __import__("sys").executable
+    py, recipe, served = common.serving_setup(args)
+    assert served == "nuq3-1%:kslots6" and recipe == str(tiny_recipe_dir.resolve())
+
+
+def test_page_bytes_reported_are_the_layouts_and_the_registry_s(tiny_recipe_dir):
+    from kvsqueeze.serving.settings import ServingConfig
+
+    quality = load_benchmark("vllm_quality")
+    config = ServingConfig(str(tiny_recipe_dir), "nuq3-1%")
+    sizes = quality.token_bytes(config, layers=2, channels=32, head_dim=16, block_size=16)
+    pages = sum(config.layout(layer, 32, 16, 16).page_bytes for layer in range(2)) / 16
+    assert sizes["page_bytes_per_token"] == pages
+    assert sizes["page_data_equals_registry_without_pointers"]
+    assert sizes["registry_bytes_per_token"] > sizes["page_bytes_per_token"] - sizes["page_overhead_bytes_per_token"]
