@@ -310,8 +310,8 @@ def vllm(data: dict) -> str:
         f"| the same, both generating on their own | {data['tokens_equal_free_running']} of "
         f"{data['tokens_compared']} | – | position by position: after a first difference the texts differ |",
         f"| token slots in {cap['kv_bytes'] / 2**30:g} GiB of KV space | {cap['kvsqueeze_tokens']:,} "
-        f"| {cap['vllm_tokens']:,} | {data['capacity_ratio']:.2f}x, model in {cap['dtype']}, blocks of "
-        f"{cap['block_size']} |",
+        f"| {cap['vllm_tokens']:,} | {cap['kvsqueeze_tokens'] / cap['vllm_tokens']:.2f}x, model in {cap['dtype']}, "
+        f"blocks of {cap['block_size']} |",
         f"| output tokens/s, {th['concurrent']} concurrent requests of {th['prompt_tokens']} tokens | "
         f"{th['kvsqueeze_tokens_per_s']:.2f} | {th['vllm_tokens_per_s']:.2f} | {th['ratio']:.2f}x, "
         f"{th['new_tokens']} new tokens each, prefill included, {th['dtype']} |",
