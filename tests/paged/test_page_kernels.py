@@ -225,3 +225,48 @@ def test_in_place_views_are_checked_and_odd_block_sizes_are_gathered():
         ref.view(pages, table[:, :0], torch.tensor([5]))
     with pytest.raises(ValueError, match="sequences of"):
         ref.view(pages, table, torch.tensor([0]))
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[4], CASES[6]])
+@pytest.mark.parametrize("extra", [48, None])
+def test_pages_a_block_stride_apart_hold_and_give_what_contiguous_pages_do(case, extra):
+    """An engine with a block-outermost KV layout puts a layer's pages a block stride apart (its blocks hold the
+    other layers' pages between them): writing, reading, gathering and attending in place over such pages give
+    the contiguous pages' bytes and floats, with either page kernel, and leave the bytes between pages alone."""
+    ref, fast = _pair(*case, seed=11)
+    c, d, bs = case[0], case[1], case[6]
+    lens = [2 * bs + 3, 1, bs]
+    seqs, table, n_pages = _sequences(ref, lens, seed=12)
+    stride = ref.page_bytes + extra if extra else 2 * ref.page_bytes
+    q = torch.randn(len(lens), 2 * (c // d), d, generator=torch.Generator().manual_seed(13))
+    rope, lens_t = Rope.default(d), torch.tensor(lens)
+    for layout in (ref, fast):
+        flat = layout.allocate(n_pages)
+        apart = layout.allocate(n_pages, block_stride=stride)
+        assert apart.stride(0) == stride and apart.shape == flat.shape
+        for k, v, slots, pos in seqs:
+            assert layout.write(flat, slots, k, v, pos) == layout.write(apart, slots, k, v, pos)
+        assert torch.equal(flat, apart)  # page by page
+        gaps = apart.as_strided((n_pages - 1, stride - layout.page_bytes), (stride, 1), layout.page_bytes)
+        assert not bool(gaps.any())  # the bytes between pages: never written
+        for b, n in enumerate(lens):
+            for got, want in zip(layout.read(apart, table[b], n), layout.read(flat, table[b], n)):
+                assert torch.equal(got, want)
+        (v1, m1), (v2, m2) = layout.view(flat, table, lens_t), layout.view(apart, table, lens_t)
+        assert torch.equal(m1, m2) and torch.equal(v1.k_codes, v2.k_codes) and torch.equal(v1.v_codes, v2.v_codes)
+        want = decode_attention(q, v1, rope, d**-0.5, key_mask=m1, backend="reference")
+        paged, mask = layout.view(apart, table, lens_t, in_place=True)
+        torch.testing.assert_close(decode_attention(q, paged, rope, d**-0.5, key_mask=mask, backend="numba"), want,
+                                   rtol=2e-4, atol=2e-5)
+        torch.testing.assert_close(decode_attention(q, paged, rope, d**-0.5, key_mask=mask, backend="reference"),
+                                   want, rtol=1e-6, atol=1e-7)
+
+
+def test_pages_not_evenly_apart_or_misaligned_are_refused():
+    layout = _pair(*CASES[0])[0]
+    with pytest.raises(ValueError, match="block_stride"):
+        layout.allocate(3, block_stride=layout.page_bytes + 8)
+    raw = torch.zeros(4 * layout.page_bytes + 16, dtype=torch.uint8)
+    shifted = raw[8:8 + 3 * layout.page_bytes].view(3, layout.page_bytes)  # pages off 16-byte alignment
+    with pytest.raises(ValueError, match="aligned"):
+        layout.write(shifted, torch.tensor([0]), torch.randn(1, 64), torch.randn(1, 64), torch.tensor([0]))

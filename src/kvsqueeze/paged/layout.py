@@ -233,7 +233,7 @@ class PageLayout:
         """numpy views of every region of the buffer, in `_REGION_ORDER`; kept for the buffer an engine hands every
         step (while they are kept, the memory they view stays allocated: a buffer at the same address and of the
         same size is that memory)."""
-        key = (pages.data_ptr(), pages.shape[0])
+        key = (pages.data_ptr(), pages.shape[0], pages.stride(0))
         hit = getattr(self, "_np_views", None)
         if hit is None or hit[0] != key:
             hit = self._np_views = (key, {name: _numpy(self.region(pages, name)) for name in self._REGION_ORDER})
@@ -246,15 +246,36 @@ class PageLayout:
         raw = pages.view(n, self.page_bytes)[:, r.offset:r.offset + r.nbytes]
         return raw.view(r.dtype).view(n, *r.shape)
 
-    def allocate(self, num_blocks: int, device: torch.device | str = "cpu") -> torch.Tensor:
-        """A zeroed buffer of `num_blocks` pages, uint8 [num_blocks, page_bytes] (what an engine allocates)."""
-        return torch.zeros(num_blocks, self.page_bytes, dtype=torch.uint8, device=device)
+    def allocate(self, num_blocks: int, device: torch.device | str = "cpu", block_stride: int | None = None
+                 ) -> torch.Tensor:
+        """A zeroed buffer of `num_blocks` pages, uint8 [num_blocks, page_bytes] (what an engine allocates); with
+        `block_stride`, each page starts that many bytes after the one before (an engine whose blocks hold other
+        layers' pages too: a block-outermost KV layout), the bytes between them not this layout's."""
+        if block_stride is None:
+            return torch.zeros(num_blocks, self.page_bytes, dtype=torch.uint8, device=device)
+        if block_stride < self.page_bytes or block_stride % ALIGN:
+            raise ValueError(f"block_stride must be a multiple of {ALIGN} bytes of at least the page's "
+                             f"{self.page_bytes}, got {block_stride}")
+        whole = torch.zeros(max(0, num_blocks - 1) * block_stride + self.page_bytes, dtype=torch.uint8, device=device)
+        return whole.as_strided((num_blocks, self.page_bytes), (block_stride, 1))
 
     def _check_pages(self, pages: torch.Tensor) -> None:
-        if pages.dtype not in (torch.uint8, torch.int8) or pages.dim() != 2 or pages.shape[1] != self.page_bytes \
-                or not pages.is_contiguous():
-            raise ValueError(f"pages must be a contiguous uint8 [num_blocks, {self.page_bytes}] buffer, got "
-                             f"{pages.dtype} {tuple(pages.shape)}")
+        """uint8 [num_blocks, page_bytes], each page contiguous and on 16 bytes, pages evenly apart (contiguous, or
+        a block stride apart)."""
+        ok = pages.dtype in (torch.uint8, torch.int8) and pages.dim() == 2 and pages.shape[1] == self.page_bytes
+        if ok and pages.numel():
+            ok = (pages.stride(1) == 1 and pages.stride(0) >= self.page_bytes and pages.stride(0) % ALIGN == 0
+                  and pages.storage_offset() % ALIGN == 0)
+        if not ok:
+            raise ValueError(f"pages must be a uint8 [num_blocks, {self.page_bytes}] buffer, each page contiguous "
+                             f"and the pages {ALIGN}-byte aligned and evenly apart, got {pages.dtype} "
+                             f"{tuple(pages.shape)} with strides {tuple(pages.stride())}")
+
+    def _flat(self, pages: torch.Tensor) -> torch.Tensor:
+        """The buffer as one run of bytes from its first page's start to its last page's end (pages a block stride
+        apart: the bytes between them included, never addressed)."""
+        n, stride = pages.shape[0], pages.stride(0)
+        return pages.as_strided(((n - 1) * stride + self.page_bytes,), (1,))
 
     # ---- writing -------------------------------------------------------------------------
     def write(self, pages: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -421,13 +442,13 @@ class PageLayout:
         tok = torch.arange(t, device=dev)
         slots = table[:, tok // bs] * bs + tok % bs  # [B, T]
         slots = torch.where(mask, slots, table[:, :1] * bs).to(torch.int32).contiguous()
-        flat = pages.view(-1)
+        flat = self._flat(pages)
         words, halves = flat.view(torch.int32), flat.view(torch.float16)
         page, width, offset = [], [], []
         for name in ARRAYS:  # in elements of the array's dtype: int32 codes, 16-bit everything else
             r = self.regions[name]
             size = r.dtype.itemsize
-            page.append(self.page_bytes // size)
+            page.append(pages.stride(0) // size)  # from one page to the next: the page, or the block stride
             width.append(r.shape[1])
             offset.append(r.offset // size)
         rows = Rows(slots, bs.bit_length() - 1, tuple(page), tuple(width), tuple(offset))
