@@ -8,7 +8,7 @@ import torch
 from conftest import random_ids
 from kvsqueeze.methods.budget import allocate, allocate_channels
 from kvsqueeze.integrations.cache import cache_for
-from kvsqueeze.integrations.kivi import mixed_attention
+from kvsqueeze.kernels.mixed import mixed_attention
 from kvsqueeze.integrations.simulate import SimulatedQuantization
 from conftest import layer_bits as storage_bits
 from kvsqueeze.methods import MethodError, average_bits, parse_method

@@ -29,17 +29,6 @@ ATTN_NAME = "kvsqueeze"  # falls through to SDPA
 EAGER_NAME = "kvsqueeze_eager"  # falls through to the model family's eager attention
 
 
-def causal_bool_mask(attention_mask, q_len: int, k_len: int, device) -> torch.Tensor:
-    """Bool mask [B or 1, 1, q_len, k_len] (True = attend) from whatever the mask interface produced."""
-    if attention_mask is not None and attention_mask.dtype == torch.bool:
-        return attention_mask[..., -k_len:]
-    qpos = torch.arange(k_len - q_len, k_len, device=device)
-    mask = (torch.arange(k_len, device=device)[None, :] <= qpos[:, None])[None, None]
-    if attention_mask is not None:  # additive float mask
-        mask = mask & (attention_mask[..., -k_len:] > torch.finfo(attention_mask.dtype).min / 2)
-    return mask
-
-
 # handler(module, query, key, value, attention_mask, scaling, **kwargs) -> (output, weights), or None to pass
 _HANDLERS: list[Callable] = []
 

@@ -31,7 +31,8 @@ import contextlib
 import torch
 
 from ..kernels import Backend, decode_attention, resolve_backend
-from .attention import causal_bool_mask, register_handler, switch_attention
+from ..kernels.mixed import causal_bool_mask
+from .attention import register_handler, switch_attention
 from .layers import MARKER, CompressedLayer
 
 

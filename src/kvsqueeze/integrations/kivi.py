@@ -17,7 +17,7 @@ import torch
 from ..numerics.affine import choose_qparams, dequantize, quantize
 from ..numerics.datatypes import uniform_levels
 from ..methods import MethodSpec
-from .attention import causal_bool_mask
+from ..kernels.mixed import mixed_attention
 
 
 def fake_quantize_token_groups(k: torch.Tensor, group: int, bits: int) -> torch.Tensor:
@@ -97,80 +97,12 @@ def forget(modules) -> None:
         _MEMO.pop(m, None)
 
 
-SCORE_BUDGET = 1 << 25  # attention scores (floats) materialized per query chunk
-
-
-def _attend(query, keys, values, mask, scaling, softcap=None, sink_logits=None) -> torch.Tensor:
-    """Softmax attention [B, Hq, Tq, D] under a bool mask; soft-capped logits (Gemma-2) and a learned sink
-    logit per query head (GPT-OSS) as the models' own attention computes them, else SDPA."""
-    gqa = query.shape[1] != keys.shape[1]
-    if softcap is None and sink_logits is None:
-        return torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=scaling,
-                                                                enable_gqa=gqa)
-    g = query.shape[1] // keys.shape[1]
-    k, v = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
-    scores = query @ k.transpose(-1, -2) * (scaling if scaling is not None else query.shape[-1] ** -0.5)
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~mask, float("-inf"))
-    if sink_logits is not None:
-        extra = sink_logits.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:3], 1)
-        probs = torch.cat([scores, extra], dim=-1).softmax(dim=-1)[..., :-1]
-    else:
-        probs = scores.softmax(dim=-1)
-    return probs.to(v.dtype) @ v
-
-
 def kivi_attention(module, query, key, value, attention_mask, scaling, spec: MethodSpec,
                    chunk: int | None = None, softcap: float | None = None, sink_logits=None):
     """Attention over [B, H, T, D] tensors where old tokens are KIVI-quantized and recent ones exact."""
     kq, vq = quantized_kv(module, key, value, spec)
     return mixed_attention(query, key, value, kq, vq, attention_mask, scaling, spec.window, chunk, softcap,
                            sink_logits)
-
-
-def mixed_attention(query, key, value, kq, vq, attention_mask, scaling, window: int, chunk: int | None = None,
-                    softcap: float | None = None, sink_logits=None, start: int = 0):
-    """Attention over [B, H, T, D] tensors in which query position i reads key j's exact copy (`key`, `value`)
-    when i - j < `window` and its quantized copy (`kq`, `vq`) otherwise; returns [B, Tq, Hq, D].
-
-    The exact copy may hold only the keys from position `start` on (`key[:, :, 0]` is position `start`), as long
-    as no query reads an older one exact: `start` at most Tk - Tq - window + 1.
-
-    Query rows are taken in chunks. For the chunk of positions [lo, hi), one SDPA
-    call reads the quantized copy of the keys it may see only in quantized form
-    (positions up to hi - 1 - window) followed by the exact copy of the keys in
-    its fp16 window (positions from lo - window + 1), under a mask that picks,
-    for each query, the copy of each key that it sees. Keys no query of the
-    chunk can see are left out, so the work is about one causal attention
-    instead of two full ones, and the mask and scores stay small.
-    """
-    b, h, tq, _ = query.shape
-    tk = kq.shape[2]
-    w = window
-    if key.shape[2] != tk - start or start > max(0, tk - tq - w + 1):
-        raise ValueError(f"exact keys of positions {start}..{start + key.shape[2] - 1} for {tq} queries over {tk} "
-                         f"keys with a window of {w}: they must run to the last key and reach back to the window "
-                         "of the first query")
-    causal = causal_bool_mask(attention_mask, tq, tk, query.device)  # [B|1, 1, Tq, Tk]
-    if chunk is None:
-        chunk = max(1, SCORE_BUDGET // max(1, b * h * (tk + w)))
-    outs = []
-    for s in range(0, tq, chunk):
-        e = min(tq, s + chunk)
-        lo, hi = tk - tq + s, tk - tq + e  # absolute positions of this chunk's queries
-        n_old = max(0, hi - w)  # keys j <= hi - 1 - w: some query of the chunk sees them quantized
-        first = max(0, lo - w + 1)  # keys j >= lo - w + 1: some query of the chunk sees them exact
-        qpos = torch.arange(lo, hi, device=query.device)[:, None]
-        old = (qpos - torch.arange(n_old, device=query.device)[None, :]) >= w
-        new = (qpos - torch.arange(first, hi, device=query.device)[None, :]) < w
-        mask = torch.cat([causal[..., s:e, :n_old] & old, causal[..., s:e, first:hi] & new], dim=-1)
-        mask = mask | ~mask.any(dim=-1, keepdim=True)  # a query that may see nothing (left padding): finite, unused
-        keys = torch.cat([kq[:, :, :n_old], key[:, :, first - start:hi - start]], dim=2)
-        values = torch.cat([vq[:, :, :n_old], value[:, :, first - start:hi - start]], dim=2)
-        outs.append(_attend(query[:, :, s:e], keys, values, mask, scaling, softcap, sink_logits))
-    out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=2)
-    return out.transpose(1, 2).contiguous(), None
 
 
 def kivi_handler(module, query, key, value, attention_mask, scaling, **kwargs):

@@ -16,7 +16,7 @@ computed the same way). Nothing in the model is forked:
   ones (keys turned by the layer's own rotary module, as the compressed
   cache turns them), and attention reads, for each query, the fp16 copy of its `N`
   most recent tokens and the quantized copy of every older one
-  (`kivi.mixed_attention`), as the compressed cache holds them.
+  (`kernels.mixed.mixed_attention`), as the compressed cache holds them.
 
 Each token is quantized once, when it enters the cache, exactly like a real
 compressed cache would, so prefill, teacher-forced evaluation and token-by-token
@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from ..kernels.mixed import mixed_attention
 from ..numerics.affine import check_finite
 from ..methods import MethodSpec, build_quantizers, cache_bytes, family
 from ..storage import Rows
@@ -37,7 +38,7 @@ from ..recipe import Recipe
 from ..shape import kv_shape
 from .attention import register_handler, switch_attention
 from .fingerprint import check_recipe
-from .kivi import forget, kivi_handler, mixed_attention
+from .kivi import forget, kivi_handler
 from .layers import QUANTIZED, WindowCopies, _positions, layer_cos_sin
 from .parts import attention_modules, hook_projections, layer_rotaries
 from .preflight import preflight
