@@ -149,3 +149,35 @@ def test_bad_layouts_and_buffers_are_refused():
                      torch.tensor([0]))
     with pytest.raises(ValueError, match="past the"):
         layout.write(layout.allocate(1), torch.tensor([9]), torch.randn(1, 64), torch.randn(1, 64), torch.tensor([9]))
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_window_given_beside_the_pages_is_read_as_the_hf_store_reads_its_own(in_place):
+    """Decode attention over pages plus each row's fp16 window (`with_window`: the last W tokens' exact keys and
+    values, from wherever an engine keeps them) equals attention over the HF store of a windowed method holding
+    the same tokens, for rows longer and shorter than the window, with the numba kernel and the reference."""
+    c, d, w, sinks = 64, 32, 8, 1
+    kq, vq = _quantizers(c, 3, 0.02, seed=21, slots=4)
+    layout = PageLayout(kq, vq, c, d, block_size=8, sinks=sinks)
+    lens = [21, 3, 13]
+    pages, table, seqs = _fill(layout, lens, seed=22)
+    rope = Rope.default(d)
+    q = torch.randn(len(lens), 4, d, generator=torch.Generator().manual_seed(23))
+    view, mask = layout.view(pages, table, torch.tensor(lens), in_place=in_place)
+    wk = torch.zeros(len(lens), w, c)
+    wv = torch.zeros(len(lens), w, c)
+    for b, (k, v) in enumerate(seqs):  # each row's positions n - W .. n - 1 (zeros where there is none)
+        n = lens[b]
+        take = torch.arange(n - w, n)
+        ok = take >= 0
+        wk[b, ok], wv[b, ok] = k[take[ok]], v[take[ok]]
+    windowed = layout.with_window(view, wk, wv, torch.tensor(lens))
+    plain_numba = decode_attention(q, view, rope, d**-0.5, key_mask=mask, backend="numba")
+    for backend in ("reference", "numba"):
+        got = decode_attention(q, windowed, rope, d**-0.5, key_mask=mask, backend=backend)
+        for b, (k, v) in enumerate(seqs):
+            store = KVStore(kq, vq, c, sinks=sinks, head_dim=d, window=w)
+            store.append(k[None], v[None])
+            want = decode_attention(q[b:b + 1], store.view(), rope, d**-0.5, backend="reference")
+            torch.testing.assert_close(got[b:b + 1], want, rtol=2e-4, atol=2e-5)
+    assert not torch.allclose(got, plain_numba, atol=1e-4)  # the window changes what the rows read

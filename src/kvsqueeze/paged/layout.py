@@ -469,6 +469,22 @@ class PageLayout:
                          self.region(pages, "sink_k")[first], self.region(pages, "sink_v")[first], sink_slot,
                          positions, self._memo, *self._offsets(dev), rows=rows)
 
+    def with_window(self, view: StoreView, keys: torch.Tensor, values: torch.Tensor, lens: torch.Tensor) -> StoreView:
+        """`view` (of `view()`) whose rows also read their most recent tokens exact: an fp16 window (`:rN`), held
+        wherever the engine keeps it, given as the pre-RoPE keys and values [B, W, C] of each row's positions
+        lens - W .. lens - 1. The kernels read them as they read sinks (exact entries naming their token); a
+        position below the sinks or below 0 gets no entry, so no token is named twice."""
+        b, w = keys.shape[:2]
+        if keys.shape != values.shape or keys.shape[2] != self.channels or b != view.sink_k.shape[0]:
+            raise ValueError(f"with_window: keys and values [{view.sink_k.shape[0]}, W, {self.channels}] expected, "
+                             f"got {tuple(keys.shape)} and {tuple(values.shape)}")
+        dev = view.sink_k.device
+        pos = lens.to(dev, torch.long).view(-1, 1) - w + torch.arange(w, device=dev).view(1, -1)
+        slot = torch.where(pos >= self.sinks, pos, -1).to(torch.int32)
+        return view._replace(sink_k=torch.cat([view.sink_k, keys.to(dev, torch.float16)], dim=1),
+                             sink_v=torch.cat([view.sink_v, values.to(dev, torch.float16)], dim=1),
+                             sink_slot=torch.cat([view.sink_slot, slot], dim=1))
+
     def _levels(self, dev) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value levels a view decodes with: the codebook, or [C, 2**bits] with channel widths."""
         return self.k_quant.decode_levels.to(dev), self.v_quant.decode_levels.to(dev)
