@@ -296,17 +296,8 @@ class KVStore:
         and values, each channel's codebook midpoints [C, M], their count [C] and its stream bit offsets [C + 1]."""
         kq = self.key_quantizer
         out = [kq.lo, kq.hi, self.k_scale.float(), self.k_zero.float()]
-        for q, offsets in ((kq, self.k_offsets), (self.value_quantizer, self.v_offsets)):
-            if q.widths is None:
-                books = [q.levels.float().cpu()] * self.channels
-                offsets = torch.arange(self.channels + 1, dtype=torch.int64) * q.bits
-            else:
-                books = [q.codebooks[int(w)].float().cpu() for w in q.widths.tolist()]
-            count = torch.tensor([lv.numel() - 1 for lv in books], dtype=torch.int64)
-            mids = torch.full((self.channels, max(1, int(count.max()))), float("inf"))
-            for ch, lv in enumerate(books):
-                mids[ch, : lv.numel() - 1] = (lv[1:] + lv[:-1]) * 0.5  # as `affine.quantize` computes them
-            out += [mids, count, offsets.to(torch.int64).cpu()]
+        for q in (kq, self.value_quantizer):
+            out += [*q.channel_midpoints(self.channels), q.stream_offsets(self.channels)]
         return tuple(x.float().cpu().contiguous().numpy() if x.is_floating_point() else x.contiguous().numpy()
                      for x in out)
 

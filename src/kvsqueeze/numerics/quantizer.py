@@ -21,6 +21,7 @@ import torch
 from .affine import choose_qparams, dequantize, quantize
 from .datatypes import check_codebook
 from .outliers import clamp_range, fixed_outlier_count, online_thresholds, outlier_mask, topk_per_side
+from .packing import code_offsets
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,25 @@ class VectorQuantizer:
     def _groups(self) -> list[tuple[int, torch.Tensor]]:
         """(width, its channels) of every width in use; found once per quantizer (no host sync per token)."""
         return [(int(w), (self.widths == w).nonzero().view(-1)) for w in torch.unique(self.widths)]
+
+    def stream_offsets(self, channels: int) -> torch.Tensor:
+        """Stream bit offsets int64 [C + 1] of one vector's codes: c * bits for one width, the running sum of the
+        channels' own widths otherwise (`packing.code_offsets`), on the CPU (what the numba kernels read)."""
+        if self.widths is None:
+            return torch.arange(channels + 1, dtype=torch.int64) * self.bits
+        return code_offsets(self.widths.cpu()).to(torch.int64)
+
+    def channel_midpoints(self, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each channel's codebook midpoints float32 [C, M] (+inf past a channel's own, computed as
+        `affine.quantize` computes its boundaries) and their count int64 [C], on the CPU: the nearest level of a
+        normalized element is the count of midpoints below it (the numba encoders)."""
+        books = [self.levels.float().cpu()] * channels if self.widths is None else \
+            [self.codebooks[int(w)].float().cpu() for w in self.widths.tolist()]
+        count = torch.tensor([lv.numel() - 1 for lv in books], dtype=torch.int64)
+        mids = torch.full((channels, max(1, int(count.max()))), float("inf"))
+        for ch, lv in enumerate(books):
+            mids[ch, : lv.numel() - 1] = (lv[1:] + lv[:-1]) * 0.5
+        return mids, count
 
     def outliers_per_side(self, channels: int) -> int:
         """Per-token top-k: outliers kept above (and below) each token's range."""

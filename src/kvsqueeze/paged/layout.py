@@ -108,17 +108,9 @@ def regions(channels: int, k_words: int, v_words: int, key_slots: int, value_slo
     return out
 
 
-def code_offsets_of(q: VectorQuantizer, channels: int) -> torch.Tensor:
-    """Stream bit offsets int64 [C + 1] of a token's codes: c * bits for one width, the running sum of the channels'
-    own widths (`nuq@AVG:chan`) otherwise (`packing.code_offsets`)."""
-    if q.widths is None:
-        return torch.arange(channels + 1, dtype=torch.int64) * q.bits
-    return code_offsets(q.widths.cpu()).to(torch.int64)
-
-
 def code_words(q: VectorQuantizer, channels: int) -> int:
     """int32 words one token's codes of `q` take in a page."""
-    return words_per_vector(channels, q.bits) if q.widths is None else mixed_words(code_offsets_of(q, channels))
+    return words_per_vector(channels, q.bits) if q.widths is None else mixed_words(q.stream_offsets(channels))
 
 
 def page_bytes(parts: dict[str, Region], block_size: int) -> int:
@@ -212,14 +204,10 @@ class PageLayout:
         f = lambda x: np.ascontiguousarray(x.detach().float().cpu().numpy())  # noqa: E731
 
         def per_channel(q: VectorQuantizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-            books = [q.levels.float().cpu()] * c if q.widths is None else \
-                [q.codebooks[int(w)].float().cpu() for w in q.widths.tolist()]
-            mids = torch.full((max(1, max(b.numel() for b in books) - 1), c), float("inf"))
-            for ch, lv in enumerate(books):
-                mids[: lv.numel() - 1, ch] = (lv[1:] + lv[:-1]) * 0.5
+            mids = q.channel_midpoints(c)[0].t()  # [M, C]: the kernel's inner loop runs over channels
             levels = q.decode_levels.float().cpu()
             levels = levels.view(1, -1).expand(c, -1) if levels.dim() == 1 else levels
-            return f(mids), f(levels), np.ascontiguousarray(code_offsets_of(q, c).numpy())
+            return f(mids), f(levels), np.ascontiguousarray(q.stream_offsets(c).numpy())
 
         k_mids, k_levels, k_offs = per_channel(kq)
         v_mids, v_levels, v_offs = per_channel(vq)
