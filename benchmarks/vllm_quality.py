@@ -71,7 +71,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=128)
     args = ap.parse_args(argv)
 
-    from kvsqueeze.eval.long_ppl import hidden_states, score_window
+    from transformers import DynamicCache
+
+    from kvsqueeze.eval.long_ppl import check_head, hidden_states, score_window
     from kvsqueeze.eval.perplexity import paired_interval
     from kvsqueeze.eval.texts import evaluation_windows, load_text
     from kvsqueeze.integrations.cache import cache_for, kv_shape
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     model, tok = load_model(args.model, "float32")
     shape = kv_shape(model.config)
     ew = evaluation_windows(tok, load_text(args.text), args.length, args.windows)
+    check_head(model, ew.ids[:1], DynamicCache)  # scores from hidden states: refuse a model whose logits are not that
     windows = [w.tolist() for w in ew.ids]
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmpdir:
