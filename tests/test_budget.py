@@ -482,8 +482,9 @@ def test_channel_budgets_reach_the_simulated_path_the_compressed_cache_and_the_f
 
 
 def test_channel_widths_the_kernels_cannot_read_and_broken_tables_are_refused(tiny_recipe):
-    """A width past the kernels' 64-level tables, handed to a store or a page layout, and per-channel errors that
-    are not finite all raise before any token is stored."""
+    """A width past the kernels' 64-level tables or widths that do not fit the layer (too few, or one without its
+    codebook), handed to a store or a page layout, and per-channel errors that are not finite all raise before
+    any token is stored."""
     import copy
     import dataclasses
 
@@ -498,6 +499,13 @@ def test_channel_widths_the_kernels_cannot_read_and_broken_tables_are_refused(ti
         KVStore(wide, vq, 32, 1, head_dim=8)
     with pytest.raises(MethodError, match=r"widths \[7\] are not supported"):
         PageLayout(wide, vq, 32, 8, block_size=16, sinks=1)
+    short = dataclasses.replace(kq, widths=kq.widths[:16])  # widths of a 16-channel layer
+    orphan = dataclasses.replace(kq, codebooks={b: c for b, c in kq.codebooks.items() if b != int(kq.widths[0])})
+    for bad, why in ((short, "16 channel widths for 32 channels"), (orphan, "a width without its codebook")):
+        with pytest.raises(ValueError, match=f"KVStore: .*{why}"):
+            KVStore(bad, vq, 32, 1, head_dim=8)
+        with pytest.raises(ValueError, match=f"PageLayout: .*keys: .*{why}"):
+            PageLayout(bad, vq, 32, 8, block_size=16, sinks=1)
     broken = copy.deepcopy(tiny_recipe)
     key = next(k for k in broken.tensors if ".chanerr." in k)
     broken.tensors[key] = broken.tensors[key].clone().fill_(float("nan"))

@@ -109,9 +109,8 @@ class KVStore:
         for q in (k_quant, v_quant):
             if q.widths is not None:
                 check_widths(q.widths.tolist(), "KVStore")
-                if q.widths.numel() != channels or not set(q.widths.tolist()) <= set(q.codebooks or ()):
-                    raise ValueError(f"KVStore: {q.widths.numel()} channel widths for {channels} channels, or a "
-                                     "width without its codebook")
+                if q.widths_problem(channels):
+                    raise ValueError(f"KVStore: {q.widths_problem(channels)}")
         self.k_offsets, self.v_offsets = (None if q.widths is None else code_offsets(q.widths).to(self.device)
                                           for q in (k_quant, v_quant))
         self.k_levels, self.v_levels = (q.decode_levels.to(self.device) for q in (k_quant, v_quant))

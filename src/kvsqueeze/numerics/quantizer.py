@@ -97,6 +97,15 @@ class VectorQuantizer:
             return torch.arange(channels + 1, dtype=torch.int64) * self.bits
         return code_offsets(self.widths.cpu()).to(torch.int64)
 
+    def widths_problem(self, channels: int) -> str | None:
+        """What is wrong with this quantizer's channel widths for vectors of `channels` channels (a width per
+        channel, each with its codebook), or None: the one check the HF store and the page layout share."""
+        if self.widths is None:
+            return None
+        if self.widths.numel() != channels or not set(self.widths.tolist()) <= set(self.codebooks or ()):
+            return f"{self.widths.numel()} channel widths for {channels} channels, or a width without its codebook"
+        return None
+
     def channel_midpoints(self, channels: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Each channel's codebook midpoints float32 [C, M] (+inf past a channel's own, computed as
         `affine.quantize` computes its boundaries) and their count int64 [C], on the CPU: the nearest level of a

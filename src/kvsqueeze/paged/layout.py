@@ -154,10 +154,8 @@ class PageLayout:
         for name, q in (("key", k_quant), ("value", v_quant)):
             if q.widths is not None:
                 check_widths(q.widths.tolist(), f"PageLayout {name}s")
-            if q.widths is not None and (q.widths.numel() != channels
-                                         or not set(q.widths.tolist()) <= set(q.codebooks or ())):
-                problems.append(f"{q.widths.numel()} {name} channel widths for {channels} channels, or a width "
-                                "without its codebook")
+            if q.widths_problem(channels):
+                problems.append(f"{name}s: {q.widths_problem(channels)}")
         if problems:
             raise ValueError("PageLayout: " + "; ".join(problems))
         self.k_quant, self.v_quant = k_quant, v_quant
