@@ -124,6 +124,94 @@ def test_vllm_scores_tokens_as_the_hf_path_does(tiny_llama, tiny_model_dir, tiny
         assert same >= 0.95 * len(q["top1"])  # first choices: equal but where two logits tie to rounding
 
 
+WINDOWED = "nuq3-1%:kslots2:r8"
+
+
+@pytest.mark.parametrize("chunk", [16, 256])
+def test_vllm_scores_a_method_with_an_fp16_window_as_the_hf_path_does(tiny_llama, tiny_model_dir, tiny_recipe_dir,
+                                                                      tmp_path, chunk):
+    """A method with an fp16 window of recent tokens (`:r8`: each query reads its last 8 tokens exact, older ones
+    from the codes), prefilled whole or in chunks of 16 tokens (queries whose window reaches into the chunk before,
+    read from the window's own pages), with two prompts sharing a cached prefix and a second round from the prefix
+    cache: vLLM's prompt log-probabilities are the HF compressed cache's to float rounding, and not those of the
+    same method without the window."""
+    import kvsqueeze
+
+    prompts = [p for p in _prompts() if len(p) > 20]
+    ours = _vllm(tmp_path, tiny_model_dir, tiny_recipe_dir, prompts, "--score", "--max-num-batched-tokens",
+                 str(chunk), "--repeat", "2", method=WINDOWED)
+    assert ":r8" in ours["method"]
+    for p, q, again in zip(prompts, ours["scores"], ours["score_rounds"][1]):
+        ids = torch.tensor([p])
+        target = ids[0, 1:].view(-1, 1)
+        want = {}
+        with torch.no_grad():
+            for method in (WINDOWED, METHOD):
+                with kvsqueeze.cache_for(tiny_llama, tiny_recipe_dir, method) as cache:
+                    logits = tiny_llama(ids, cache=cache, use_cache=True).logits[0].float().log_softmax(-1)
+                want[method] = logits[:-1].gather(1, target).view(-1)
+        torch.testing.assert_close(torch.tensor(q["logprob"]), want[WINDOWED], rtol=0, atol=1e-3)
+        torch.testing.assert_close(torch.tensor(again["logprob"]), want[WINDOWED], rtol=0, atol=1e-3)
+        assert float((want[WINDOWED] - want[METHOD]).abs().max()) > 1e-2  # the window changes what is read
+
+
+def test_vllm_serves_a_budget_with_its_window_from_one_pool_of_blocks(tiny_llama, tiny_model_dir, tiny_recipe,
+                                                                     tmp_path):
+    """A per-channel budget with a window (as the presets are): its layers' pages of their own sizes and the
+    window's pages come from one pool of blocks, each block as large as the larger of one block of every layer's
+    pages and one window page (16 tokens x 2 layers x keys and values x 32 channels x fp16), so the KV space holds
+    that many blocks; prompt log-probabilities are the HF compressed cache's."""
+    import kvsqueeze
+    from kvsqueeze.serving.settings import ServingConfig
+    from test_budget import _mixed
+
+    recipe_dir = _mixed(tiny_recipe, 3.0).save(tmp_path / "budget")
+    method = "nuq@3:chan:r8"
+    config = ServingConfig(str(recipe_dir), method)
+    pages = sum(config.page_bytes(layer, 32, 16, 16) for layer in range(2))
+    window_page = 16 * 2 * 2 * 32 * 2
+    prompts = [p for p in _prompts() if len(p) > 20]
+    got = _vllm(tmp_path, tiny_model_dir, recipe_dir, prompts, "--score", "--max-num-batched-tokens", "16",
+                method=method)
+    assert got["method"] == config.spec.name and config.spec.window == 8
+    assert got["num_blocks"] == (64 << 20) // max(pages, window_page)
+    for p, q in zip(prompts, got["scores"]):
+        ids = torch.tensor([p])
+        with torch.no_grad(), kvsqueeze.cache_for(tiny_llama, recipe_dir, config.spec.name) as cache:
+            logits = tiny_llama(ids, cache=cache, use_cache=True).logits[0].float().log_softmax(-1)
+        want = logits[:-1].gather(1, ids[0, 1:].view(-1, 1)).view(-1)
+        torch.testing.assert_close(torch.tensor(q["logprob"]), want, rtol=0, atol=1e-3)
+
+
+def test_vllm_refuses_a_window_without_the_hybrid_kv_cache_manager(tiny_model_dir, tiny_recipe_dir, tmp_path):
+    """Without vLLM's hybrid KV cache manager the window's sliding-window pages would become full-attention
+    ones, holding every token's fp16 copy: refused before serving, naming the fix."""
+    pf = tmp_path / "p.json"
+    pf.write_text(json.dumps([[1, 2, 3]]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
+    run = subprocess.run([str(VLLM_PYTHON), "-m", "kvsqueeze.serving.vllm_run", "--model", str(tiny_model_dir),
+                          "--recipe", str(tiny_recipe_dir), "--method", WINDOWED, "--prompts", str(pf),
+                          "--max-model-len", "256", "--kv-bytes", str(64 << 20), "--skip-tokenizer-init",
+                          "--disable-hybrid-kv-cache-manager", "--out", str(tmp_path / "o.json")],
+                         env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode != 0
+    assert "hybrid" in run.stdout + run.stderr and ":r8" in run.stdout + run.stderr, (run.stdout + run.stderr)[-3000:]
+
+
+def test_vllm_generates_with_an_fp16_window_what_the_hf_path_generates(tiny_llama, tiny_model_dir, tiny_recipe_dir,
+                                                                       tmp_path):
+    """Decode with the window: each new token's query reads its last 8 tokens from the window's pages (written
+    by the steps before and by this one) and older ones from the codes, batched over four prompts; greedy tokens
+    equal the HF path's compressed cache with the fused kernel."""
+    prompts = _prompts()
+    got = _vllm(tmp_path, tiny_model_dir, tiny_recipe_dir, prompts, "--max-num-batched-tokens", "16",
+                method=WINDOWED)
+    want = _hf_tokens(tiny_llama, tiny_recipe_dir, prompts, 12, method=WINDOWED)
+    first = got["runs"][0]["tokens"]
+    equal = sum(a == b for w, g in zip(want, first) for a, b in zip(w, g))
+    assert equal >= 0.95 * 48, (want, first)
+
+
 def test_vllm_refuses_a_recipe_of_another_model(tiny_model_dir, tmp_path):
     """A recipe calibrated on a model of another shape (three layers, not two) is refused when the engine builds
     its layers, naming the fix."""

@@ -114,9 +114,6 @@ class KVQuant(Family):
         if path == "pages":
             if spec.outlier_fraction and spec.outlier_scope != "vector":
                 return "per-matrix outliers vary in count per token; use per-vector ones (drop ':pm')"
-            if spec.window:
-                return (f"pages hold no fp16 window of recent tokens; drop ':r{spec.window}' (kvsqueeze's own "
-                        "cache, `kvsqueeze.cache_for`, holds it)")
         return None
 
     def levels(self, spec, recipe, layer, kv, bits):

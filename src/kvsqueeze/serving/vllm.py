@@ -25,14 +25,18 @@ What the backend does, per layer and step:
   cached) over the pages dequantized through the sequence's block table (`PageLayout.read`) with a causal mask.
   That is what kvsqueeze's own HF path computes: its prefill also attends the quantized cache. Pages in CPU
   memory are written and read by numba kernels (`kvsqueeze.kernels.numba.pages`), loaded at start-up.
+* a method with an fp16 window (`:rN`) also writes every token's fp16 keys and values into the window's own
+  pages (`WindowStore`, a sliding-window KV group vLLM frees as tokens leave the window), and each query reads
+  its last N tokens from there, exact, and older ones from the codes.
 
 Refused at start-up with the reason: tensor parallelism (values are quantized per token over all KV heads),
-sliding windows, ALiBi, learned attention sinks, encoder attention, KV sharing across layers, interleaved (GPT-J)
+pipeline parallelism or a disabled hybrid KV cache manager with an fp16 window, the model's own sliding windows, ALiBi, learned attention sinks, encoder attention, KV sharing across layers, interleaved (GPT-J)
 RoPE, RoPE scalings whose frequencies change with the length.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -40,11 +44,14 @@ from typing import ClassVar
 import torch
 
 from vllm.config import get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata, AttentionMetadataBuilder,
                                        AttentionType, CommonAttentionMetadata, MultipleOf)
-from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout
+from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, SlidingWindowSpec
 
 from ..kernels import decode_attention
+from ..kernels.mixed import mixed_attention
 from ..numerics.rope import Rope, apply_rope
 from .settings import ServingConfig, ServingError, use_own_numba_cache
 
@@ -168,7 +175,9 @@ class KVSqueezeBackend(AttentionBackend):
 
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
-        return (KVCacheLayout.LBHNC,)
+        """Each layer's pages one after another; with a window, blocks outermost, so that vLLM can keep the
+        window's pages (a group of their own, `WindowStore`) in the same blocks as the layers' pages."""
+        return (KVCacheLayout.BLHNC,) if ServingConfig.from_env().spec.window else (KVCacheLayout.LBHNC,)
 
     @staticmethod
     def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
@@ -226,6 +235,97 @@ class KVSqueezeMetadataBuilder(AttentionMetadataBuilder[KVSqueezeMetadata]):
             offsets = torch.arange(int(qsl[-1])) - torch.repeat_interleave(qsl[:-1], qlens)
             positions = (starts + offsets)[:n].to(m.slot_mapping.device)
         return KVSqueezeMetadata(n, qsl, lens, m.block_table_tensor[: m.num_reqs], m.slot_mapping[:n], positions)
+
+
+class KVSqueezeWindowBackend(AttentionBackend):
+    """The backend of the fp16 window's pages (`WindowStore`): no attention of its own, only the metadata of its
+    KV group (that group's block table and slot mapping), which the layers' attention reads."""
+
+    accept_output_buffer: bool = True
+    forward_includes_kv_cache_update: bool = True  # the layers' attention writes the window
+    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
+    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+
+    @staticmethod
+    def get_name() -> str:
+        return "KVSQUEEZE_WINDOW"
+
+    @staticmethod
+    def get_impl_cls() -> type[KVSqueezeImpl]:
+        return KVSqueezeImpl  # never built for the window: it has no attention
+
+    @staticmethod
+    def get_builder_cls() -> type[KVSqueezeMetadataBuilder]:
+        return KVSqueezeMetadataBuilder
+
+    @classmethod
+    def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
+        return (KVCacheLayout.BLHNC,)
+
+    @staticmethod
+    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
+        return [MultipleOf(1)]
+
+
+class WindowStore(torch.nn.Module, AttentionLayerBase):
+    """The fp16 window of a method with one (`:rN`): every sequence's N most recent tokens, exact, beside their
+    codes in the layers' pages (the HF store holds the same: codes for every token, the window's fp16 copies
+    besides).
+
+    One extra layer of the engine holds it for all layers: a token's entry is its pre-RoPE keys and values in
+    fp16 for every decoder layer ([layers, 2, C]), in pages of `block_size` tokens that vLLM manages as a sliding
+    window layer's (`SlidingWindowSpec` of N tokens). So vLLM keeps a sequence's last N tokens' pages and frees
+    older ones, counts them in its admission and its memory, caches them with a prefix (a prefix hit brings the
+    window of its last tokens) and frees them with the sequence; a preempted sequence writes its window again
+    when it is prefilled again. Every token a step computes is written (vLLM may cache any page of the window
+    group); attention reads only a query's last N positions.
+
+    What it costs: a sequence holds about ceil((N - 1 + tokens in flight) / block_size) + 1 window pages, each
+    of `block_size` x layers x 2 x C x 2 bytes, out of the same blocks as the layers' pages (vLLM packs the two
+    groups into one pool of blocks of the larger of the two block sizes in bytes).
+    """
+
+    def __init__(self, name: str, layers: int, heads: int, head_size: int, window: int, block_size: int):
+        super().__init__()
+        self.layer_name, self.layers, self.heads, self.head_size = name, layers, heads, head_size
+        self.window, self.block_size = window, block_size
+        self.channels = heads * head_size
+        self.token_bytes = layers * 2 * self.channels * 2
+        self.kv_cache = torch.tensor([])
+        vllm_config = get_current_vllm_config()
+        vllm_config.compilation_config.static_forward_context[name] = self
+
+    @staticmethod
+    def block_size_for(block_size: int) -> int:
+        """Tokens per window page: few, so that a page of every layer's fp16 keys and values fits in one block of
+        the layers' pages (of `block_size` tokens of codes) and a sequence holds little more than its window."""
+        return math.gcd(16, block_size)
+
+    def get_attn_backend(self) -> type[AttentionBackend]:
+        return KVSqueezeWindowBackend
+
+    def get_kv_cache_spec(self, vllm_config) -> SlidingWindowSpec:
+        if getattr(vllm_config.scheduler_config, "disable_hybrid_kv_cache_manager", False):
+            raise ServingError(f"{ServingConfig.from_env().spec.name} keeps the {self.window} most recent tokens of "
+                               "every sequence in fp16, in pages vLLM frees as they leave the window; with the hybrid "
+                               "KV cache manager disabled (--disable-hybrid-kv-cache-manager, or a KV connector "
+                               "without it) vLLM would keep every token's fp16 copy. Serve with the hybrid manager "
+                               "and no KV connector, or a method without a window (drop ':r"
+                               f"{self.window}')")
+        return SlidingWindowSpec(block_size=self.block_size, num_kv_heads=self.heads, head_size=self.head_size,
+                                 dtype=torch.uint8, num_head_slots=1, state_content_bytes=self.token_bytes,
+                                 sliding_window=self.window)
+
+    def tokens(self) -> torch.Tensor:
+        """The window's pages as float16 [blocks, block_size, layers, 2 (keys, values), C]."""
+        cache = self.kv_cache
+        return cache.view(torch.float16).view(cache.shape[0], self.block_size, self.layers, 2, self.channels)
+
+    @staticmethod
+    def slots(table: torch.Tensor, positions: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Page and offset of each position [R, W] (>= 0) of each row's window table [R, blocks]."""
+        page = torch.gather(table.to(torch.int64), 1, positions // block_size)
+        return page, positions % block_size
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
@@ -294,15 +394,33 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         self.rope = _rope(hf, head_size)
         self.block_size = vllm_config.cache_config.block_size
         self.layout = None
+        self.layer = None  # the decoder layer's index, from its name at the first step
+        self.window = self.config.spec.window
+        self.window_store = self._window_store(vllm_config, int(hf.num_hidden_layers)) if self.window else None
         self.overflow = 0  # key outliers clipped by the per-token budget, summed
         self.keys_taken = self.keys_turned_back = 0  # steps whose pre-RoPE keys came from the rotary step / not
         PreRopeKeys.enabled = True
         self._warm_up()
 
+    def _window_store(self, vllm_config, layers: int) -> WindowStore:
+        """The engine's `WindowStore` (made by the first layer's attention, found by the others)."""
+        pp = int(getattr(vllm_config.parallel_config, "pipeline_parallel_size", 1) or 1)
+        if pp > 1:
+            raise ServingError(f"{self.config.spec.name}: an fp16 window is served with --pipeline-parallel-size 1 "
+                               "only (its pages hold every layer's keys); serve a method without ':rN' to split "
+                               "layers over ranks")
+        name = f"kvsqueeze_window.{layers}"  # one integer in the name: vLLM reads a layer index from it
+        store = vllm_config.compilation_config.static_forward_context.get(name)
+        if store is None:
+            store = WindowStore(name, layers, self.num_kv_heads, self.head_size, self.window,
+                                WindowStore.block_size_for(vllm_config.cache_config.block_size))
+        return store
+
     def _layout(self, layer, kv_cache: torch.Tensor):
         if self.layout is None:
             name = getattr(layer, "layer_name", "")
-            layout = self.config.layout(_layer_index(name), self.num_kv_heads * self.head_size, self.head_size,
+            self.layer = _layer_index(name)
+            layout = self.config.layout(self.layer, self.num_kv_heads * self.head_size, self.head_size,
                                         self.block_size)
             if kv_cache[0].numel() != layout.page_bytes:
                 raise ServingError(f"attention {name!r}: the engine gave it pages of {kv_cache[0].numel()} bytes, its "
@@ -329,6 +447,7 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         pos = md.positions.to(k.device)
         k_pre = self._pre_rope(k, pos, torch.finfo(key.dtype).eps).reshape(n, h * d)
         self.overflow += layout.write(pages, md.slot_mapping, k_pre, v, pos)
+        window = self._write_window(k_pre, v, n) if self.window else None
         out = output[:n].view(n, hq, d)
         qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
         qlens = qsl.diff()
@@ -336,14 +455,47 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         if decode.numel():
             rows = qsl[decode]
             view, mask = layout.view(pages, md.block_table[decode], lens[decode], in_place=True)
+            if window is not None:  # each row's last W tokens read exact, as the HF store's window gives them
+                store, table = window
+                wk, wv = self._read_window(store, table[decode], lens[decode])
+                view = layout.with_window(view, wk, wv, lens[decode])
             o = decode_attention(q[rows].contiguous(), view, self.rope, self.scale, key_mask=mask,
                                  backend=self.config.decode, softcap=self.softcap)
             out[rows] = o.to(out.dtype)
         for r in (qlens > 1).nonzero().flatten().tolist():
             a, b = int(qsl[r]), int(qsl[r + 1])
             qr = query[a:b].view(b - a, hq, d)
-            out[a:b] = self._prefill(layout, pages, md.block_table[r:r + 1], int(lens[r]), qr).to(out.dtype)
+            win = None if window is None else (window[0], window[1][r])
+            out[a:b] = self._prefill(layout, pages, md.block_table[r:r + 1], int(lens[r]), qr, win).to(out.dtype)
         return output
+
+    def _write_window(self, k_pre: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this layer's fp16 keys (pre-RoPE) and values of every token of the step into the window's pages
+        (`WindowStore`); the window pages [blocks, Bw, layers, 2, C] and their block table [R, blocks]."""
+        md = get_forward_context().attn_metadata
+        wmd = md.get(self.window_store.layer_name) if isinstance(md, dict) else None
+        if wmd is None:
+            raise ServingError(f"the step's attention metadata holds none for {self.window_store.layer_name!r}, the "
+                               "fp16 window's pages: this vLLM does not build the window's KV group (serve with the "
+                               "vLLM version kvsqueeze pins, without micro-batching)")
+        store = self.window_store.tokens()
+        bw = store.shape[1]
+        slot = wmd.slot_mapping[:n].to(torch.int64)
+        keep = slot >= 0  # padding tokens have none
+        page, off = slot[keep] // bw, slot[keep] % bw
+        store[page, off, self.layer, 0] = k_pre[keep].to(torch.float16)
+        store[page, off, self.layer, 1] = v[keep].to(torch.float16)
+        return store, wmd.block_table
+
+    def _read_window(self, store: torch.Tensor, table: torch.Tensor, lens: torch.Tensor):
+        """Keys (pre-RoPE) and values [R, W, C] of each row's positions lens - W .. lens - 1 from the window's
+        pages (zeros before position 0: `with_window` gives them no entry)."""
+        w = self.window
+        pos = lens.to(torch.int64).view(-1, 1) - w + torch.arange(w).view(1, -1)
+        page, off = WindowStore.slots(table.to(pos.device), pos.clamp(min=0), store.shape[1])
+        k, v = store[page, off, self.layer, 0], store[page, off, self.layer, 1]
+        before = (pos < 0).unsqueeze(-1)
+        return k.masked_fill(before, 0), v.masked_fill(before, 0)
 
     _warm = False
 
@@ -401,16 +553,30 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             hit = memo[(dtype, device)] = (cos.to(device, dtype), sin.to(device, dtype))
         return hit[0][:t], hit[1][:t]
 
-    def _prefill(self, layout, pages, table, seq_len: int, q: torch.Tensor) -> torch.Tensor:
+    def _prefill(self, layout, pages, table, seq_len: int, q: torch.Tensor, window=None) -> torch.Tensor:
         """Causal attention of a chunk's queries [Q, Hq, D] (the last Q tokens) over the sequence's pages, in the
         model's dtype: the dequantized keys and values cast to it and the keys turned in it, as the HF path's
-        prefill hands them to the model's attention."""
+        prefill hands them to the model's attention. With a window (its pages and this row's block table), each
+        query reads its last W tokens' exact copies instead (`mixed_attention`, as the HF path's prefill does)."""
         k, v = layout.read(pages, table[0], seq_len)  # [T, C] pre-RoPE keys, straight from the pages
         t, h, d = seq_len, self.num_kv_heads, self.head_size
         cos, sin = self._angles(t, q.dtype, q.device)  # what `Rope.apply` computes at positions 0 .. t - 1
         k = apply_rope(k.view(t, h, d).transpose(0, 1).to(q.dtype), cos, sin, self.rope.rotary_dim)
         v = v.view(t, h, d).transpose(0, 1).to(q.dtype)  # [H, T, D]
         nq = q.shape[0]
+        if window is not None:
+            store, row = window
+            start = max(0, t - nq - self.window + 1)  # older tokens are out of every query's window
+            pos = torch.arange(start, t).view(1, -1)
+            page, off = WindowStore.slots(row.view(1, -1), pos, store.shape[1])
+            ek, ev = (store[page[0], off[0], self.layer, i].float() for i in (0, 1))  # [T', C]
+            tw = t - start
+            ek = apply_rope(ek.view(tw, h, d).transpose(0, 1).to(q.dtype), cos[start:], sin[start:],
+                            self.rope.rotary_dim)
+            ev = ev.view(tw, h, d).transpose(0, 1).to(q.dtype)
+            o, _ = mixed_attention(q.transpose(0, 1).unsqueeze(0), ek.unsqueeze(0), ev.unsqueeze(0), k.unsqueeze(0),
+                                   v.unsqueeze(0), None, self.scale, self.window, softcap=self.softcap, start=start)
+            return o[0]  # [Q, Hq, D]
         qpos = torch.arange(t - nq, t, device=q.device)
         allowed = torch.arange(t, device=q.device).view(1, -1) <= qpos.view(-1, 1)  # [Q, T]
         if self.softcap is None:  # torch's fused attention, as the HF path's prefill (sdpa) computes it
