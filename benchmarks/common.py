@@ -289,7 +289,7 @@ def openai_server(py: Path, model_dir: str, recipe: str, method: str, log_path: 
             raise SystemExit("vllm serve ran its own backend: the kvsqueeze plugin did not load")
 
 
-def serving_arguments(ap, method: str = "nuq@3.5:chan", recipe: str = "out/transfer/smollm2-135m/bbc") -> None:
+def serving_arguments(ap, method: str = "q3.5", recipe: str = "out/recipe") -> None:
     """The flags every serving benchmark takes: the model, its recipe, the method, vLLM's python, the JSON."""
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--recipe", default=recipe)

@@ -1,6 +1,6 @@
 """How far float rounding moves a quantized cache's logits: the same tokens scored in a shorter and a longer forward.
 
-    python benchmarks/prefix_consistency.py [--model smollm2-135m] [--recipe out/transfer/smollm2-135m/bbc]
+    python benchmarks/prefix_consistency.py [--model smollm2-135m] [--recipe out/recipe]
         [--methods fp16,nuq4,nuq3-1%:kslots6] [--offset 2000] [--tokens 300] [--prefix 200]
         [--json benchmarks/results/prefix_consistency.json]
 
@@ -30,7 +30,7 @@ from common import machine  # noqa: E402
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m")
-    ap.add_argument("--recipe", default="out/transfer/smollm2-135m/bbc")
+    ap.add_argument("--recipe", default="out/recipe")
     ap.add_argument("--methods", default="fp16,nuq4,nuq3-1%:kslots6")
     ap.add_argument("--offset", type=int, default=2000)
     ap.add_argument("--tokens", type=int, default=300)

@@ -1,7 +1,7 @@
 """Capacity turned into throughput: a queue of long requests in a KV space vLLM's own cache holds only a few of.
 
-    python benchmarks/vllm_capacity.py [--model smollm2-135m] [--recipe out/transfer/smollm2-135m/bbc]
-        [--method nuq@3.5:chan] [--fit 2] [--queue 8] [--prompt-tokens 2048] [--new-tokens 128]
+    python benchmarks/vllm_capacity.py [--model smollm2-135m] [--recipe out/recipe]
+        [--method q3.5] [--fit 2] [--queue 8] [--prompt-tokens 2048] [--new-tokens 128]
         [--block-size 128] [--json benchmarks/results/vllm.json]
 
 The KV space is sized so that vLLM's own bfloat16 cache holds `--fit` requests of `--prompt-tokens` +

@@ -1,7 +1,7 @@
 """A bounded load test of vLLM's OpenAI server with the kvsqueeze backend, on loopback only.
 
-    python benchmarks/vllm_load.py [--model smollm2-135m] [--recipe out/transfer/smollm2-135m/bbc]
-        [--method nuq@3.5:chan] [--requests 200] [--clients 24] [--cancel 0.1] [--shared 0.3]
+    python benchmarks/vllm_load.py [--model smollm2-135m] [--recipe out/recipe]
+        [--method q3.5] [--requests 200] [--clients 24] [--cancel 0.1] [--shared 0.3]
         [--kv-mib 24] [--max-model-len 1024] [--subset 8] [--json benchmarks/results/vllm.json]
 
 One server (`--kv-mib` of KV space: a few thousand tokens of pages, far fewer than the clients ask for at once, so

@@ -1,7 +1,7 @@
 """Quality through vLLM's engine: the served method's perplexity beside the HF path's, on the same tokens.
 
-    python benchmarks/vllm_quality.py [--model smollm2-135m] [--recipe out/transfer/smollm2-135m/bbc]
-        [--method nuq@3.5:chan] [--text bbc] [--windows 8] [--length 2048] [--block-size 128]
+    python benchmarks/vllm_quality.py [--model smollm2-135m] [--recipe out/recipe]
+        [--method q3.5] [--text bbc] [--windows 8] [--length 2048] [--block-size 128]
         [--vllm-python .venv-vllm/bin/python] [--json benchmarks/results/vllm.json]
 
 Windows of `--length` tokens spread over the evaluation text (`evaluation_windows`, as every perplexity of the
@@ -17,7 +17,9 @@ project) are scored teacher-forced four ways, all in float32:
 A bug in the pages (codes written to the wrong slot, a wrong page size, keys turned by the wrong angles, a layer
 reading another layer's pages) moves vLLM's figure far outside the HF path's interval; float rounding does not.
 Also written: the page bytes per token the engine holds (the layers' pages) beside the registry's bytes per
-token of the same method (what one more token costs the HF store), and the token slots of both engines.
+token of the same method (what one more token costs the HF store), the token slots of both engines, and for a
+method with an fp16 window what its pages cost (`window`: per decoding sequence, in the blocks both KV groups
+share).
 
 The results go into `--json` under `quality`, with the top-level keys `served_method`, `page_bytes_per_token`,
 `registry_bytes_per_token` and `ppl_inside_hf_interval`; the file's other measurements are kept.
@@ -57,9 +59,52 @@ def token_bytes(config, layers: int, channels: int, head_dim: int, block_size: i
         a, b = (fam.layer_bytes(spec, recipe, layer, channels, head_dim, Rows(n)) for n in (4096, 4097))
         registry += total(b) - total(a)
         pointers += b["pointers"] - a["pointers"]
-    return {"page_bytes_per_token": round(page, 3), "registry_bytes_per_token": round(registry, 3),
-            "page_overhead_bytes_per_token": round(overhead, 3), "registry_pointer_bytes_per_token": round(pointers, 3),
-            "page_data_equals_registry_without_pointers": bool(abs(page - overhead - (registry - pointers)) < 1e-6)}
+    out = {"page_bytes_per_token": round(page, 3), "registry_bytes_per_token": round(registry, 3),
+           "page_overhead_bytes_per_token": round(overhead, 3), "registry_pointer_bytes_per_token": round(pointers, 3),
+           "page_data_equals_registry": bool(abs(page - overhead - registry) < 1e-6)}
+    if spec.window:
+        out["window"] = window_bytes(spec.window, layers, channels, block_size, page * block_size)
+    return out
+
+
+def window_bytes(window: int, layers: int, channels: int, block_size: int, pages_per_block: float) -> dict:
+    """What the fp16 window costs in vLLM (`WindowStore`): its entry (every layer's fp16 keys and values of one
+    token), its pages, the block size in bytes of the pool both KV groups share (the larger of one block of the
+    layers' pages and one window page), and the window pages a decoding sequence holds (its last `window`
+    tokens, the new one included, may straddle one more page), beside the fp16 window the registry counts."""
+    from kvsqueeze.serving.settings import window_page_tokens
+
+    entry = layers * 2 * channels * 2
+    tokens = window_page_tokens(block_size)
+    page = tokens * entry
+    block = max(round(pages_per_block), page)
+    held = -(-window // tokens) + 1
+    return {"tokens": window, "entry_bytes": entry, "page_tokens": tokens, "page_bytes": page, "block_bytes": block,
+            "block_grows": page > round(pages_per_block), "pages_per_decoding_sequence": held,
+            "bytes_per_decoding_sequence": held * block, "registry_bytes": window * entry,
+            "tokens_of_codes_per_decoding_sequence": round(held * block / pages_per_block * block_size)}
+
+
+def sizes_only(args, config, served: str) -> int:
+    """Recount the served method's bytes (no engine runs) into the JSON's quality section, where it measured
+    that method."""
+    from kvsqueeze.integrations.loading import load_model
+    from kvsqueeze.integrations.cache import kv_shape
+
+    whole = json.loads(Path(args.json).read_text())
+    quality = whole.get("quality", {})
+    if quality.get("served_method") != served:
+        raise SystemExit(f"{args.json} measured {quality.get('served_method')!r}, not {served!r}: run it in full")
+    model, _ = load_model(args.model, "float32")
+    shape = kv_shape(model.config)
+    sizes = token_bytes(config, shape.layers, shape.channels, shape.head_dim, quality["block_size"])
+    for stale in set(quality) & {"page_data_equals_registry_without_pointers", "window"}:
+        quality.pop(stale)
+    quality.update(sizes)
+    merge_json(args.json, quality=quality, page_bytes_per_token=sizes["page_bytes_per_token"],
+               registry_bytes_per_token=sizes["registry_bytes_per_token"])
+    print(json.dumps(sizes, indent=1))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -69,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--sizes-only", action="store_true",
+                    help="only the byte counts (page, registry, window) of the method, into the JSON's `quality`")
     args = ap.parse_args(argv)
 
     from transformers import DynamicCache
@@ -82,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
 
     py, recipe, served = serving_setup(args)  # `served`: ':kslotsN' resolved; the HF path runs the same name
     config = ServingConfig(recipe, served)
+    if args.sizes_only:
+        return sizes_only(args, config, served)
     model, tok = load_model(args.model, "float32")
     shape = kv_shape(model.config)
     ew = evaluation_windows(tok, load_text(args.text), args.length, args.windows)

@@ -6,7 +6,8 @@ The compressed cache (`cache.store.KVStore`) holds, per layer, for keys ("k") an
   `mixed_words` for a width per channel; the last word of a slot is padded).
 * scales: keys an fp16 scale and zero-point per channel (offline); values an fp16 pair per quantized slot.
 * outlier_values, outlier_indices: exact fp16 values and int16 channel indices of the sparse outliers; values
-  with per-token top-k keep the same count in every slot (padding entries in sink slots, reported there).
+  with per-token top-k and keys with a slot count (`:kslotsN`) keep the same count in every slot (padding
+  entries in sink slots, reported there).
 * pointers: CSC / CSR pointers, int32 (int64 past 2**31 entries), one per slot plus one, where counts vary.
 * codebook: the float32 levels decoding reads (every width's with a width per channel, and a byte per channel
   for its width), the keys' float32 clipping range [C] twice, and per-matrix value thresholds.
@@ -75,8 +76,15 @@ class Layout:
 
     @property
     def fixed_outliers(self) -> bool:
-        """Whether every slot keeps the same count of outliers (per-token top-k values): no pointers then."""
-        return self.kv == "v" and self.scope == "vector" and self.choice.fraction > 0
+        """Whether every slot keeps the same count of outliers (per-token top-k values, a key slot count): no
+        pointers then."""
+        if self.choice.fraction <= 0:
+            return False
+        return self.scope == "vector" if self.kv == "v" else self.slots > 0
+
+    def outliers_per_slot(self, channels: int) -> int:
+        """Outliers every slot keeps where the count is fixed (`fixed_outliers`)."""
+        return self.slots if self.kv == "k" else 2 * topk_per_side(self.choice.fraction, channels)
 
 
 def slot_words(channels: int, choice: Choice) -> int:
@@ -121,7 +129,7 @@ def tensor_bytes(layout: Layout, channels: int, slots: int, sinks: int, outliers
     pointer = 0
     if choice.fraction > 0:
         if layout.fixed_outliers:
-            per_slot = 2 * topk_per_side(choice.fraction, c)
+            per_slot = layout.outliers_per_slot(c)
             n = per_slot * coded
             out["sink_slots"] += (FP16_BYTES + INDEX_BYTES) * per_slot * sinks
         else:

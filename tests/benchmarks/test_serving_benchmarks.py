@@ -40,5 +40,11 @@ def test_page_bytes_reported_are_the_layouts_and_the_registry_s(tiny_recipe_dir)
     sizes = quality.token_bytes(config, layers=2, channels=32, head_dim=16, block_size=16)
     pages = sum(config.layout(layer, 32, 16, 16).page_bytes for layer in range(2)) / 16
     assert sizes["page_bytes_per_token"] == pages
-    assert sizes["page_data_equals_registry_without_pointers"]
-    assert sizes["registry_bytes_per_token"] > sizes["page_bytes_per_token"] - sizes["page_overhead_bytes_per_token"]
+    assert sizes["page_data_equals_registry"] and sizes["registry_pointer_bytes_per_token"] == 0
+    assert sizes["registry_bytes_per_token"] == sizes["page_bytes_per_token"] - sizes["page_overhead_bytes_per_token"]
+    assert "window" not in sizes
+    windowed = quality.token_bytes(ServingConfig(str(tiny_recipe_dir), "nuq3-1%:r8"), layers=2, channels=32,
+                                   head_dim=16, block_size=16)["window"]
+    # a window page of 16 tokens x 2 layers x keys and values x 32 channels x fp16 outgrows 16 tokens' pages
+    assert windowed["page_bytes"] == windowed["block_bytes"] == 16 * 2 * 2 * 32 * 2 and windowed["block_grows"]
+    assert windowed["pages_per_decoding_sequence"] == 2 and windowed["registry_bytes"] == 8 * 2 * 2 * 32 * 2

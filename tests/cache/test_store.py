@@ -437,8 +437,9 @@ def test_store_memory_is_exact_and_equals_the_storage_count(method, padded):
     in_tensors = sum(x.nbytes for x in _tensors_in_use(store))
     assert sum(mem.values()) - mem["codebook"] == in_tensors  # every byte in use is counted, once
     assert store.capacity_nbytes() >= sum(mem.values())
-    n_k = store.k_outliers.nnz if store.k_outliers is not None else 0
-    fixed = store.v_fixed or 0  # per-token top-k value outliers: implicit row pointers, sinks padded
+    # a key slot count, per-token top-k values: fixed counts, implicit row pointers, sinks padded
+    n_k = store.k_outliers.nnz - spec.sinks * spec.key_slots if store.k_outliers is not None else 0
+    fixed = store.v_fixed or 0
     n_v = store.v_outliers.nnz - spec.sinks * fixed if store.v_outliers is not None else 0
     k_layout = storage.Layout("k", storage.Choice(spec.k_bits, spec.outlier_fraction), spec.outlier_scope,
                               spec.key_slots)

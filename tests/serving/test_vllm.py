@@ -175,6 +175,8 @@ def test_vllm_serves_a_budget_with_its_window_from_one_pool_of_blocks(tiny_llama
                 method=method)
     assert got["method"] == config.spec.name and config.spec.window == 8
     assert got["num_blocks"] == (64 << 20) // max(pages, window_page)
+    assert sorted((g["block_size"], g["layers"]) for g in got["kv_cache_groups"]) == [(16, 1), (16, 2)]
+    assert got["block_size"] == 16 and got["kv_tokens_vllm"] < got["kv_tokens"]  # window pages counted by vLLM
     for p, q in zip(prompts, got["scores"]):
         ids = torch.tensor([p])
         with torch.no_grad(), kvsqueeze.cache_for(tiny_llama, recipe_dir, config.spec.name) as cache:

@@ -144,7 +144,9 @@ class KVStore:
         self.v_codes = GrowableTensor((batch, self._words("v")), torch.int32, dev)
         self.v_scale_zero = GrowableTensor((batch, 2), torch.float16, dev)
         # methods without outliers store no sparse arrays at all (`storage.tensor_bytes` counts none then)
-        self.k_outliers = TokenOutliers(c, dev) if self.key_quantizer.fraction > 0 else None
+        # a key slot count (`:kslotsN`): that many exact elements every token, so no pointers either
+        self.k_outliers = TokenOutliers(c, dev, fixed=self.key_quantizer.slots or None) \
+            if self.key_quantizer.fraction > 0 else None
         # per-token top-k value outliers: the same count every token, so CSR row pointers are implicit
         self.v_fixed = self.value_quantizer.fixed_outliers(c)
         self.v_outliers = TokenOutliers(c, dev, fixed=self.v_fixed) if self.value_quantizer.fraction > 0 else None
@@ -474,7 +476,8 @@ class KVStore:
         slot_code_bytes = 4 * (self._words("k") + self._words("v"))  # int32 words
         sparse = self._sparse()
         ptr = sum(s.pointer_itemsize for s in sparse)
-        pad = n_sinks * (self.v_fixed or 0) * 2 if self.v_outliers is not None else 0  # fixed-row padding of sinks
+        # fixed-count rows (per-token top-k values, key slots) hold padding entries in sink slots
+        pad = n_sinks * 2 * sum(s.fixed for s in sparse if s.fixed is not None)
         return {
             "codes": (slots - n_sinks) * slot_code_bytes,
             "scales": self.k_scale.nbytes + self.k_zero.nbytes + (slots - n_sinks) * 4,  # + fp16 (s, z) per slot

@@ -43,6 +43,13 @@ def use_own_numba_cache() -> None:
         os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(sys.prefix) / "kvsqueeze-numba-cache"))
 
 
+def window_page_tokens(block_size: int) -> int:
+    """Tokens per page of the fp16 window (`kvsqueeze.serving.vllm.WindowStore`) beside pages of `block_size`
+    tokens: few, so that a page of every layer's fp16 keys and values fits in one block of the layers' pages and a
+    sequence holds little more than its window."""
+    return math.gcd(16, block_size)
+
+
 class ServingError(ValueError):
     """A setting or model that the paged cache cannot serve; the message names the fix."""
 

@@ -36,7 +36,6 @@ RoPE, RoPE scalings whose frequencies change with the length.
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass, replace
 from typing import ClassVar
@@ -53,7 +52,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, SlidingWind
 from ..kernels import decode_attention
 from ..kernels.mixed import mixed_attention
 from ..numerics.rope import Rope, apply_rope
-from .settings import ServingConfig, ServingError, use_own_numba_cache
+from .settings import ServingConfig, ServingError, use_own_numba_cache, window_page_tokens
 
 BACKEND_PATH = "kvsqueeze.serving.vllm.KVSqueezeBackend"
 
@@ -295,12 +294,6 @@ class WindowStore(torch.nn.Module, AttentionLayerBase):
         vllm_config = get_current_vllm_config()
         vllm_config.compilation_config.static_forward_context[name] = self
 
-    @staticmethod
-    def block_size_for(block_size: int) -> int:
-        """Tokens per window page: few, so that a page of every layer's fp16 keys and values fits in one block of
-        the layers' pages (of `block_size` tokens of codes) and a sequence holds little more than its window."""
-        return math.gcd(16, block_size)
-
     def get_attn_backend(self) -> type[AttentionBackend]:
         return KVSqueezeWindowBackend
 
@@ -413,7 +406,7 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         store = vllm_config.compilation_config.static_forward_context.get(name)
         if store is None:
             store = WindowStore(name, layers, self.num_kv_heads, self.head_size, self.window,
-                                WindowStore.block_size_for(vllm_config.cache_config.block_size))
+                                window_page_tokens(vllm_config.cache_config.block_size))
         return store
 
     def _layout(self, layer, kv_cache: torch.Tensor):

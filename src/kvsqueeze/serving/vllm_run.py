@@ -20,6 +20,25 @@ import sys
 import time
 
 
+def kv_space(llm) -> dict:
+    """The KV space the engine made: its blocks, the block size of the KV group with the most layers (the
+    model's layers; with kvsqueeze's fp16 window a second group holds the window's pages, from the same blocks),
+    the token slots those blocks give that group, every group's block size and layers, and vLLM's own count of
+    the tokens it can hold for requests of the longest length (`kv_cache_size_tokens`: every group's pages a
+    request takes counted)."""
+    cache = llm.llm_engine.vllm_config.cache_config
+    groups = []
+    try:  # the engine core in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+        config = llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+        groups = [{"block_size": g.kv_cache_spec.block_size, "layers": len(g.layer_names)}
+                  for g in config.kv_cache_groups]
+    except AttributeError:
+        pass
+    block = max(groups, key=lambda g: g["layers"])["block_size"] if groups else cache.block_size
+    return {"block_size": block, "num_blocks": cache.num_gpu_blocks, "kv_tokens": cache.num_gpu_blocks * block,
+            "kv_cache_groups": groups, "kv_tokens_vllm": getattr(cache, "kv_cache_size_tokens", None)}
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a model directory (config.json, safetensors, tokenizer)")
@@ -83,7 +102,6 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     started = time.perf_counter() - t0
-    cache = llm.llm_engine.vllm_config.cache_config
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     runs = []
     if args.predict:
@@ -118,8 +136,7 @@ def main(argv: list[str] | None = None) -> None:
         **({"score_rounds": rounds} if args.score and args.repeat > 1 else {}),
         "backend": args.backend, "model": args.model, "recipe": args.recipe, "dtype": args.dtype,
         "method": os.environ.get("KVSQUEEZE_METHOD") if args.backend == "kvsqueeze" else None,
-        "block_size": cache.block_size, "num_blocks": cache.num_gpu_blocks,
-        "kv_tokens": cache.num_gpu_blocks * cache.block_size, "kv_bytes": args.kv_bytes,
+        **kv_space(llm), "kv_bytes": args.kv_bytes,
         "start_seconds": round(started, 1), "runs": runs,
     }
     if args.backend == "kvsqueeze":

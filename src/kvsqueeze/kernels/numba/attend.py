@@ -317,8 +317,10 @@ def _sparse(s: Outliers | None, arrays: tuple | None, slots: int, fixed: bool):
     ptr, chan, val = arrays
     if fixed:
         ptr = _POINTERLESS
-    elif s.pointers is None:
-        raise ValueError("outliers without pointers must give their count per slot (`fixed`)")
+    elif s.pointers is None:  # a fixed count the pass reads through pointers (key slots)
+        if not s.fixed:
+            raise ValueError("outliers without pointers must give their count per slot (`fixed`)")
+        ptr = np.arange(slots + 1, dtype=np.uint32) * np.uint32(s.fixed)
     elif ptr is None:
         ptr = _np(s.pointers[: slots + 1].to(torch.int32)).view(np.uint32)
     else:
