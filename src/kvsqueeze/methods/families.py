@@ -61,6 +61,25 @@ class Family:
         hold (no kvsqueeze cache stores it)."""
         return "cache" if self.why_not(spec, "cache") is None else "model"
 
+    def modelled_bits(self, spec: MethodSpec, coded: int, channels: int, head_dim: int | None, k_outliers,
+                      v_outliers) -> dict:
+        """Bits of one row's `coded` quantized tokens beside their codes, as the family's own layout (no kvsqueeze
+        cache) would store them: here an fp16 scale and zero-point per vector of each axis, and outliers with
+        16-bit indices and 32-bit pointers where counts vary (`k_outliers` / `v_outliers`: the counts held, None:
+        the nominal fraction)."""
+        k_vectors = channels if spec.key_axis == "channel" else coded
+        v_vectors = channels if spec.value_axis == "channel" else coded
+        out = {"scales": float(SCALE_ZERO_BITS * (k_vectors + v_vectors))}
+        if spec.outlier_fraction > 0:
+            nominal = spec.outlier_fraction * coded * channels
+            ko = nominal if k_outliers is None else k_outliers
+            vo = nominal if v_outliers is None else v_outliers
+            out["outlier_values"] = FP16_BITS * (ko + vo)
+            out["outlier_indices"] = 16.0 * (ko + vo)
+            fixed = [axis == "token" and spec.outlier_scope == "vector" for axis in (spec.key_axis, spec.value_axis)]
+            out["pointers"] = float(32 * (coded + 1) * fixed.count(False))
+        return out
+
 
 class Fp16(Family):
     name = "fp16"
@@ -258,6 +277,10 @@ class Kivi(Grouped):
     def describe(self, spec):
         return f"KIVI, groups of {spec.group_size}, {spec.window} recent tokens fp16"
 
+    def modelled_bits(self, spec, coded, channels, head_dim, k_outliers, v_outliers):
+        g = spec.group_size  # keys per channel over groups of g tokens, values per token over groups of g channels
+        return {"scales": SCALE_ZERO_BITS * (math.ceil(coded / g) * channels + coded * math.ceil(channels / g))}
+
     def quantizers(self, spec, recipe, layer, channels, head_dim):
         from ..numerics.datatypes import uniform_levels
         from ..numerics.quantizer import VectorQuantizer
@@ -272,6 +295,9 @@ class Group(Grouped):
 
     def describe(self, spec):
         return f"uniform per token, groups of {spec.group_size} channels"
+
+    def modelled_bits(self, spec, coded, channels, head_dim, k_outliers, v_outliers):
+        return {"scales": 2.0 * SCALE_ZERO_BITS * coded * math.ceil(channels / spec.group_size)}
 
     def quantizers(self, spec, recipe, layer, channels, head_dim):
         from ..numerics.datatypes import uniform_levels
@@ -289,6 +315,14 @@ class Turbo(Grouped):
     def describe(self, spec):
         split = ", the higher-RMS half of each head 1 bit wider" if spec.split else ""
         return f"TurboQuant-MSE: random rotation, sphere Lloyd-Max levels, fp16 norm per head{split}"
+
+    def modelled_bits(self, spec, coded, channels, head_dim, k_outliers, v_outliers):
+        if not head_dim or channels % head_dim:
+            raise MethodError(f"method {spec.name!r}: turbo's storage needs the head dimension (one norm per head "
+                              f"vector), got {head_dim}")
+        parts = 2 if spec.split else 1
+        return {"codes": 2.0 * coded * channels * 0.5 * spec.split,  # the outlier half's extra bit, K and V
+                "scales": 2.0 * FP16_BITS * coded * (channels // head_dim) * parts}  # fp16 norms, K and V
 
     def quantizers(self, spec, recipe, layer, channels, head_dim):
         from ..numerics.turbo import TurboQuantizer
@@ -435,34 +469,13 @@ def _modelled_bits(spec: MethodSpec, tokens: int, channels: int, k_outliers, v_o
                fp16_window=0.0, codebook=0.0)
     sinks = min(spec.sinks, tokens)
     window = min(spec.window, tokens - sinks)
-    q = tokens - sinks - (window if spec.family == "kivi" else 0)  # tokens held as codes (nuq: the window's too)
+    fam = family(spec)
+    q = tokens - sinks - (0 if fam.window_beside_codes else window)  # tokens held as codes (nuq: the window's too)
     out["sinks"] = 2.0 * sinks * channels * FP16_BITS
     out["fp16_window"] = 2.0 * window * channels * FP16_BITS
     out["codes"] = float(q * channels * (spec.k_bits + spec.v_bits))
-    if spec.family == "kivi":
-        g = spec.group_size
-        out["scales"] = SCALE_ZERO_BITS * (math.ceil(q / g) * channels + q * math.ceil(channels / g))
-    elif spec.family == "group":
-        out["scales"] = 2.0 * SCALE_ZERO_BITS * q * math.ceil(channels / spec.group_size)
-    elif spec.family == "turbo":
-        if not head_dim or channels % head_dim:
-            raise MethodError(f"method {spec.name!r}: turbo's storage needs the head dimension (one norm per head "
-                              f"vector), got {head_dim}")
-        parts = 2 if spec.split else 1
-        out["codes"] += 2.0 * q * channels * 0.5 * spec.split  # the outlier half's extra bit, K and V
-        out["scales"] = 2.0 * FP16_BITS * q * (channels // head_dim) * parts  # fp16 norms, K and V
-    else:  # int / nf with other axes than the compressed cache's
-        k_vectors = channels if spec.key_axis == "channel" else q
-        v_vectors = channels if spec.value_axis == "channel" else q
-        out["scales"] = float(SCALE_ZERO_BITS * (k_vectors + v_vectors))
-        if spec.outlier_fraction > 0:
-            nominal = spec.outlier_fraction * q * channels
-            ko = nominal if k_outliers is None else k_outliers
-            vo = nominal if v_outliers is None else v_outliers
-            out["outlier_values"] = FP16_BITS * (ko + vo)
-            out["outlier_indices"] = 16.0 * (ko + vo)
-            fixed = [axis == "token" and spec.outlier_scope == "vector" for axis in (spec.key_axis, spec.value_axis)]
-            out["pointers"] = float(32 * (q + 1) * fixed.count(False))
+    for name, bits in fam.modelled_bits(spec, q, channels, head_dim, k_outliers, v_outliers).items():
+        out[name] += bits
     return out
 
 
