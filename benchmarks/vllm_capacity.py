@@ -10,8 +10,10 @@ greedy) are submitted at once to each engine in turn, bfloat16: vLLM with its de
 kvsqueeze backend serving the method, whose pages hold several times more tokens in the same bytes. vLLM's
 scheduler runs what fits and queues (or preempts, and later recomputes) the rest. Written: requests per second
 of each engine over the whole queue and their ratio (`capacity_bound_ratio`), the token slots each engine's
-allocator reports for the space (`capacity_ratio`), and every engine's log under `capacity_bound` in `--json`
-(the file's other measurements are kept).
+allocator reports for the space (`capacity_ratio`) and vLLM's own count of the requests of that length it can
+hold (`requests_at_once_vllm`: with kvsqueeze's fp16 window, the window's pages counted as vLLM reserves them
+while a prefill chunk is in flight), and every engine's log under `capacity_bound` in `--json` (the file's other
+measurements are kept).
 """
 
 from __future__ import annotations
@@ -66,6 +68,11 @@ def main(argv: list[str] | None = None) -> int:
         "requests": args.queue, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "kv_tokens": {k: r["kv_tokens"] for k, r in runs.items()},
         "requests_at_once": {k: r["kv_tokens"] // (blocks * args.block_size) for k, r in runs.items()},
+        # vLLM's own count, every KV group a request takes included (a method's fp16 window: its pages while a
+        # prefill chunk is in flight), for requests of the longest length
+        "kv_tokens_vllm": {k: r.get("kv_tokens_vllm") for k, r in runs.items()},
+        "requests_at_once_vllm": {k: (r.get("kv_tokens_vllm") or 0) // per_request for k, r in runs.items()},
+        "kv_cache_groups": {k: r.get("kv_cache_groups") for k, r in runs.items()},
         "seconds": {k: r["runs"][0]["seconds"] for k, r in runs.items()},
         "requests_per_s": {k: round(v, 4) for k, v in rate.items()},
         "how": "the queue submitted at once to each engine (offline LLM.generate), wall time until every request "
