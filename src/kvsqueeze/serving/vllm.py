@@ -236,34 +236,17 @@ class KVSqueezeMetadataBuilder(AttentionMetadataBuilder[KVSqueezeMetadata]):
         return KVSqueezeMetadata(n, qsl, lens, m.block_table_tensor[: m.num_reqs], m.slot_mapping[:n], positions)
 
 
-class KVSqueezeWindowBackend(AttentionBackend):
-    """The backend of the fp16 window's pages (`WindowStore`): no attention of its own, only the metadata of its
-    KV group (that group's block table and slot mapping), which the layers' attention reads."""
-
-    accept_output_buffer: bool = True
-    forward_includes_kv_cache_update: bool = True  # the layers' attention writes the window
-    supported_dtypes: ClassVar[list[torch.dtype]] = [torch.float16, torch.bfloat16, torch.float32]
-    supported_kv_cache_dtypes: ClassVar[list[str]] = ["auto"]
+class KVSqueezeWindowBackend(KVSqueezeBackend):
+    """The backend of the fp16 window's pages (`WindowStore`): no attention of its own (the layers' attention
+    writes and reads the window), only the metadata of its KV group (that group's block table and slot mapping)."""
 
     @staticmethod
     def get_name() -> str:
         return "KVSQUEEZE_WINDOW"
 
-    @staticmethod
-    def get_impl_cls() -> type[KVSqueezeImpl]:
-        return KVSqueezeImpl  # never built for the window: it has no attention
-
-    @staticmethod
-    def get_builder_cls() -> type[KVSqueezeMetadataBuilder]:
-        return KVSqueezeMetadataBuilder
-
     @classmethod
     def supported_kv_cache_layouts(cls) -> tuple[KVCacheLayout, ...]:
         return (KVCacheLayout.BLHNC,)
-
-    @staticmethod
-    def get_supported_kernel_block_sizes(kv_cache_spec=None) -> list[int | MultipleOf]:
-        return [MultipleOf(1)]
 
 
 class WindowStore(torch.nn.Module, AttentionLayerBase):
