@@ -30,8 +30,9 @@ What the backend does, per layer and step:
   its last N tokens from there, exact, and older ones from the codes.
 
 Refused at start-up with the reason: tensor parallelism (values are quantized per token over all KV heads),
-pipeline parallelism or a disabled hybrid KV cache manager with an fp16 window, the model's own sliding windows, ALiBi, learned attention sinks, encoder attention, KV sharing across layers, interleaved (GPT-J)
-RoPE, RoPE scalings whose frequencies change with the length.
+pipeline parallelism or a disabled hybrid KV cache manager with an fp16 window, the model's own sliding windows,
+ALiBi, learned attention sinks, encoder attention, KV sharing across layers, interleaved (GPT-J) RoPE, RoPE
+scalings whose frequencies change with the length.
 """
 
 from __future__ import annotations
