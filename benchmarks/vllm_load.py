@@ -2,7 +2,7 @@
 
     python benchmarks/vllm_load.py [--model smollm2-135m] [--recipe out/recipe]
         [--method q3.5] [--requests 200] [--clients 24] [--cancel 0.1] [--shared 0.3]
-        [--kv-mib 24] [--max-model-len 1024] [--subset 8] [--json benchmarks/results/vllm.json]
+        [--kv-mib 64] [--max-model-len 1024] [--subset 8] [--json benchmarks/results/vllm.json]
 
 One server (`--kv-mib` of KV space: a few thousand tokens of pages, far fewer than the clients ask for at once, so
 that vLLM's scheduler must preempt), then `--requests` completion requests from `--clients` threads:
@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clients", type=int, default=24)
     ap.add_argument("--cancel", type=float, default=0.1)
     ap.add_argument("--shared", type=float, default=0.3)
-    ap.add_argument("--kv-mib", type=int, default=24)
+    # 64: the default method's window reserves pages for a whole prompt in flight (24 MiB cannot admit 940 tokens)
+    ap.add_argument("--kv-mib", type=int, default=64)
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--subset", type=int, default=8)
     ap.add_argument("--seed", type=int, default=0)

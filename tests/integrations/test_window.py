@@ -278,8 +278,10 @@ def test_a_deep_copy_of_a_windowed_cache_decodes_alike(tiny_llama, tiny_recipe):
     assert torch.equal(a, b)
 
 
-def test_serving_refuses_a_window():
-    from kvsqueeze.serving.settings import ServingConfig, ServingError
+def test_serving_takes_a_window_with_its_key_slots():
+    """Pages serve a windowed method (the window in pages of its own, `serving.vllm.WindowStore`): its settings
+    keep the window and give its keys the paged cache's fixed count of exact elements."""
+    from kvsqueeze.serving.settings import DEFAULT_KEY_SLOTS, ServingConfig
 
-    with pytest.raises(ServingError, match="fp16 window"):
-        ServingConfig(recipe="unused", method="nuq3-1%:r16").spec
+    spec = ServingConfig(recipe="unused", method="nuq3-1%:r16").spec
+    assert spec.window == 16 and spec.key_slots == DEFAULT_KEY_SLOTS
