@@ -102,3 +102,43 @@ def test_a_page_holds_the_registry_s_bytes_per_token(tiny_recipe, tmp_path, meth
         sink_area = sum(r.nbytes for name, r in layout.regions.items() if name.startswith("sink"))
         assert sink_area == 2 * 2 * spec.sinks * c
         assert 0 <= layout.page_bytes - data - sink_area < 16 * len(layout.regions)
+
+
+@pytest.mark.parametrize("preset", [None, "omp"])
+def test_an_engine_process_takes_numba_s_workqueue_layer_unless_told_otherwise(preset, tmp_path):
+    """vLLM pins a numba whose OpenMP runtime, beside torch's, slows torch's calls in the engine several times:
+    the engine's process takes the workqueue layer and a cache of its own, and keeps a user's own choice."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    if preset:
+        env["NUMBA_THREADING_LAYER"] = preset
+    code = ("import os\n"
+            "from kvsqueeze.serving.settings import numba_for_engine\n"
+            "numba_for_engine()\n"
+            "import numba\n"
+            "print(os.environ['NUMBA_THREADING_LAYER'], numba.config.THREADING_LAYER, os.environ['NUMBA_CACHE_DIR'])\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    layer, configured, cache = out.stdout.split()
+    assert layer == configured == (preset or "workqueue")
+    assert cache.startswith(sys.prefix)
+
+
+def test_numba_settings_come_too_late_once_numba_is_loaded():
+    """Numba reads its settings when first imported: after that the engine's settings leave the environment as
+    it is rather than pretending to apply."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
+    code = ("import os, numba\n"
+            "from kvsqueeze.serving.settings import numba_for_engine\n"
+            "numba_for_engine()\n"
+            "print(os.environ.get('NUMBA_THREADING_LAYER', 'unset'))\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["unset"]

@@ -33,14 +33,20 @@ DEFAULT_METHOD = "nuq3-1%"
 DEFAULT_KEY_SLOTS = 6
 
 
-def use_own_numba_cache() -> None:
-    """Keep this environment's compiled kernels apart (`NUMBA_CACHE_DIR` under its prefix), unless set already.
+def numba_for_engine() -> None:
+    """Numba settings for an engine's process, unless set already; numba reads them when it is first imported,
+    so this runs before that.
 
-    vLLM pins another numba than kvsqueeze's own environment, and two numba versions sharing the cache next to the
-    source would each throw the other's machine code away: every engine start would compile the kernels again.
-    Numba reads the variable when it is first imported, so this runs before that."""
+    - Its own cache (`NUMBA_CACHE_DIR` under this environment's prefix): vLLM pins another numba than kvsqueeze's
+      own environment, and two numba versions sharing the cache next to the source would each throw the other's
+      machine code away, so every engine start would compile the kernels again.
+    - The `workqueue` threading layer: numba's OpenMP layer brings a second OpenMP runtime beside torch's, and in
+      vLLM's CPU engine the threads one runtime leaves spinning slow the other's torch calls down several times
+      (SDPA of a prefill chunk: 7 ms alone, 40-130 ms there). With `workqueue` a 2-request run of 2K-token
+      prompts took 18-21 s against 51 s with OpenMP (SmolLM2-135M, AMD EPYC, 2 cores; docs/serving.md)."""
     if "numba" not in sys.modules:
         os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(sys.prefix) / "kvsqueeze-numba-cache"))
+        os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
 
 
 def window_page_tokens(block_size: int) -> int:

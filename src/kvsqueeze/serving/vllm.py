@@ -45,6 +45,7 @@ import torch
 
 from vllm.config import get_current_vllm_config
 from vllm.forward_context import get_forward_context
+from vllm.logger import init_logger
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.v1.attention.backend import (AttentionBackend, AttentionImpl, AttentionMetadata, AttentionMetadataBuilder,
                                        AttentionType, CommonAttentionMetadata, MultipleOf)
@@ -53,7 +54,7 @@ from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheLayout, SlidingWind
 from ..kernels import decode_attention
 from ..kernels.mixed import mixed_attention
 from ..numerics.rope import Rope, apply_rope
-from .settings import ServingConfig, ServingError, use_own_numba_cache, window_page_tokens
+from .settings import ServingConfig, ServingError, numba_for_engine, window_page_tokens
 
 BACKEND_PATH = "kvsqueeze.serving.vllm.KVSqueezeBackend"
 
@@ -62,7 +63,7 @@ def register() -> None:
     """The `vllm.general_plugins` entry point: put the backend in the CUSTOM slot (and let CPU honour it)."""
     from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-    use_own_numba_cache()
+    numba_for_engine()
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     _keep_pre_rope_keys()
     _size_pages_per_layer()
@@ -289,9 +290,18 @@ class WindowStore(torch.nn.Module, AttentionLayerBase):
                                "without it) vLLM would keep every token's fp16 copy. Serve with the hybrid manager "
                                "and no KV connector, or a method without a window (drop ':r"
                                f"{self.window}')")
-        return SlidingWindowSpec(block_size=self.block_size, num_kv_heads=self.heads, head_size=self.head_size,
+        spec = SlidingWindowSpec(block_size=self.block_size, num_kv_heads=self.heads, head_size=self.head_size,
                                  dtype=torch.uint8, num_head_slots=1, state_content_bytes=self.token_bytes,
                                  sliding_window=self.window)
+        chunk = int(vllm_config.scheduler_config.max_num_batched_tokens)
+        reserved = spec.max_admission_blocks_per_request(int(vllm_config.max_in_flight_tokens),
+                                                         int(vllm_config.model_config.max_model_len))
+        logger.info("kvsqueeze: %s keeps each sequence's last %d tokens in fp16 pages of %d tokens; a request "
+                    "prefilling holds up to %d of them (%d tokens a step, --max-num-batched-tokens), a decoding one "
+                    "%d. Each takes a whole block of the KV space: a smaller prefill chunk admits more requests at "
+                    "once.", ServingConfig.from_env().spec.name, self.window, self.block_size, reserved, chunk,
+                    -(-self.window // self.block_size) + 1)
+        return spec
 
     def tokens(self) -> torch.Tensor:
         """The window's pages as float16 [blocks, block_size, layers, 2 (keys, values), C]."""
@@ -305,6 +315,7 @@ class WindowStore(torch.nn.Module, AttentionLayerBase):
         return page, positions % block_size
 
 
+logger = init_logger(__name__)
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 

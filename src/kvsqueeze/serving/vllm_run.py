@@ -39,6 +39,15 @@ def kv_space(llm) -> dict:
             "kv_cache_groups": groups, "kv_tokens_vllm": getattr(cache, "kv_cache_size_tokens", None)}
 
 
+def _numba_layer() -> str | None:
+    """The threading layer numba's parallel kernels ran on in this process (None: none ran)."""
+    numba = sys.modules.get("numba")
+    try:
+        return numba.threading_layer() if numba is not None else None
+    except ValueError:  # no parallel kernel launched
+        return None
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a model directory (config.json, safetensors, tokenizer)")
@@ -69,9 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine and worker in this process
-    from .settings import use_own_numba_cache
+    from .settings import numba_for_engine
 
-    use_own_numba_cache()
+    numba_for_engine()
     if args.backend == "kvsqueeze":
         if not args.recipe:
             sys.exit("--backend kvsqueeze needs --recipe DIR")
@@ -137,7 +146,7 @@ def main(argv: list[str] | None = None) -> None:
         "backend": args.backend, "model": args.model, "recipe": args.recipe, "dtype": args.dtype,
         "method": os.environ.get("KVSQUEEZE_METHOD") if args.backend == "kvsqueeze" else None,
         **kv_space(llm), "kv_bytes": args.kv_bytes,
-        "start_seconds": round(started, 1), "runs": runs,
+        "start_seconds": round(started, 1), "runs": runs, "numba_threading_layer": _numba_layer(),
     }
     if args.backend == "kvsqueeze":
         from .settings import ServingConfig
