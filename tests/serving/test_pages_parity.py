@@ -104,27 +104,44 @@ def test_a_page_holds_the_registry_s_bytes_per_token(tiny_recipe, tmp_path, meth
         assert 0 <= layout.page_bytes - data - sink_area < 16 * len(layout.regions)
 
 
-@pytest.mark.parametrize("preset", [None, "omp"])
-def test_an_engine_process_takes_numba_s_workqueue_layer_unless_told_otherwise(preset, tmp_path):
-    """vLLM pins a numba whose OpenMP runtime, beside torch's, slows torch's calls in the engine several times:
-    the engine's process takes the workqueue layer and a cache of its own, and keeps a user's own choice."""
+_PARALLEL_KERNEL = ("import numpy as np\n"
+                    "from numba import njit, prange\n"
+                    "@njit(parallel=True)\n"
+                    "def f(a):\n"
+                    "    for i in prange(a.shape[0]):\n"
+                    "        a[i] += 1.0\n"
+                    "f(np.zeros(64))\n")
+
+
+def _engine_numba(python: str, preset: str | None) -> list[str]:
     import os
     import subprocess
-    import sys
 
     env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
     if preset:
         env["NUMBA_THREADING_LAYER"] = preset
-    code = ("import os\n"
+    code = ("import os, sys\n"
             "from kvsqueeze.serving.settings import numba_for_engine\n"
             "numba_for_engine()\n"
-            "import numba\n"
-            "print(os.environ['NUMBA_THREADING_LAYER'], numba.config.THREADING_LAYER, os.environ['NUMBA_CACHE_DIR'])\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+            "import numba\n" + _PARALLEL_KERNEL +
+            "print(numba.threading_layer(), os.environ['NUMBA_CACHE_DIR'].startswith(sys.prefix))\n")
+    out = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
-    layer, configured, cache = out.stdout.split()
-    assert layer == configured == (preset or "workqueue")
-    assert cache.startswith(sys.prefix)
+    return out.stdout.split()
+
+
+def test_an_engine_process_runs_numba_off_openmp_unless_told_otherwise():
+    """vLLM pins a numba whose OpenMP runtime, beside torch's, slows torch's calls in the engine several times:
+    an engine's process runs numba's kernels on TBB where vLLM's environment has it (`make vllm-setup`), else on
+    workqueue, with a cache of its own; a user's own choice of layer is kept."""
+    import os
+    import sys
+
+    assert _engine_numba(sys.executable, None) == ["workqueue", "True"]  # kvsqueeze's environment has no TBB
+    assert _engine_numba(sys.executable, "omp") == ["omp", "True"]
+    vllm_python = os.environ.get("KVSQUEEZE_VLLM_PYTHON")
+    if vllm_python:
+        assert _engine_numba(vllm_python, None) == ["tbb", "True"]
 
 
 def test_numba_settings_come_too_late_once_numba_is_loaded():

@@ -40,13 +40,36 @@ def numba_for_engine() -> None:
     - Its own cache (`NUMBA_CACHE_DIR` under this environment's prefix): vLLM pins another numba than kvsqueeze's
       own environment, and two numba versions sharing the cache next to the source would each throw the other's
       machine code away, so every engine start would compile the kernels again.
-    - The `workqueue` threading layer: numba's OpenMP layer brings a second OpenMP runtime beside torch's, and in
-      vLLM's CPU engine the threads one runtime leaves spinning slow the other's torch calls down several times
-      (SDPA of a prefill chunk: 7 ms alone, 40-130 ms there). With `workqueue` a 2-request run of 2K-token
-      prompts took 18-21 s against 51 s with OpenMP (SmolLM2-135M, AMD EPYC, 2 cores; docs/serving.md)."""
-    if "numba" not in sys.modules:
-        os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(sys.prefix) / "kvsqueeze-numba-cache"))
-        os.environ.setdefault("NUMBA_THREADING_LAYER", "workqueue")
+    - Its threading layer: TBB where the environment has it (`make vllm-setup` installs it), else `workqueue`;
+      never the OpenMP layer. vLLM's numba brings a second OpenMP runtime beside torch's, and once a numba kernel
+      has run, its thread keeps a core busy: torch's calls in the engine slow down several times (a bfloat16 SDPA
+      of a 256-token chunk over 2,300 keys: 10 ms alone, 130 ms after a numba kernel). `workqueue` leaves torch
+      alone but wakes its threads slowly, at every one of the fused kernel's passes (at 8K tokens 2.0-2.8 ms a
+      call against 1.1 on OpenMP); TBB does neither (1.2 ms). Measured in docs/serving.md."""
+    if "numba" in sys.modules:
+        return
+    os.environ.setdefault("NUMBA_CACHE_DIR", str(Path(sys.prefix) / "kvsqueeze-numba-cache"))
+    layer = os.environ.get("NUMBA_THREADING_LAYER")
+    if layer is None:
+        os.environ["NUMBA_THREADING_LAYER"] = "tbb" if _load_tbb() else "workqueue"
+    elif layer == "tbb":
+        _load_tbb()
+
+
+def _load_tbb() -> bool:
+    """Load TBB's runtime as pip installs it (`<prefix>/lib/libtbb.so.12`, off the loader's search path, where
+    numba's TBB layer would not find it); False if it is missing or older than numba accepts (2021.6)."""
+    import ctypes
+
+    path = Path(sys.prefix) / "lib" / "libtbb.so.12"
+    if not path.is_file():
+        return False
+    try:
+        lib = ctypes.CDLL(str(path), mode=ctypes.RTLD_GLOBAL)
+        lib.TBB_runtime_interface_version.restype = ctypes.c_int
+        return lib.TBB_runtime_interface_version() >= 12060
+    except (OSError, AttributeError):
+        return False
 
 
 def window_page_tokens(block_size: int) -> int:
