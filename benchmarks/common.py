@@ -67,7 +67,10 @@ def decode_machine() -> dict:
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() else ""
-    return {"cpu": cpu, "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+    from kvsqueeze.kernels.numba.simd import ISA
+
+    return {"cpu": cpu, "machine": machine(), "kernels_compiled_for": ISA,
+            "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "numba_threads": numba.get_num_threads(), "numba_threading_layer": numba.threading_layer(),
             "torch": torch.__version__, "numba": numba.__version__, "platform": platform.platform(),
             "load_average_start": os.getloadavg()}
