@@ -473,7 +473,15 @@ class PageLayout:
 
     def _levels(self, dev) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value levels a view decodes with: the codebook, or [C, 2**bits] with channel widths."""
-        return self.k_quant.decode_levels.to(dev), self.v_quant.decode_levels.to(dev)
+        k, v = self._decode_levels
+        return k.to(dev), v.to(dev)
+
+    @functools.cached_property
+    def _decode_levels(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The quantizers' decode levels, built once: with channel widths they are a table stacked per call, and a
+        new tensor every step would also make the kernels rebuild their lookup tables (kept in `_memo` while the
+        tensors they came from are the same)."""
+        return self.k_quant.decode_levels, self.v_quant.decode_levels
 
     def _offsets(self, dev) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return tuple(None if o is None else o.to(dev) for o in (self.k_offsets, self.v_offsets))
