@@ -294,13 +294,13 @@ class WindowStore(torch.nn.Module, AttentionLayerBase):
                                  dtype=torch.uint8, num_head_slots=1, state_content_bytes=self.token_bytes,
                                  sliding_window=self.window)
         chunk = int(vllm_config.scheduler_config.max_num_batched_tokens)
-        reserved = spec.max_admission_blocks_per_request(int(vllm_config.max_in_flight_tokens),
-                                                         int(vllm_config.model_config.max_model_len))
+        longest = int(vllm_config.model_config.max_model_len)
+        reserved = spec.max_admission_blocks_per_request(int(vllm_config.max_in_flight_tokens), longest)
         logger.info("kvsqueeze: %s keeps each sequence's last %d tokens in fp16 pages of %d tokens; a request "
                     "prefilling holds up to %d of them (%d tokens a step, --max-num-batched-tokens), a decoding one "
                     "%d. Each takes a whole block of the KV space: a smaller prefill chunk admits more requests at "
                     "once.", ServingConfig.from_env().spec.name, self.window, self.block_size, reserved, chunk,
-                    -(-self.window // self.block_size) + 1)
+                    spec.max_admission_blocks_per_request(1, longest))  # a decode step: one token in flight
         return spec
 
     def tokens(self) -> torch.Tensor:
