@@ -14,6 +14,12 @@ project) are scored teacher-forced four ways, all in float32:
   the fp16 cache: the change in perplexity with its paired 95% interval over the windows, KL divergence and
   top-1 agreement.
 
+KL divergence through vLLM is taken from the whole distribution at every scored position: both engines run with
+`vllm_run --logits`, which keeps the log-softmax rows the engine computes its prompt logprobs from (checked
+against the logprobs it returns), and the kvsqueeze engine's rows are compared with vLLM's own backend's. The
+HF path's mean KL gets a 95% interval over the windows (`mean_interval`); `kld_inside_hf_interval` says whether
+vLLM's mean lies in it, and `kld_paired_ci95` is the interval of vLLM's minus the HF path's, window by window.
+
 A bug in the pages (codes written to the wrong slot, a wrong page size, keys turned by the wrong angles, a layer
 reading another layer's pages) moves vLLM's figure far outside the HF path's interval; float rounding does not.
 Also written: the page bytes per token the engine holds (the layers' pages) beside the registry's bytes per
@@ -65,6 +71,20 @@ def token_bytes(config, layers: int, channels: int, head_dim: int, block_size: i
     if spec.window:
         out["window"] = window_bytes(spec.window, layers, channels, block_size, page * block_size)
     return out
+
+
+def vllm_kld(reference: Path, served: Path) -> float:
+    """Summed KL divergence of the served engine's distributions from the reference engine's, over the positions
+    of one window (`vllm_run --logits` files, float32 [positions, vocab]); both files are deleted once read."""
+    import numpy as np
+
+    ref, mine = (torch.from_numpy(np.load(p)) for p in (reference, served))
+    if ref.shape != mine.shape:
+        raise SystemExit(f"{reference} and {served} hold {tuple(ref.shape)} and {tuple(mine.shape)} log-probabilities")
+    kld = (ref.exp() * (ref - mine)).sum(-1).clamp_min(0)
+    reference.unlink()
+    served.unlink()
+    return float(kld.double().sum())
 
 
 def window_bytes(window: int, layers: int, channels: int, block_size: int, pages_per_block: float) -> dict:
@@ -121,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import DynamicCache
 
     from kvsqueeze.eval.long_ppl import check_head, hidden_states, score_window
-    from kvsqueeze.eval.perplexity import paired_interval
+    from kvsqueeze.eval.perplexity import mean_interval, paired_interval
     from kvsqueeze.eval.texts import evaluation_windows, load_text
     from kvsqueeze.integrations.cache import cache_for, kv_shape
     from kvsqueeze.integrations.loading import load_model, resolve_model_path
@@ -143,13 +163,15 @@ def main(argv: list[str] | None = None) -> int:
         common = ["--model", resolve_model_path(args.model), "--dtype", "float32", "--max-model-len",
                   str(args.length + 16), "--kv-bytes", str(1 << 30), "--block-size", str(args.block_size),
                   "--prompts", str(tmp / "windows.json"), "--skip-tokenizer-init", "--score"]
-        ours = vllm_engine(py, [*common, "--backend", "kvsqueeze", "--recipe", recipe, "--method", served], tmp,
-                      "quality-kvsqueeze")
-        own = vllm_engine(py, [*common, "--backend", "vllm"], tmp, "quality-vllm")
+        ours = vllm_engine(py, [*common, "--backend", "kvsqueeze", "--recipe", recipe, "--method", served,
+                                "--logits", str(tmp / "ours")], tmp, "quality-kvsqueeze")
+        own = vllm_engine(py, [*common, "--backend", "vllm", "--logits", str(tmp / "own")], tmp, "quality-vllm")
+        v_kld = [vllm_kld(tmp / "own" / f"prompt_{i}.npy", tmp / "ours" / f"prompt_{i}.npy")
+                 for i in range(len(windows))]
     vllm_seconds = time.perf_counter() - started
 
     t0 = time.perf_counter()
-    hf_m, hf_f, tokens, kld, top1 = [], [], [], 0.0, 0
+    hf_m, hf_f, tokens, hf_kld, top1 = [], [], [], [], 0
     for ids in ew.ids:
         ids = ids.view(1, -1)
         with cache_for(model, recipe, "fp16") as cache:
@@ -160,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
         hf_f.append(sum(base.nll))
         hf_m.append(sum(mine.nll))
         tokens.append(sum(mine.tokens))
-        kld += mine.kld_sum
+        hf_kld.append(mine.kld_sum)
         top1 += mine.top1
     hf_seconds = time.perf_counter() - t0
 
@@ -175,6 +197,10 @@ def main(argv: list[str] | None = None) -> int:
     hf_delta, vllm_delta = change(hf_m, hf_f), change(v_m, v_o)
     agree = sum(a == b for s, r in zip(ours["scores"], own["scores"]) for a, b in zip(s["top1"], r["top1"]))
     inside = ci is not None and ci[0] <= vllm_delta <= ci[1]
+    kld_ci = mean_interval(t(hf_kld), t(tokens))
+    kld_vllm = sum(v_kld) / count
+    kld_inside = kld_ci is not None and kld_ci[0] <= kld_vllm <= kld_ci[1]
+    kld_paired = mean_interval(t(v_kld) - t(hf_kld), t(tokens))
     sizes = token_bytes(config, shape.layers, shape.channels, shape.head_dim, args.block_size)
     quality = {
         "machine": machine(), "model": args.model, "recipe": args.recipe, "method": args.method,
@@ -182,24 +208,31 @@ def main(argv: list[str] | None = None) -> int:
         "window_tokens": args.length, "tokens_scored": int(count), "block_size": args.block_size, "dtype": "float32",
         "hf": {"ppl_fp16": round(math.exp(sum(hf_f) / count), 4), "ppl": round(math.exp(sum(hf_m) / count), 4),
                "delta_pct": round(hf_delta, 3), "ci95": None if ci is None else [round(x, 3) for x in ci],
-               "kld_mean": round(kld / count, 5), "top1_vs_fp16": round(top1 / count, 4),
+               "kld_mean": round(sum(hf_kld) / count, 5),
+               "kld_ci95": None if kld_ci is None else [round(x, 5) for x in kld_ci],
+               "top1_vs_fp16": round(top1 / count, 4),
                "seconds": round(hf_seconds, 1)},
         "vllm": {"ppl_own_backend": round(math.exp(sum(v_o) / count), 4),
                  "ppl": round(math.exp(sum(v_m) / count), 4), "delta_pct": round(vllm_delta, 3),
-                 "top1_vs_own_backend": round(agree / count, 4), "kv_tokens": ours["kv_tokens"],
+                 "kld_mean": round(kld_vllm, 5), "top1_vs_own_backend": round(agree / count, 4),
+                 "kv_tokens": ours["kv_tokens"],
                  "kv_tokens_own_backend_float32": own["kv_tokens"], "seconds": round(vllm_seconds, 1)},
         "vllm_own_over_hf_fp16_ppl": round(math.exp((sum(v_o) - sum(hf_f)) / count), 5),
         "vllm_over_hf_ppl": round(math.exp((sum(v_m) - sum(hf_m)) / count), 5),
         "ppl_inside_hf_interval": inside,
+        "kld_inside_hf_interval": kld_inside,
+        "kld_paired_ci95": None if kld_paired is None else [round(x, 5) for x in kld_paired],
         **sizes,
-        "kld_through_vllm": "not measured: vLLM's prompt_logprobs return the top-k of each position, not the whole "
-                            "distribution KL divergence needs",
         "how": "vllm.delta_pct: vLLM with the kvsqueeze backend against vLLM with its own unquantized float32 cache, "
                "token for token; hf.delta_pct: kvsqueeze's compressed cache against the fp16 cache on the same "
-               "windows, with its paired 95% interval over windows (paired_interval)",
+               "windows, with its paired 95% interval over windows (paired_interval); vllm.kld_mean: the whole "
+               "distributions of the same two vLLM runs at every scored position (vllm_run --logits), "
+               "hf.kld_mean with its 95% interval over windows (mean_interval); kld_paired_ci95: vLLM's KL minus "
+               "the HF path's, window by window",
     }
     merge_json(args.json, quality=quality, served_method=served, page_bytes_per_token=sizes["page_bytes_per_token"],
-               registry_bytes_per_token=sizes["registry_bytes_per_token"], ppl_inside_hf_interval=inside)
+               registry_bytes_per_token=sizes["registry_bytes_per_token"], ppl_inside_hf_interval=inside,
+               kld_inside_hf_interval=kld_inside)
     print(json.dumps(quality, indent=1))
     print(f"wrote {args.json}")
     return 0

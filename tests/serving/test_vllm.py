@@ -108,9 +108,11 @@ def test_vllm_scores_tokens_as_the_hf_path_does(tiny_llama, tiny_model_dir, tiny
     scores equal the HF model's: `vllm_own_over_hf_fp16_ppl` in vllm.json.)"""
     import kvsqueeze
 
+    import numpy as np
+
     prompts = [p for p in _prompts() if len(p) > 20]
-    ours = _vllm(tmp_path, tiny_model_dir, tiny_recipe_dir, prompts, "--score")
-    for p, q in zip(prompts, ours["scores"]):
+    ours = _vllm(tmp_path, tiny_model_dir, tiny_recipe_dir, prompts, "--score", "--logits", str(tmp_path / "lp"))
+    for i, (p, q) in enumerate(zip(prompts, ours["scores"])):
         ids = torch.tensor([p])
         with torch.no_grad():
             fp = tiny_llama(ids).logits[0].float().log_softmax(-1)
@@ -119,6 +121,9 @@ def test_vllm_scores_tokens_as_the_hf_path_does(tiny_llama, tiny_model_dir, tiny
         target = ids[0, 1:].view(-1, 1)
         want_q, want_fp = qz[:-1].gather(1, target).view(-1), fp[:-1].gather(1, target).view(-1)
         torch.testing.assert_close(torch.tensor(q["logprob"]), want_q, rtol=0, atol=1e-3)
+        # `--logits`: the whole distribution at every scored position (what KL through vLLM is computed from)
+        whole = torch.from_numpy(np.load(tmp_path / "lp" / f"prompt_{i}.npy"))
+        torch.testing.assert_close(whole, qz[:-1], rtol=0, atol=1e-3)
         assert float((want_q - want_fp).abs().max()) > 1e-2  # the quantized cache is another cache
         same = sum(a == b for a, b in zip(q["top1"], qz[:-1].argmax(-1).tolist()))
         assert same >= 0.95 * len(q["top1"])  # first choices: equal but where two logits tie to rounding
@@ -137,21 +142,27 @@ def test_vllm_scores_a_method_with_an_fp16_window_as_the_hf_path_does(tiny_llama
     same method without the window."""
     import kvsqueeze
 
+    import numpy as np
+
     prompts = [p for p in _prompts() if len(p) > 20]
     ours = _vllm(tmp_path, tiny_model_dir, tiny_recipe_dir, prompts, "--score", "--max-num-batched-tokens",
-                 str(chunk), "--repeat", "2", method=WINDOWED)
+                 str(chunk), "--repeat", "2", "--logits", str(tmp_path / "lp"), method=WINDOWED)
     assert ":r8" in ours["method"]
-    for p, q, again in zip(prompts, ours["scores"], ours["score_rounds"][1]):
+    for i, (p, q, again) in enumerate(zip(prompts, ours["scores"], ours["score_rounds"][1])):
         ids = torch.tensor([p])
         target = ids[0, 1:].view(-1, 1)
-        want = {}
+        want, full = {}, {}
         with torch.no_grad():
             for method in (WINDOWED, METHOD):
                 with kvsqueeze.cache_for(tiny_llama, tiny_recipe_dir, method) as cache:
                     logits = tiny_llama(ids, cache=cache, use_cache=True).logits[0].float().log_softmax(-1)
+                full[method] = logits[:-1]
                 want[method] = logits[:-1].gather(1, target).view(-1)
         torch.testing.assert_close(torch.tensor(q["logprob"]), want[WINDOWED], rtol=0, atol=1e-3)
         torch.testing.assert_close(torch.tensor(again["logprob"]), want[WINDOWED], rtol=0, atol=1e-3)
+        # the whole distributions of the second round (prompts scored one at a time, chunk by chunk)
+        whole = torch.from_numpy(np.load(tmp_path / "lp" / f"prompt_{i}.npy"))
+        torch.testing.assert_close(whole, full[WINDOWED], rtol=0, atol=1e-3)
         assert float((want[WINDOWED] - want[METHOD]).abs().max()) > 1e-2  # the window changes what is read
 
 

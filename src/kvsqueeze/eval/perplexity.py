@@ -90,6 +90,20 @@ def paired_interval(nll: torch.Tensor, base: torch.Tensor, tokens: torch.Tensor,
     return float(lo), float(hi)
 
 
+def mean_interval(sums: torch.Tensor, tokens: torch.Tensor, resamples: int = BOOTSTRAP,
+                  seed: int = 0) -> tuple[float, float] | None:
+    """95% interval of a per-token mean (e.g. KL divergence: summed per window in `sums`, over `tokens` per
+    window) over windows resampled with replacement, as `paired_interval` resamples them. None with one window."""
+    w = sums.numel()
+    if w < 2:
+        return None
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, w, (resamples, w), generator=g)
+    mean = sums.double()[idx].sum(1) / tokens.double()[idx].sum(1)
+    lo, hi = torch.quantile(mean, torch.tensor([(1 - Z_LEVEL) / 2, (1 + Z_LEVEL) / 2], dtype=torch.float64))
+    return float(lo), float(hi)
+
+
 def against_reference(ref: torch.Tensor, ref_p: torch.Tensor, ref_top: torch.Tensor, logp: torch.Tensor,
                       target: torch.Tensor) -> tuple[float, torch.Tensor, int]:
     """One window's summed NLL of `logp` [T-1, V] on `target` [T-1], its per-token KL divergence from the

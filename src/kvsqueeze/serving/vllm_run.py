@@ -48,6 +48,73 @@ def _numba_layer() -> str | None:
         return None
 
 
+def record_prompt_logits(llm) -> None:
+    """Keep the whole log-softmax of every prompt position the engine scores (the logits `prompt_logprobs` are
+    taken from, float32 [positions, vocab]), in the worker of this process, until `take_prompt_logits`: vLLM
+    returns only the top-k of each position, and KL divergence needs every token's probability. Only the model's
+    logits computed while the runner builds prompt logprobs are kept, not those of sampling."""
+    import torch
+
+    def install(worker):
+        runner = worker.model_runner
+        model = runner.get_model()
+        kept, state = [], {"on": False}
+        logits_of, prompt_dict = model.compute_logits, runner._get_prompt_logprobs_dict
+
+        def compute_logits(hidden, *a, **kw):
+            logits = logits_of(hidden, *a, **kw)
+            if state["on"]:
+                kept.append(torch.log_softmax(logits.float(), dim=-1).cpu())
+            return logits
+
+        def prompt_logprobs_dict(*a, **kw):
+            state["on"] = True
+            try:
+                return prompt_dict(*a, **kw)
+            finally:
+                state["on"] = False
+
+        model.compute_logits = compute_logits
+        runner._get_prompt_logprobs_dict = prompt_logprobs_dict
+        runner._kvsqueeze_prompt_logits = kept
+
+    llm.collective_rpc(install)
+
+
+def take_prompt_logits(llm):
+    """The log-softmax rows kept since the last call, in the order the engine scored them, float32 [rows, vocab]."""
+    import torch
+
+    def take(worker):
+        kept = worker.model_runner._kvsqueeze_prompt_logits
+        rows = torch.cat(kept) if kept else None
+        kept.clear()
+        return rows
+
+    return llm.collective_rpc(take)[0]
+
+
+def _score_keeping_logits(llm, i: int, prompt, scoring, folder: str):
+    """Score one prompt and save its whole log-softmax rows to `folder/prompt_<i>.npy`, after checking them
+    against the log-probabilities the engine returned for the prompt's tokens (the same rows, or it refuses)."""
+    import numpy as np
+
+    (out,) = llm.generate([prompt], scoring, use_tqdm=False)
+    rows = take_prompt_logits(llm)
+    ids = out.prompt_token_ids
+    if rows is None or rows.shape[0] != len(ids) - 1:
+        sys.exit(f"prompt {i}: kept {None if rows is None else rows.shape[0]} rows of logits for {len(ids) - 1} "
+                 "scored positions: this vLLM computes prompt logits another way")
+    returned = [lp[t].logprob for t, lp in zip(ids[1:], out.prompt_logprobs[1:])]
+    mine = rows[range(len(ids) - 1), ids[1:]].tolist()
+    worst = max(abs(a - b) for a, b in zip(returned, mine))
+    if worst > 1e-3:
+        sys.exit(f"prompt {i}: the kept log-softmax differs from the engine's prompt logprobs by {worst:.3g}")
+    os.makedirs(folder, exist_ok=True)
+    np.save(os.path.join(folder, f"prompt_{i}.npy"), rows.numpy())
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a model directory (config.json, safetensors, tokenizer)")
@@ -74,8 +141,16 @@ def main(argv: list[str] | None = None) -> None:
                     help="teacher-forced scoring: for every prompt token after the first, its log-probability given "
                          "the tokens before it and the engine's first choice there (prompt logprobs), written as "
                          "`scores` (per prompt: `logprob`, `top1`)")
+    ap.add_argument("--logits", default=None,
+                    help="with --score: a directory for each prompt's whole log-softmax at every position after the "
+                         "first (`prompt_<i>.npy`, float32 [tokens - 1, vocab]), the prompts then scored one at a "
+                         "time")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.logits and not args.score:
+        sys.exit("--logits needs --score")
+    if args.logits and os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
+        sys.exit("--logits reads the engine's worker in this process: unset VLLM_ENABLE_V1_MULTIPROCESSING")
 
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # engine and worker in this process
     from .settings import numba_for_engine
@@ -122,9 +197,12 @@ def main(argv: list[str] | None = None) -> None:
     if args.score:
         t1 = time.perf_counter()
         rounds = []
+        scoring = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
+        if args.logits:
+            record_prompt_logits(llm)
         for _ in range(args.repeat):  # rounds after the first prefill from the prefix cache
-            outs = llm.generate(inputs, SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1),
-                                use_tqdm=False)
+            outs = llm.generate(inputs, scoring, use_tqdm=False) if not args.logits else \
+                [_score_keeping_logits(llm, i, p, scoring, args.logits) for i, p in enumerate(inputs)]
             scores = []
             for p, o in zip(prompts, outs):  # position j >= 1: log P(token j | tokens < j), the rank-1 token there
                 lps = o.prompt_logprobs[1:]
