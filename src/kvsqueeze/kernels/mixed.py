@@ -47,6 +47,59 @@ def attend(query, keys, values, mask, scaling, softcap=None, sink_logits=None) -
     return probs.to(v.dtype) @ v
 
 
+_FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)  # output and log-sum-exp
+BAND = 256  # queries per call of the window's band
+
+
+def _part(query, keys, values, scaling, causal: bool, mask=None):
+    """Softmax attention of one part of the keys: output [B, Hq, Tq, D] and its log-sum-exp [B, Hq, Tq] (float32),
+    so that parts over disjoint keys combine into the attention over all of them."""
+    g = query.shape[1] // keys.shape[1]
+    if g > 1:
+        keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
+    return _FLASH(query, keys.contiguous(), values.contiguous(), 0.0, causal, attn_mask=mask, scale=scaling)
+
+
+def _mixed_by_parts(query, key, value, kq, vq, scaling, w: int, start: int):
+    """`mixed_attention` of a causal mask, as three attentions over disjoint keys merged by their log-sum-exps:
+    with the queries at positions p0 + r (p0 = Tk - Tq) and c = p0 - w, query r reads the quantized keys
+    j <= c + r, so the quantized keys [0, c] are read by every query (no mask), the next Tq - d ones form a
+    square causal block with the queries from r = d on (torch skips its masked half), and the exact keys of its
+    window, p - w < j <= p, are a band taken BAND queries at a time. No key is copied per chunk of queries and
+    no mask is larger than a band's."""
+    b, hq, tq, d = query.shape
+    tk = kq.shape[2]
+    p0 = tk - tq
+    c = p0 - w
+    parts = []  # (first query row, output, log-sum-exp)
+    if c >= 0:
+        parts.append((0, *_part(query, kq[:, :, :c + 1], vq[:, :, :c + 1], scaling, False)))
+    j0 = max(0, c + 1)
+    first = j0 - c
+    if tq - first > 0:
+        parts.append((first, *_part(query[:, :, first:], kq[:, :, j0:j0 + tq - first], vq[:, :, j0:j0 + tq - first],
+                                    scaling, True)))
+    outs, lses = [], []
+    for s in range(0, tq, BAND):
+        e = min(tq, s + BAND)
+        lo, hi = max(start, p0 + s - w + 1), p0 + e  # the exact keys this band's queries read
+        gap = torch.arange(p0 + s, p0 + e, device=query.device)[:, None] - torch.arange(lo, hi, device=query.device)
+        mask = torch.zeros(gap.shape, dtype=query.dtype, device=query.device)
+        mask.masked_fill_((gap < 0) | (gap >= w), float("-inf"))
+        o, lse = _part(query[:, :, s:e], key[:, :, lo - start:hi - start], value[:, :, lo - start:hi - start],
+                       scaling, False, mask.expand(b, 1, *gap.shape))
+        outs.append(o)
+        lses.append(lse)
+    parts.append((0, torch.cat(outs, dim=2), torch.cat(lses, dim=2)))
+    total = torch.full((b, hq, tq), float("-inf"), dtype=torch.float32, device=query.device)
+    for r, _, lse in parts:
+        total[..., r:] = torch.logaddexp(total[..., r:], lse)
+    out = torch.zeros(b, hq, tq, d, dtype=torch.float32, device=query.device)
+    for r, o, lse in parts:
+        out[:, :, r:] += (lse - total[..., r:]).exp().unsqueeze(-1) * o.float()
+    return out.to(query.dtype).transpose(1, 2).contiguous(), None
+
+
 def mixed_attention(query, key, value, kq, vq, attention_mask, scaling, window: int, chunk: int | None = None,
                     softcap: float | None = None, sink_logits=None, start: int = 0):
     """Attention over [B, H, T, D] tensors in which query position i reads key j's exact copy (`key`, `value`)
@@ -70,6 +123,9 @@ def mixed_attention(query, key, value, kq, vq, attention_mask, scaling, window: 
         raise ValueError(f"exact keys of positions {start}..{start + key.shape[2] - 1} for {tq} queries over {tk} "
                          f"keys with a window of {w}: they must run to the last key and reach back to the window "
                          "of the first query")
+    if attention_mask is None and softcap is None and sink_logits is None and chunk is None and _FLASH is not None \
+            and query.device.type == "cpu":
+        return _mixed_by_parts(query, key, value, kq, vq, scaling, w, start)
     causal = causal_bool_mask(attention_mask, tq, tk, query.device)  # [B|1, 1, Tq, Tk]
     if chunk is None:
         chunk = max(1, SCORE_BUDGET // max(1, b * h * (tk + w)))
