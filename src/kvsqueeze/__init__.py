@@ -5,7 +5,7 @@ Quickstart::
     import kvsqueeze
 
     model, tok = kvsqueeze.load_model("smollm2-135m")
-    cache = kvsqueeze.cache_for(model, "out/recipe", "nuq3-1%")
+    cache = kvsqueeze.cache_for(model, "out/recipe", "q3.5")
     with kvsqueeze.fused_decode(model, cache):
         out = model.generate(tok("Hello", return_tensors="pt").input_ids, cache=cache)
 

@@ -2,7 +2,7 @@
 
 Usage::
 
-    cache = kvsqueeze.cache_for(model, "recipe-dir", "nuq3-1%")
+    cache = kvsqueeze.cache_for(model, "recipe-dir", "q3.5")
     out = model.generate(ids, cache=cache, max_new_tokens=64)
     print(cache.memory_report().format())
     cache.close()  # or `with kvsqueeze.cache_for(...) as cache:`; dropping the cache also works
@@ -172,7 +172,8 @@ def cache_for(model, recipe: Recipe | str | Path | None = None,
         model: a LLaMA-style transformers decoder (LLaMA, Mistral, Qwen2, SmolLM, ...).
         recipe: the model's calibration recipe (a `Recipe` or its directory);
             required by nuq and by per-channel int/nf keys.
-        method: a method name (see `kvsqueeze.methods`) or a parsed `MethodSpec`.
+        method: a method name (see `kvsqueeze.methods`) or a parsed `MethodSpec`; by default the 3.5-bit preset
+            `q3.5`, chosen for 2,048 tokens (`q3.5:ctx32k` spends its bits at 32K).
 
     A method with an fp16 window of recent tokens (`:rN`) switches `model` to kvsqueeze's attention, which reads
     each query's own window and falls through to the model's own attention for everything else.

@@ -5,8 +5,9 @@ the recipe, builds the quantizers and lays out pages with kvsqueeze's own numeri
 the environment, so that every process of an engine (front end, engine core, workers) sees the same ones:
 
     KVSQUEEZE_RECIPE   the recipe directory (`kvsqueeze calibrate --out DIR`), required
-    KVSQUEEZE_METHOD   the method (default nuq3-1%:kslots6; a method without ':kslotsN' gets the default slots, a
-                       bit budget the slots its layers' key outliers paid for)
+    KVSQUEEZE_METHOD   the method (default the 3.5-bit preset q3.5, served as nuq@3.5:r32:chan:kslots2; a method
+                       without ':kslotsN' gets the default slots, a bit budget the slots its layers' key outliers
+                       paid for)
     KVSQUEEZE_DECODE   the decode kernel: auto (numba on CPU, Triton on GPU), numba, triton or reference
 """
 
@@ -21,10 +22,10 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..config import DEFAULT_METHOD  # the library's: the 3.5-bit preset
 from ..methods import MethodError, MethodSpec, family, parse_method
 from ..paged.layout import PageLayout
 
-DEFAULT_METHOD = "nuq3-1%"
 # exact key elements per token in a page: on SmolLM2-135M's evaluation text (192 channels, 1% per-channel
 # outliers, about 2.1 per token on average) six slots hold every outlier of 95% of the tokens. In
 # benchmarks/results/kslots.json (5 BBC windows of 2,048 tokens) 2, 4, 6 and 8 slots all lie within the interval
