@@ -313,6 +313,25 @@ def serving_setup(args) -> tuple[Path, str, str]:
     return py, recipe, ServingConfig(recipe, args.method).spec.name
 
 
+def engines_against_vllm(kvsqueeze: list[str], chunk: int) -> tuple[tuple[str, list[str]], ...]:
+    """The three engines a serving comparison runs, as (name, `vllm_run` arguments): kvsqueeze's backend (its
+    arguments, `kvsqueeze`) with a prefill chunk of `chunk` tokens, and vLLM's own backend at its default chunk
+    (`vllm`) and at kvsqueeze's (`vllm_same_chunk`), so that the baseline is vLLM at its better setting."""
+    same = ["--max-num-batched-tokens", str(chunk)]
+    return (("kvsqueeze", [*kvsqueeze, *same]), ("vllm", ["--backend", "vllm"]),
+            ("vllm_same_chunk", ["--backend", "vllm", *same]))
+
+
+def chunks_run(chunk: int) -> dict:
+    """The prefill chunk each engine of `engines_against_vllm` ran with, as the JSON says it."""
+    return {"kvsqueeze": chunk, "vllm": "vLLM's default", "vllm_same_chunk": chunk}
+
+
+def faster_vllm(rate: dict) -> str:
+    """The name of vLLM's own engine with the higher rate (the baseline kvsqueeze is measured against)."""
+    return max(("vllm", "vllm_same_chunk"), key=rate.get)
+
+
 def merge_json(path: str | Path, **parts) -> dict:
     """Write `parts` into the JSON at `path` as top-level keys, keeping what else it holds; the whole."""
     out = Path(path)

@@ -38,7 +38,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, merge_json, openai_server, vllm_engine  # noqa: E402
+from common import (chunks_run, engines_against_vllm, faster_vllm, machine, merge_json, openai_server,  # noqa: E402
+                    vllm_engine)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,12 +63,12 @@ def _rates(runs: dict, concurrent: int, prompt_tokens: int, new_tokens: int, chu
     """Output tokens per second of the engines' batch runs, and ours over vLLM's own backend at the faster of its
     two prefill chunks."""
     rate = {k: r["runs"][0]["generated"] / r["runs"][0]["seconds"] for k, r in runs.items()}
-    best = max(("vllm", "vllm_same_chunk"), key=rate.get)
+    best = faster_vllm(rate)
     return {"machine": machine(), "concurrent": concurrent, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
             "dtype": "bfloat16",
             "kvsqueeze_tokens_per_s": round(rate["kvsqueeze"], 2), "vllm_tokens_per_s": round(rate[best], 2),
             "ratio": round(rate["kvsqueeze"] / rate[best], 3), "baseline": best,
-            "max_num_batched_tokens": {"kvsqueeze": chunk, "vllm": "vLLM's default", "vllm_same_chunk": chunk},
+            "max_num_batched_tokens": chunks_run(chunk),
             "tokens_per_s": {k: round(v, 2) for k, v in rate.items()},
             "seconds": {k: r["runs"][0]["seconds"] for k, r in runs.items()}}
 
@@ -127,9 +128,7 @@ def main() -> None:
     common = ["--model", model_dir, "--max-model-len", str(args.prompt_tokens + args.new_tokens + 64),
               "--kv-bytes", str(args.kv_gib << 30)]
     ours = ["--backend", "kvsqueeze", "--recipe", recipe, "--method", method]
-    chunk = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
-    engines = (("kvsqueeze", [*ours, *chunk]), ("vllm", ["--backend", "vllm"]),
-               ("vllm_same_chunk", ["--backend", "vllm", *chunk]))
+    engines = engines_against_vllm(ours, args.max_num_batched_tokens)
     started = time.perf_counter()
     result = {}
     with tempfile.TemporaryDirectory() as tmpdir:

@@ -32,7 +32,8 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, merge_json, serving_arguments, serving_setup, vllm_engine  # noqa: E402
+from common import (chunks_run, engines_against_vllm, faster_vllm, machine, merge_json,  # noqa: E402
+                    serving_arguments, serving_setup, vllm_engine)
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -67,18 +68,15 @@ def main(argv: list[str] | None = None) -> int:
                   str(per_request + 16), "--kv-bytes", str(kv_bytes), "--block-size", str(args.block_size),
                   "--prompts", str(tmp / "queue.json"), "--max-tokens", str(args.new_tokens),
                   "--skip-tokenizer-init"]
-        chunk = ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         kvsqueeze = ["--backend", "kvsqueeze", "--recipe", recipe, "--method", served]
-        for name, backend in (("vllm", ["--backend", "vllm"]), ("kvsqueeze", [*kvsqueeze, *chunk]),
-                              ("vllm_same_chunk", ["--backend", "vllm", *chunk])):
+        for name, backend in engines_against_vllm(kvsqueeze, args.max_num_batched_tokens):
             runs[name] = vllm_engine(py, [*common, *backend], tmp, f"capacity-{name}")
     rate = {k: args.queue / r["runs"][0]["seconds"] for k, r in runs.items()}
-    best = max(("vllm", "vllm_same_chunk"), key=rate.get)  # vLLM's own backend at its faster prefill chunk
+    best = faster_vllm(rate)  # vLLM's own backend at its faster prefill chunk
     result = {
         "machine": machine(), "model": args.model, "recipe": args.recipe, "served_method": served,
         "dtype": "bfloat16", "kv_space_bytes": kv_bytes, "block_size": args.block_size,
-        "max_num_batched_tokens": {"vllm": "vLLM's default", "kvsqueeze": args.max_num_batched_tokens,
-                                   "vllm_same_chunk": args.max_num_batched_tokens},
+        "max_num_batched_tokens": chunks_run(args.max_num_batched_tokens),
         "requests": args.queue, "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens,
         "kv_tokens": {k: r["kv_tokens"] for k, r in runs.items()},
         "requests_at_once": {k: r["kv_tokens"] // (blocks * args.block_size) for k, r in runs.items()},
