@@ -91,7 +91,7 @@ BUDGETS = [  # quality per bit: each layer's K / V bits and outliers chosen from
 ]
 PAGED = [  # a fixed count of exact key elements per token, as the paged cache of a serving engine stores them
     ("nuq3-1%:kslots4", "nuq3-1%, 4 exact key elements per token (outliers first)"),
-    ("nuq3-1%:kslots6", "nuq3-1%, 6 exact key elements per token (the vLLM backend's default)"),
+    ("nuq3-1%:kslots6", "nuq3-1%, 6 exact key elements per token (the vLLM backend's default for plain nuq3-1%)"),
     ("nuq3-1%:kslots8", "nuq3-1%, 8 exact key elements per token"),
     ("nuq2-1%:kslots6", "nuq2-1%, 6 exact key elements per token"),
     ("nuq4-1%:kslots6", "nuq4-1%, 6 exact key elements per token"),
