@@ -91,12 +91,13 @@ def _mixed_by_parts(query, key, value, kq, vq, scaling, w: int, start: int):
         outs.append(o)
         lses.append(lse)
     parts.append((0, torch.cat(outs, dim=2), torch.cat(lses, dim=2)))
-    total = torch.full((b, hq, tq), float("-inf"), dtype=torch.float32, device=query.device)
+    acc = torch.promote_types(query.dtype, torch.float32)  # merged in float32 at least
+    total = torch.full((b, hq, tq), float("-inf"), dtype=acc, device=query.device)
     for r, _, lse in parts:
-        total[..., r:] = torch.logaddexp(total[..., r:], lse)
-    out = torch.zeros(b, hq, tq, d, dtype=torch.float32, device=query.device)
+        total[..., r:] = torch.logaddexp(total[..., r:], lse.to(acc))
+    out = torch.zeros(b, hq, tq, d, dtype=acc, device=query.device)
     for r, o, lse in parts:
-        out[:, :, r:] += (lse - total[..., r:]).exp().unsqueeze(-1) * o.float()
+        out[:, :, r:] += (lse.to(acc) - total[..., r:]).exp().unsqueeze(-1) * o.to(acc)
     return out.to(query.dtype).transpose(1, 2).contiguous(), None
 
 
