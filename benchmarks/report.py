@@ -342,7 +342,11 @@ def transfer(data: dict, methods: tuple[str, ...] | None = None) -> str:
     """Each recipe's PPL change against fp16 on every text, with its paired interval; in-domain cells in bold."""
     rows = data["rows"]
     texts = list(dict.fromkeys(r["eval_text"] for r in rows))
-    out = [f"{data['settings']['windows']} windows of {data['settings']['seqlen']:,} tokens per text; {data['machine']}",
+    machines = {}  # model -> the machines its cells were measured on
+    for key, cell in data.get("cells", {}).items():
+        machines.setdefault(key.split("/")[0], set()).add(cell.get("machine") or data["machine"])
+    where = "; ".join(f"{m}: {', '.join(sorted(ms))}" for m, ms in machines.items()) or data["machine"]
+    out = [f"{data['settings']['windows']} windows of {data['settings']['seqlen']:,} tokens per text; {where}",
            "", "| model | calibrated on | method | bits held | " + " | ".join(texts) + " |",
            "|---|---|---|---:|" + "---:|" * len(texts)]
     keys = list(dict.fromkeys((r["model"], r["calib_text"], r["method"]) for r in rows if r["method"] != "fp16"))

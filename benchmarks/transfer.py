@@ -177,11 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     if path.is_file() and rows:
         old = json.loads(path.read_text())
         result["recipes"], result["cells"] = old.get("recipes", {}), old.get("cells", {})
+        for cell in result["cells"].values():  # cells of a file that named one machine for all: that one
+            cell.setdefault("machine", old.get("machine"))
         if "outliers" in old:
             result["outliers"] = old["outliers"]
 
     def write() -> None:
         result["rows"], result["summary"] = rows, summary(rows)
+        result["machine"] = "; ".join(sorted({c["machine"] for c in result["cells"].values() if c.get("machine")})) \
+            or machine()  # every machine a cell was measured on (each cell names its own)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(result, indent=1) + "\n")
@@ -221,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "ci95": None if r.ci95 is None else [round(x, 3) for x in r.ci95],
                                  "kld_mean": round(r.kld_mean, 5), "top1": round(r.top1, 4),
                                  "tokens": r.tokens, "windows": cell["windows"]})
-                result["cells"][f"{model_name}/{calib}/{evaluated}"] = cell
+                result["cells"][f"{model_name}/{calib}/{evaluated}"] = {**cell, "machine": machine()}
                 done.add((model_name, calib, evaluated))
                 write()
                 shown = ", ".join(f"{name} {100 * (r.ppl / base.ppl - 1):+.2f}%" for name, r in pairs[1:])
