@@ -152,14 +152,14 @@ def kernel_inputs(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
                   key_mask: torch.Tensor | None, softcap: float | None = None,
                   sink_logits: torch.Tensor | None = None) -> KernelInputs:
     """The passes' inputs for one call (also what `benchmarks/decode_passes.py` times the passes on)."""
-    a = _arrays(kv)
-    klut, vlut = _luts(kv)
     t = kv.tokens
     bsz, hq, d = q.shape
     slots = t * bsz
-    if bsz * hq * t >= 1 << 31:  # vector lanes address the scores with 32-bit offsets
+    if bsz * hq * t >= 1 << 31:  # vector lanes address the scores with 32-bit offsets; refused before any copy
         raise ValueError(f"{bsz} rows x {hq} query heads x {t} tokens is 2**31 scores or more, past what the "
                          "numba backend addresses in one call; use backend='reference' or a shorter cache")
+    a = _arrays(kv)
+    klut, vlut = _luts(kv)
     positions = a.positions[:t]
     lo, hi = _position_range(positions)
     if lo < 0:
