@@ -5,9 +5,9 @@ the recipe, builds the quantizers and lays out pages with kvsqueeze's own numeri
 the environment, so that every process of an engine (front end, engine core, workers) sees the same ones:
 
     KVSQUEEZE_RECIPE   the recipe directory (`kvsqueeze calibrate --out DIR`), required
-    KVSQUEEZE_METHOD   the method (default the 3.5-bit preset q3.5, served as nuq@3.5:r32:chan:kslots2; a method
-                       without ':kslotsN' gets the default slots, a bit budget the slots its layers' key outliers
-                       paid for)
+    KVSQUEEZE_METHOD   the method (default the library's, nuq3-1%, served as nuq3-1%:kslots6; a method without
+                       ':kslotsN' gets the default slots, a bit budget the slots its layers' key outliers paid
+                       for; the 3.5-bit preset q3.5 is served as nuq@3.5:r32:chan:kslots2)
     KVSQUEEZE_DECODE   the decode kernel: auto (numba on CPU, Triton on GPU), numba, triton or reference
 """
 
@@ -22,7 +22,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import DEFAULT_METHOD  # the library's: the 3.5-bit preset
+from ..config import DEFAULT_METHOD  # the library's
 from ..methods import MethodError, MethodSpec, family, parse_method
 from ..paged.layout import PageLayout
 
