@@ -115,10 +115,15 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": args.model, "recipe": args.recipe, "text": args.text, "machine": machine(),
               "threads": torch.get_num_threads(), "segment": args.segment, "tokens_per_length": args.tokens,
               "command": "python benchmarks/ppl_by_length.py " + " ".join(argv if argv is not None else sys.argv[1:])}
+    machines = {}  # length -> the machine its windows were measured on (a file of one machine: that one)
     if out.is_file():  # a run over some lengths keeps what earlier runs measured at the others
         before = json.loads(out.read_text())
         result["cache_check"] = before.get("cache_check", [])
         result["windows"] = before.get("windows", {})
+        machines = before.get("machines") or {str(r["length"]): before.get("machine") for r in before.get("rows", [])}
+    machines.update({str(n): result["machine"] for n in lengths})
+    result["machines"] = machines
+    result["machine"] = "; ".join(sorted(set(machines.values())))
 
     def write() -> None:
         result["rows"] = aggregate(records, methods, sorted(set(lengths) | {r["length"] for r in records}))
