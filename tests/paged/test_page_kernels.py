@@ -270,35 +270,3 @@ def test_pages_not_evenly_apart_or_misaligned_are_refused():
     shifted = raw[8:8 + 3 * layout.page_bytes].view(3, layout.page_bytes)  # pages off 16-byte alignment
     with pytest.raises(ValueError, match="aligned"):
         layout.write(shifted, torch.tensor([0]), torch.randn(1, 64), torch.randn(1, 64), torch.tensor([0]))
-
-
-def test_the_layers_of_a_step_share_what_the_block_table_gives():
-    """An engine's step hands every layer the same block table and lengths: with `shared` (one dict a step) the
-    second layer takes the slots, mask and positions the first derived, and each layer's attention over its own
-    pages is what it is without sharing, bit for bit; a new step (a new dict) derives them again."""
-    c, d, bs = 32, 16, 16
-    first, _ = _pair(c, d, 3, 0.01, 1, 4, bs, seed=8)
-    second, _ = _pair(c, d, 2, 0.01, 1, 4, bs, seed=18)  # another layer: other codebooks, another page size
-    lens = [3 * bs + 5, 1, bs, 2]
-    rope = Rope.default(d)
-    step, outs = {}, []
-    for i, layout in enumerate((first, second)):
-        seqs, table, n_pages = _sequences(layout, lens, seed=9)
-        pages = layout.allocate(n_pages)
-        for k, v, slots, pos in seqs:
-            layout.write(pages, slots, k, v, pos)
-        q = torch.randn(len(lens), 2 * (c // d), d, generator=torch.Generator().manual_seed(10 + i))
-        alone, mask = layout.view(pages, table, torch.tensor(lens), in_place=True)
-        shared, mask_shared = layout.view(pages, table, torch.tensor(lens), in_place=True, shared=step)
-        assert torch.equal(mask, mask_shared)
-        want = decode_attention(q, alone, rope, d**-0.5, key_mask=mask, backend="numba")
-        outs.append(decode_attention(q, shared, rope, d**-0.5, key_mask=mask_shared, backend="numba"))
-        torch.testing.assert_close(outs[-1], want, rtol=0, atol=0)
-    assert len(step) == 1  # derived once for both layers
-    longer = [n + 1 for n in lens]  # the next step: one more token each, a new dict
-    seqs, table, n_pages = _sequences(first, longer, seed=9)
-    pages = first.allocate(n_pages)
-    for k, v, slots, pos in seqs:
-        first.write(pages, slots, k, v, pos)
-    view, mask = first.view(pages, table, torch.tensor(longer), in_place=True, shared={})
-    assert view.tokens == max(longer) and mask.sum(1).tolist() == longer

@@ -349,7 +349,7 @@ class PageLayout:
 
     # ---- reading -------------------------------------------------------------------------
     def view(self, pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-             in_place: bool = False, shared: dict | None = None) -> tuple[StoreView, torch.Tensor]:
+             in_place: bool = False) -> tuple[StoreView, torch.Tensor]:
         """The cache of B sequences as one `StoreView` (T = the longest sequence) and its key mask bool [B, T].
 
         Args:
@@ -359,16 +359,10 @@ class PageLayout:
                 token's slot in its page, no copy), which the numba and Triton kernels read through the block
                 tables and the reference gathers (`StoreView.gathered`); a masked slot past a sequence's end names the
                 sequence's first slot (written, so finite). Other block sizes: the gathered copy.
-            shared: with `in_place`, a dict that lives as long as `block_table` and `seq_lens` hold (an engine's
-                step): the slots, mask and positions they give are kept there for every layout of the same block
-                size, so that the layers of a step derive them once.
         Token t of sequence b sits at position t. A shorter sequence's slots past its length are zeroed in the
         gathered copy (whatever a page held there before) and masked.
         """
         self._check_pages(pages)
-        key = ("view", self.block_size, self.sinks, pages.device)
-        if in_place and shared is not None and key in shared:  # checked when it was derived
-            return self._paged_view(pages, *shared[key]), shared[key][-1]
         lens = seq_lens.to(torch.long).cpu()
         b = lens.numel()
         t = int(lens.max()) if b else 0
@@ -381,13 +375,10 @@ class PageLayout:
         table = block_table[:, :nb].to(device=pages.device, dtype=torch.long)
         bs = self.block_size
         dev = pages.device
-        if in_place and bs & (bs - 1) == 0:
-            geometry = self._geometry(block_table, seq_lens, dev)
-            if shared is not None:
-                shared[key] = geometry
-            return self._paged_view(pages, *geometry), geometry[-1]
         live = torch.arange(nb * bs).view(1, -1) < lens.view(-1, 1)  # [B, nb*bs]
         mask = live[:, :t].to(dev)
+        if in_place and bs & (bs - 1) == 0:
+            return self._paged_view(pages, table, lens, t, mask), mask
 
         fast = self._fast(pages)
         if fast is not None:
@@ -430,29 +421,23 @@ class PageLayout:
                          sink_v, sink_slot, positions, {}, *self._offsets(dev))
         return view, mask
 
-    def _geometry(self, block_table: torch.Tensor, seq_lens: torch.Tensor, dev) -> tuple:
-        """What an in-place view of these sequences takes from their block table and lengths alone (the same for
-        every layout of this block size and sinks): the first page of each row, each token's slot int32 [B, T],
-        the sinks' slots, the positions int32 [T, B], and the key mask bool [B, T]."""
-        lens = seq_lens.to(torch.long).cpu()
-        b, t, bs = lens.numel(), int(lens.max()), self.block_size
-        table = block_table[:, :-(-t // bs)].to(device=dev, dtype=torch.long)
+    def _paged_view(self, pages: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, t: int,
+                    mask: torch.Tensor) -> StoreView:
+        """`view(..., in_place=True)`: flat views of the whole buffer and where each slot's data lies in them."""
+        bs, b, dev = self.block_size, lens.numel(), pages.device
         tok = torch.arange(t, device=dev)
-        mask = (tok.view(1, -1).cpu() < lens.view(-1, 1)).to(dev)
         slots = table[:, tok // bs] * bs + tok % bs  # [B, T]
         slots = torch.where(mask, slots, table[:, :1] * bs).to(torch.int32).contiguous()
-        rank = torch.arange(self.sinks).view(1, -1)
-        sink_slot = torch.where(rank < lens.view(-1, 1), rank, -1).to(torch.int32).to(dev)
-        positions = torch.arange(t, dtype=torch.int32, device=dev).view(-1, 1).expand(t, b).contiguous()
-        return table[:, 0], slots, sink_slot, positions, mask
-
-    def _paged_view(self, pages: torch.Tensor, first: torch.Tensor, slots: torch.Tensor, sink_slot: torch.Tensor,
-                    positions: torch.Tensor, mask: torch.Tensor) -> StoreView:
-        """`view(..., in_place=True)`: flat views of the whole buffer and where each slot's data lies in them."""
-        bs = self.block_size
         flat = self._flat(pages)
         words, halves = flat.view(torch.int32), flat.view(torch.float16)
-        rows = Rows(slots, bs.bit_length() - 1, *self._strides(pages.stride(0)))
+        page, width, offset = [], [], []
+        for name in ARRAYS:  # in elements of the array's dtype: int32 codes, 16-bit everything else
+            r = self.regions[name]
+            size = r.dtype.itemsize
+            page.append(pages.stride(0) // size)  # from one page to the next: the page, or the block stride
+            width.append(r.shape[1])
+            offset.append(r.offset // size)
+        rows = Rows(slots, bs.bit_length() - 1, tuple(page), tuple(width), tuple(offset))
         n_slots = pages.shape[0] * bs
         k_out = v_out = None
         if self.key_slots:
@@ -461,28 +446,14 @@ class PageLayout:
         if self.value_slots:
             v_out = Outliers(None, flat.view(torch.int16), halves, n_slots * self.value_slots, self.value_slots,
                              OUTLIER_CODE)
-        dev, t = pages.device, positions.shape[0]
+        first = table[:, 0]
+        rank = torch.arange(self.sinks).view(1, -1)
+        sink_slot = torch.where(rank < lens.view(-1, 1), rank, -1).to(torch.int32).to(dev)
+        positions = torch.arange(t, dtype=torch.int32, device=dev).view(-1, 1).expand(t, b).contiguous()
         return StoreView(self.heads, self.head_dim, self.k_bits, self.v_bits, t, words, words, self.k_scale.to(dev),
                          self.k_zero.to(dev), *self._levels(dev), halves, k_out, v_out,
                          self.region(pages, "sink_k")[first], self.region(pages, "sink_v")[first], sink_slot,
                          positions, self._memo, *self._offsets(dev), rows=rows)
-
-    def _strides(self, block_stride: int) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
-        """Per array of `ARRAYS`, in elements of its dtype (int32 codes, 16-bit everything else): the distance from
-        one page to the next (`block_stride` bytes: the page, or the engine's block), a slot's width, and where
-        its region starts in a page (kept per block stride)."""
-        kept = self.__dict__.setdefault("_stride_memo", {})
-        if block_stride in kept:
-            return kept[block_stride]
-        page, width, offset = [], [], []
-        for name in ARRAYS:
-            r = self.regions[name]
-            size = r.dtype.itemsize
-            page.append(block_stride // size)
-            width.append(r.shape[1])
-            offset.append(r.offset // size)
-        kept[block_stride] = tuple(page), tuple(width), tuple(offset)
-        return kept[block_stride]
 
     def with_window(self, view: StoreView, keys: torch.Tensor, values: torch.Tensor, lens: torch.Tensor) -> StoreView:
         """`view` (of `view()`) whose rows also read their most recent tokens exact: an fp16 window (`:rN`), held

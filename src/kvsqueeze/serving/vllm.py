@@ -38,7 +38,7 @@ scalings whose frequencies change with the length.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import ClassVar
 
 import torch
@@ -215,7 +215,6 @@ class KVSqueezeMetadata(AttentionMetadata):
     block_table: torch.Tensor  # int32 [R, max blocks]
     slot_mapping: torch.Tensor  # int64 [N]
     positions: torch.Tensor  # int64 [N]
-    step: dict = field(default_factory=dict)  # what the step's layers derive from the above, derived once
 
 
 class KVSqueezeMetadataBuilder(AttentionMetadataBuilder[KVSqueezeMetadata]):
@@ -439,23 +438,19 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         window = self._write_window(k_pre, v, n) if self.window else None
         out = output[:n].view(n, hq, d)
         qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
-        split = md.step.get("split")
-        if split is None:  # the step's decode rows (one new token) and prefill rows, found by its first layer
-            qlens = qsl.diff()
-            decode = (qlens == 1).nonzero().flatten()
-            split = md.step["split"] = (decode, qsl[decode], md.block_table[decode], lens[decode],
-                                        (qlens > 1).nonzero().flatten().tolist())
-        decode, rows, dec_table, dec_lens, prefills = split
+        qlens = qsl.diff()
+        decode = (qlens == 1).nonzero().flatten()
         if decode.numel():
-            view, mask = layout.view(pages, dec_table, dec_lens, in_place=True, shared=md.step)
+            rows = qsl[decode]
+            view, mask = layout.view(pages, md.block_table[decode], lens[decode], in_place=True)
             if window is not None:  # each row's last W tokens read exact, as the HF store's window gives them
                 store, table = window
-                wk, wv = self._read_window(store, table, decode, dec_lens, md.step)
-                view = layout.with_window(view, wk, wv, dec_lens)
+                wk, wv = self._read_window(store, table[decode], lens[decode])
+                view = layout.with_window(view, wk, wv, lens[decode])
             o = decode_attention(q[rows].contiguous(), view, self.rope, self.scale, key_mask=mask,
                                  backend=self.config.decode, softcap=self.softcap)
             out[rows] = o.to(out.dtype)
-        for r in prefills:
+        for r in (qlens > 1).nonzero().flatten().tolist():
             a, b = int(qsl[r]), int(qsl[r + 1])
             qr = query[a:b].view(b - a, hq, d)
             win = None if window is None else (window[0], window[1][r])
@@ -480,19 +475,14 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         store[page, off, self.layer, 1] = v[keep].to(torch.float16)
         return store, wmd.block_table
 
-    def _read_window(self, store: torch.Tensor, table: torch.Tensor, decode: torch.Tensor, lens: torch.Tensor,
-                     step: dict):
-        """Keys (pre-RoPE) and values [R, W, C] of the decode rows' positions lens - W .. lens - 1 from the
-        window's pages (zeros before position 0: `with_window` gives them no entry); where those lie in the pages
-        is found once a step (`step`)."""
-        where = step.get("window")
-        if where is None:
-            w = self.window
-            pos = lens.to(torch.int64).view(-1, 1) - w + torch.arange(w).view(1, -1)
-            page, off = WindowStore.slots(table[decode].to(pos.device), pos.clamp(min=0), store.shape[1])
-            where = step["window"] = (page, off, (pos < 0).unsqueeze(-1))
-        page, off, before = where
+    def _read_window(self, store: torch.Tensor, table: torch.Tensor, lens: torch.Tensor):
+        """Keys (pre-RoPE) and values [R, W, C] of each row's positions lens - W .. lens - 1 from the window's
+        pages (zeros before position 0: `with_window` gives them no entry)."""
+        w = self.window
+        pos = lens.to(torch.int64).view(-1, 1) - w + torch.arange(w).view(1, -1)
+        page, off = WindowStore.slots(table.to(pos.device), pos.clamp(min=0), store.shape[1])
         k, v = store[page, off, self.layer, 0], store[page, off, self.layer, 1]
+        before = (pos < 0).unsqueeze(-1)
         return k.masked_fill(before, 0), v.masked_fill(before, 0)
 
     _warm = False
