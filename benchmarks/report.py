@@ -371,11 +371,12 @@ def ppl_by_length(data: dict) -> str:
     """PPL change against fp16 at each window length, with the paired interval over blocks of tokens."""
     rows = data["rows"]
     lengths = sorted({r["length"] for r in rows})
-    machines = data.get("machines") or {str(n): data["machine"] for n in lengths}
-    where = "; ".join(f"{m}: " + ", ".join(f"{int(n) // 1024}K" for n in sorted(machines, key=int) if machines[n] == m)
-                      for m in dict.fromkeys(machines[str(n)] for n in lengths if str(n) in machines))
+    lengths_on = {}  # machine -> the lengths measured on it
+    for n in lengths:
+        lengths_on.setdefault(data.get("machines", {}).get(str(n), data["machine"]), []).append(f"{n // 1024}K")
+    where = "; ".join(f"{m}: {', '.join(ns)}" for m, ns in lengths_on.items())
     out = [f"{data['model']}, {data['text']} evaluation part, {data['tokens_per_length']:,} tokens per length; "
-           f"{where or data['machine']}", "",
+           f"{where}", "",
            "| method | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
     for method in dict.fromkeys(r["method"] for r in rows):
         at = {r["length"]: r for r in rows if r["method"] == method}

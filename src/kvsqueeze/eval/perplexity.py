@@ -75,33 +75,36 @@ def window_nll(model, ids: torch.Tensor, sim: SimulatedQuantization) -> tuple[fl
     return float(-logp.gather(2, target[..., None]).sum()), int(target.numel())
 
 
-def paired_interval(nll: torch.Tensor, base: torch.Tensor, tokens: torch.Tensor, resamples: int = BOOTSTRAP,
-                    seed: int = 0) -> tuple[float, float] | None:
-    """95% interval of 100 * (PPL / PPL_base - 1) over windows resampled with replacement, the same windows for
-    both (nll, base: summed NLL per window; tokens: predicted tokens per window). None with one window."""
-    w = nll.numel()
-    if w < 2:
-        return None
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, w, (resamples, w), generator=g)
-    diff = (nll.double()[idx] - base.double()[idx]).sum(1) / tokens.double()[idx].sum(1)
-    change = 100 * torch.expm1(diff)
-    lo, hi = torch.quantile(change, torch.tensor([(1 - Z_LEVEL) / 2, (1 + Z_LEVEL) / 2], dtype=torch.float64))
-    return float(lo), float(hi)
-
-
-def mean_interval(sums: torch.Tensor, tokens: torch.Tensor, resamples: int = BOOTSTRAP,
-                  seed: int = 0) -> tuple[float, float] | None:
-    """95% interval of a per-token mean (e.g. KL divergence: summed per window in `sums`, over `tokens` per
-    window) over windows resampled with replacement, as `paired_interval` resamples them. None with one window."""
+def _window_bootstrap(sums: torch.Tensor, tokens: torch.Tensor, resamples: int, seed: int) -> torch.Tensor | None:
+    """Per-token means of `sums` over windows resampled with replacement [resamples] (float64), each resample
+    summing its windows' `sums` over their `tokens`; None with one window."""
     w = sums.numel()
     if w < 2:
         return None
     g = torch.Generator().manual_seed(seed)
     idx = torch.randint(0, w, (resamples, w), generator=g)
-    mean = sums.double()[idx].sum(1) / tokens.double()[idx].sum(1)
-    lo, hi = torch.quantile(mean, torch.tensor([(1 - Z_LEVEL) / 2, (1 + Z_LEVEL) / 2], dtype=torch.float64))
+    return sums.double()[idx].sum(1) / tokens.double()[idx].sum(1)
+
+
+def _central(x: torch.Tensor) -> tuple[float, float]:
+    lo, hi = torch.quantile(x, torch.tensor([(1 - Z_LEVEL) / 2, (1 + Z_LEVEL) / 2], dtype=torch.float64))
     return float(lo), float(hi)
+
+
+def paired_interval(nll: torch.Tensor, base: torch.Tensor, tokens: torch.Tensor, resamples: int = BOOTSTRAP,
+                    seed: int = 0) -> tuple[float, float] | None:
+    """95% interval of 100 * (PPL / PPL_base - 1) over windows resampled with replacement, the same windows for
+    both (nll, base: summed NLL per window; tokens: predicted tokens per window). None with one window."""
+    diff = _window_bootstrap(nll.double() - base.double(), tokens, resamples, seed)
+    return None if diff is None else _central(100 * torch.expm1(diff))
+
+
+def mean_interval(sums: torch.Tensor, tokens: torch.Tensor, resamples: int = BOOTSTRAP,
+                  seed: int = 0) -> tuple[float, float] | None:
+    """95% interval of a per-token mean (e.g. KL divergence: summed per window in `sums`, over `tokens` per
+    window) over windows resampled as `paired_interval` resamples them. None with one window."""
+    mean = _window_bootstrap(sums, tokens, resamples, seed)
+    return None if mean is None else _central(mean)
 
 
 def against_reference(ref: torch.Tensor, ref_p: torch.Tensor, ref_top: torch.Tensor, logp: torch.Tensor,
