@@ -21,7 +21,7 @@ def test_documents_tables_are_the_json_results():
 
 def test_a_changed_table_is_found(tmp_path):
     report = _report()
-    text = (ROOT / "README.md").read_text()
+    text = (ROOT / "docs" / "results.md").read_text()
     assert "<!-- report:ladder-headline -->" in text
     edited = text.replace("| `nuq3-1%` |", "| `nuq3-1%` (edited) |", 1)
     assert report.fill(edited, ROOT / "benchmarks" / "results") == text  # the edit is undone from the JSON
