@@ -15,7 +15,10 @@ and a `words` context asks the common- and frequent-words questions: 26 paired q
 samples, from 8 prefills a length. Each context is prefilled once with exact attention and each method
 answers from its own cache holding those keys and values (`--engine dense-prefill`; the compressed cache with
 the fused numba kernel for nuq and the presets, the simulated cache for KIVI, turbo and per-token int4), the
-cache cropped back to the context after each answer. Greedy answers, scored as RULER does (the share of the
+cache cropped back to the context after each batch. The questions of a context whose question has the same
+number of tokens are answered together, one row each over repeated copies of the method's cache (`--rows`
+rows at most, and as many as `--row-gb` of repeated caches hold): one forward reads the model's weights for
+all of them, which is what an answer costs on a CPU. Greedy answers, scored as RULER does (the share of the
 expected strings found).
 
 Presets (`q4.5`, `q3.5`, `q2.5`: `kvsqueeze.methods.PRESETS`) are chosen for each length they run at
@@ -90,6 +93,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--engine", default="dense-prefill")
     ap.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
+    ap.add_argument("--rows", type=int, default=24, help="questions answered together, at most")
+    ap.add_argument("--row-gb", type=float, default=4.0, help="memory for the cache copies of a batch (GB)")
     ap.add_argument("--answers", default="benchmarks/results/ruler_answers.jsonl")
     ap.add_argument("--json", default="benchmarks/results/ruler.json")
     ap.add_argument("--plot", default="benchmarks/results/ruler.png")
@@ -98,6 +103,8 @@ def main() -> None:
     ap.add_argument("--summarize-only", action="store_true")
     args = ap.parse_args()
 
+    if args.rows < 1 or args.row_gb <= 0:
+        ap.error(f"--rows must be at least 1 and --row-gb positive, got {args.rows} and {args.row_gb}")
     runs = [parse_run(r) for r in (args.run or RUNS)]
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     parse_methods(",".join(n if n.lower() not in PRESETS else PRESETS[n.lower()] for n in names))  # refused early
@@ -130,7 +137,8 @@ def main() -> None:
                     before = len(log.answers)
                     specs, labels = specs_at(n)
                     ruler_eval(model, tok, specs, mine, recipe, engine=args.engine, chunk=args.chunk,
-                               model_name=model_name, log=log, labels=labels)
+                               model_name=model_name, log=log, labels=labels, max_rows=args.rows,
+                               row_memory=int(args.row_gb * 2**30))
                     if len(log.answers) > before:
                         with timing_path.open("a") as f:
                             f.write(json.dumps({"model": model_name, "length": n, "sample": sample,

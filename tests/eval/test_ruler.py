@@ -206,6 +206,36 @@ def test_each_question_sees_the_context_alone(tiny_setup):
     assert sorted((key(a), a.answer) for a in both) == sorted((key(a), a.answer) for a in alone)
 
 
+def test_questions_asked_together_answer_as_each_alone(tiny_setup, monkeypatch):
+    from dataclasses import replace
+
+    from kvsqueeze.eval import ruler_eval as R
+    from kvsqueeze.eval.ruler import Context
+
+    model, tok, recipe, (ctx,) = tiny_setup
+    width = max(len(q.text) for q in ctx.questions) + 2
+    # four distinct questions of equal token count (a byte tokenizer), with different answer limits
+    same = [replace(q, text=pad * (width - len(q.text)) + q.text, item=q.item + 10 * (k + 1))
+            for k, pad in enumerate(" ;") for q in ctx.questions]
+    assert len({len(tok("\n" + q.text, add_special_tokens=False)["input_ids"]) for q in same}) == 1
+    assert len({q.max_new_tokens for q in same}) > 1
+    wide = Context(ctx.kind, ctx.length, ctx.sample, ctx.seed, ctx.text, ctx.n_tokens, ctx.questions + tuple(same))
+    rows = []
+    real = R.greedy_rows
+    monkeypatch.setattr(R, "greedy_rows", lambda m, t, c, ids, lim: rows.append(ids.shape[0]) or real(m, t, c, ids, lim))
+    methods = "fp16,nuq3-1%,nuq@3.5:r8:chan,kivi2,turbo3:split,int4"
+    together = _run((model, tok, recipe, [wide]), methods, "dense-prefill")
+    assert max(rows) == 4 and len(together) == 6 * len(wide.questions)
+    rows.clear()
+    alone = _run((model, tok, recipe, [wide]), methods, "dense-prefill", max_rows=1)
+    assert set(rows) == {1}
+    assert [(a.method, a.task, a.item, a.answer) for a in together] == [(a.method, a.task, a.item, a.answer)
+                                                                        for a in alone]
+    rows.clear()
+    _run((model, tok, recipe, [wide]), "nuq3-1%", "dense-prefill", row_memory=1)  # one row's bytes don't fit
+    assert set(rows) == {1}
+
+
 def test_a_run_resumes_from_its_answer_log(tiny_setup, tmp_path, monkeypatch):
     from kvsqueeze.eval import ruler_eval as R
 
@@ -249,6 +279,8 @@ def test_sliding_window_models_are_refused_before_any_prefill():
 def test_bad_engine_and_too_long_lengths_are_refused(tiny_setup):
     with pytest.raises(ValueError, match="engine"):
         _run(tiny_setup, "fp16", "gpu")
+    with pytest.raises(ValueError, match="max_rows and row_memory must be positive"):
+        _run(tiny_setup, "fp16", "dense-prefill", max_rows=0)
     model, tok, recipe, _ = tiny_setup
     long = build_contexts(tok, TEXT, 2048, 1, tasks=TINY_TASKS)
     with pytest.raises(ValueError, match="1024-token context"):

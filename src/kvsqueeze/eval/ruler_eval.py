@@ -17,15 +17,24 @@ Engines (`ENGINES`), i.e. how a context reaches each method's cache:
 * ``sim``: like ``chunked``, every method through the simulated path (fake
   quantization); agrees with ``chunked`` on the compressed cache's methods.
 
-After each answer the cache is cropped back to the context, so the questions
-of one context are independent. Answers are greedy, end at a newline or EOS,
-and are scored by `ruler.score_answer`. `AnswerLog` appends every answer to a
+Questions are answered in batches: those of one context whose question has
+the same number of tokens are asked together, each in a row of its own (the
+cache's context repeated per row, `batch_repeat_interleave`), so one forward
+reads the model's weights for all of them (with `skinny.skinny_linears`,
+which reads them once per call for a few rows). Rows need no padding, so each row
+computes what it would alone (up to the rounding of batched matrix products);
+a row that has ended leaves the batch (`batch_select_indices`). Rows
+per batch are capped by `max_rows` and by `row_memory` (bytes of the repeated
+caches). After each batch the cache is cropped back to the context and to one
+row, so the questions of one context are independent. Answers are greedy, end
+at a newline or EOS, and are scored by `ruler.score_answer`. `AnswerLog` appends every answer to a
 JSONL file as it is made, and a run given the same file skips what it holds:
 long runs resume where they stopped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -40,6 +49,7 @@ from ..integrations.simulate import SimulatedQuantization
 from ..methods import MethodSpec
 from ..recipe import Recipe
 from .ruler import TASKS, Context, Question, score_answer
+from .skinny import skinny_linears
 from .tables import text_table
 
 ENGINES = ("dense-prefill", "chunked", "sim")
@@ -112,23 +122,39 @@ def _question_ids(tok, question: Question) -> list[int]:
 
 
 @torch.no_grad()
-def greedy(model, tok, cache, ids: torch.Tensor, max_new_tokens: int) -> str:
-    """Greedy continuation of the cached context by `ids` [1, T], to the end of the answer's first line of
-    content (`_ended`), EOS or `max_new_tokens`."""
+def greedy_rows(model, tok, cache, ids: torch.Tensor, limits: Sequence[int]) -> list[str]:
+    """Greedy continuations of the cached context, row b by `ids[b]` ([B, T]; the cache holds B rows), each to
+    the end of its answer's first line of content (`_ended`), EOS or `limits[b]` new tokens. Rows that have
+    ended leave the cache (`batch_select_indices`) before the next step, so the others do not pay for them."""
+    if len(limits) != ids.shape[0]:
+        raise ValueError(f"{ids.shape[0]} rows of question tokens but {len(limits)} token limits")
     eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
-    out: list[int] = []
+    outs: list[list[int]] = [[] for _ in limits]
+    live = [b for b, limit in enumerate(limits) if limit > 0]  # the rows the cache holds, in its order
+    if live and len(live) < len(limits):
+        cache.batch_select_indices(torch.tensor(live, dtype=torch.long))
+        ids = ids[live]
     step = ids
-    for _ in range(max_new_tokens):
+    while live:
         logits = model(input_ids=step, cache=cache, use_cache=True, logits_to_keep=1).logits
-        nxt = int(logits[0, -1].argmax())
-        if nxt in eos:
-            break
-        out.append(nxt)
-        text = tok.decode(out, skip_special_tokens=True)
-        if _ended(text):
-            break
-        step = torch.tensor([[nxt]], device=ids.device)
-    return _first_line(tok.decode(out, skip_special_tokens=True))
+        nxt = logits[:, -1].argmax(-1).tolist()
+        keep = []
+        for i, (b, token) in enumerate(zip(live, nxt)):
+            if token in eos:
+                continue
+            outs[b].append(token)
+            if len(outs[b]) < limits[b] and not _ended(tok.decode(outs[b], skip_special_tokens=True)):
+                keep.append(i)
+        if len(keep) < len(live) and keep:
+            cache.batch_select_indices(torch.tensor(keep, dtype=torch.long))
+        live = [live[i] for i in keep]
+        step = torch.tensor([[nxt[i]] for i in keep], device=ids.device)
+    return [_first_line(tok.decode(out, skip_special_tokens=True)) for out in outs]
+
+
+def greedy(model, tok, cache, ids: torch.Tensor, max_new_tokens: int) -> str:
+    """`greedy_rows` of one row: the greedy answer to `ids` [1, T] from a one-row cache."""
+    return greedy_rows(model, tok, cache, ids, [max_new_tokens])[0]
 
 
 def _ended(text: str) -> bool:
@@ -149,6 +175,25 @@ def _first_line(text: str) -> str:
         if any(ch.isalnum() for ch in line):
             break
     return " ".join(x.strip() for x in out if x.strip())
+
+
+def _batches(questions: Sequence[Question], tokens: Sequence[list[int]], rows: int):
+    """The questions with their tokens, in batches of at most `rows` whose questions have equal token counts
+    (first by the order each count first appears, then in the order given)."""
+    by_len: dict[int, list] = {}
+    for q, t in zip(questions, tokens):
+        by_len.setdefault(len(t), []).append((q, t))
+    for group in by_len.values():
+        for s in range(0, len(group), rows):
+            yield group[s:s + rows]
+
+
+def _cache_bytes(cache) -> int:
+    """Bytes one row of `cache` holds: its memory report's allocation, else its layers' tensors."""
+    if hasattr(cache, "memory_report"):
+        return cache.memory_report().capacity_bytes
+    return sum(v.numel() * v.element_size() for layer in cache.layers for v in vars(layer).values()
+               if isinstance(v, torch.Tensor))
 
 
 class _Method:
@@ -182,17 +227,24 @@ class _Method:
             self.model(input_ids=ids[:, s:s + self.chunk], cache=cache, use_cache=True, logits_to_keep=1)
         return cache
 
-    def answer(self, cache, ids: torch.Tensor, max_new_tokens: int) -> str:
-        start = cache.get_seq_length()
+    def answer(self, cache, ids: torch.Tensor, limits: Sequence[int]) -> list[str]:
+        """Answers to the questions `ids` [B, T] (one row each) from a one-row cache holding the context, which
+        is left as it was: cropped back to the context and to one row."""
+        start, rows = cache.get_seq_length(), ids.shape[0]
+        if rows > 1:
+            cache.batch_repeat_interleave(rows)
         try:
-            if self.real and self.spec.quantized:
-                from ..integrations.fused import fused_decode
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(skinny_linears(self.model))  # the weights are what a token costs here
+                if self.real and self.spec.quantized:
+                    from ..integrations.fused import fused_decode
 
-                with fused_decode(self.model, cache):
-                    return greedy(self.model, self.tok, cache, ids, max_new_tokens)
-            return greedy(self.model, self.tok, cache, ids, max_new_tokens)
+                    stack.enter_context(fused_decode(self.model, cache))
+                return greedy_rows(self.model, self.tok, cache, ids, limits)
         finally:
-            cache.crop(start - cache.get_seq_length())  # back to the context for the next question
+            cache.crop(start - cache.get_seq_length())  # back to the context for the next questions
+            if rows > 1:  # whichever rows are left: each holds the context
+                cache.batch_select_indices(torch.zeros(1, dtype=torch.long))
 
     @staticmethod
     def close(cache) -> None:
@@ -203,17 +255,22 @@ class _Method:
 def ruler_eval(model, tok, specs: Sequence[MethodSpec], contexts: Sequence[Context], recipe: Recipe | None = None,
                engine: str = "dense-prefill", chunk: int = 2048, model_name: str | None = None,
                log: AnswerLog | None = None, progress: bool = True,
-               labels: dict[str, str] | None = None) -> list[Answer]:
+               labels: dict[str, str] | None = None, max_rows: int = 24,
+               row_memory: int = 4 << 30) -> list[Answer]:
     """Every method's answers to every question of `contexts` (the log's earlier answers included).
 
     Contexts are taken in the order given (sample-major orders keep a stopped run balanced over lengths).
     `labels`: the name answers are logged under, by the spec's name (a preset's short name for the budget it
-    resolves to at this length); others are logged under their own names.
+    resolves to at this length); others are logged under their own names. Questions of equal token length are
+    answered together, at most `max_rows` at a time and as many as `row_memory` bytes of the method's cache
+    repeated per row hold (at least one).
     """
     from tqdm.auto import tqdm
 
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {', '.join(ENGINES)}, got {engine!r}")
+    if max_rows < 1 or row_memory < 1:
+        raise ValueError(f"max_rows and row_memory must be positive, got {max_rows} and {row_memory}")
     log = log if log is not None else AnswerLog()
     name = model_name or str(getattr(model.config, "name_or_path", "model"))
     limit = getattr(model.config, "max_position_embeddings", None)
@@ -250,15 +307,16 @@ def ruler_eval(model, tok, specs: Sequence[MethodSpec], contexts: Sequence[Conte
                 with _Method(model, tok, spec, recipe, engine, chunk) as m:
                     cache = m.cache(ids, prefill)
                     try:
-                        for q in c.questions:
-                            if log.has(key(spec, c, q)):
-                                continue
-                            q_ids = torch.tensor([_question_ids(tok, q)], device=device)
-                            text = m.answer(cache, q_ids, q.max_new_tokens)
-                            log.add(Answer(name, label(spec), engine, q.task, c.length, c.sample, c.seed,
-                                           ids.shape[1] + q_ids.shape[1], score_answer(text, q.answers), text,
-                                           q.answers, q.item))
-                            bar.update(1)
+                        rows = max(1, min(max_rows, row_memory // max(_cache_bytes(cache), 1)))
+                        asked = [q for q in c.questions if not log.has(key(spec, c, q))]
+                        for group in _batches(asked, [_question_ids(tok, q) for q in asked], rows):
+                            q_ids = torch.tensor([t for _, t in group], device=device)
+                            texts = m.answer(cache, q_ids, [q.max_new_tokens for q, _ in group])
+                            for (q, _), text in zip(group, texts):
+                                log.add(Answer(name, label(spec), engine, q.task, c.length, c.sample, c.seed,
+                                               ids.shape[1] + q_ids.shape[1], score_answer(text, q.answers), text,
+                                               q.answers, q.item))
+                            bar.update(len(group))
                     finally:
                         m.close(cache)
             del prefill
