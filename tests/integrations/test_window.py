@@ -110,6 +110,26 @@ def test_mixed_attention_equals_per_query_reference(chunk, window):
     assert torch.equal(tail, out)
 
 
+@pytest.mark.parametrize("window,start", [(32, 0), (32, "late"), (7, 0), (500, 0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mixed_attention_by_parts_over_several_bands_equals_the_chunked_path(window, start, dtype):
+    from kvsqueeze.kernels.mixed import BAND
+
+    g = torch.Generator().manual_seed(7)
+    tq, tk = BAND + 45, 2 * BAND + 100  # more queries than one band holds
+    q = torch.randn(1, 6, tq, 16, generator=g)
+    k, v = torch.randn(1, 2, tk, 16, generator=g), torch.randn(1, 2, tk, 16, generator=g)
+    kq, vq = k + 0.3 * torch.randn(k.shape, generator=g), v + 0.3 * torch.randn(v.shape, generator=g)
+    start = max(0, tk - tq - window + 1) if start == "late" else 0
+    want, _ = mixed_attention(q.double(), k.double(), v.double(), kq.double(), vq.double(), None, 0.25, window,
+                              chunk=64)  # the masked-SDPA path, in float64
+    args = [x.to(dtype) for x in (q, k[:, :, start:], v[:, :, start:], kq, vq)]
+    got, _ = mixed_attention(*args[:3], *args[3:], None, 0.25, window, start=start)
+    assert got.dtype == dtype and got.shape == want.shape
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+
+
 def test_mixed_attention_refuses_an_exact_copy_that_starts_too_late():
     q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 20, 8)
     mixed_attention(q, k[:, :, 12:], k[:, :, 12:], k, k, None, 0.25, 5, start=12)  # query 16 reads 12 exact
