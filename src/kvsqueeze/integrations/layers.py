@@ -491,8 +491,10 @@ def settle_step(layers: list) -> None:
     loose = [s for layer in layers if isinstance(layer, CompressedLayer) for s in layer.store.unsettled()]
     if not guarded and not loose:
         return
-    parts = [layer.pending.view(1) for layer in guarded] + [s.device_nnz() for s in loose]
-    read = torch.cat([p.to(parts[0].device, torch.float64) for p in parts]).tolist()  # the forward's one wait
+    groups = [[layer.pending.view(1) for layer in guarded], [s.device_nnz().view(-1) for s in loose]]
+    device = (guarded[0].pending if guarded else groups[1][0]).device
+    # one cat per kind (a few ops, not one per layer), then the forward's one wait
+    read = torch.cat([torch.cat(g).to(device, torch.float64) for g in groups if g]).tolist()
     for s, n in zip(loose, read[len(guarded):]):
         s.settle(int(n))
     for layer in guarded:
