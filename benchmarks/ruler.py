@@ -31,7 +31,8 @@ time is kept beside the answers (`<answers>_timing.jsonl`) and summed in the JSO
 
 Per (model, method, length) the JSON's `paired` rows give: the questions answered by both the method and fp16,
 the mean difference in points with its 95% bootstrap interval over questions, the share of fp16's mean score,
-and the method's score on the questions fp16 answers fully (`on_fp16_right`, out of `fp16_right`).
+and the method's score on the questions fp16 answers fully (`on_fp16_right`, out of `fp16_right`);
+`paired_by_answers` splits them into the questions asking for one string and those asking for several.
 
 On a GPU (bf16, the Triton kernels; the first result of each kernel variant is checked against the
 reference backend):
@@ -58,6 +59,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import machine  # noqa: E402
 
 METHODS = "fp16,nuq3-1%,q4.5,q3.5,q2.5,kivi2,turbo3:split,int4"
+# tasks by what their questions ask for
+ANSWER_GROUPS = {"one": ("niah_single_number", "niah_single_word", "niah_single_uuid", "niah_multikey"),
+                 "several": ("niah_multivalue", "niah_multiquery", "vt", "cwe", "fwe")}
 RUNS = ["smollm2-135m:out/recipe:4096,8192:many",
         "qwen2.5-coder-0.5b:out/models/qwen2.5-coder-0.5b/recipe:4096,8192,16384,32768:many"]
 
@@ -182,6 +186,14 @@ def main() -> None:
                     "score": p.score, "fp16_score": p.reference_score, "diff": p.diff, "ci95": list(p.ci95),
                     "share": p.share, "on_fp16_right": p.on_reference_right, "fp16_right": p.reference_right}
                    for p in paired(kept)],
+        # the same, split by what a question asks for: one string, or several (where a method's loss on Qwen's
+        # first 4K context lay)
+        "paired_by_answers": [{"answers": group, "model": p.model, "method": p.method, "length": p.length,
+                               "questions": p.questions, "score": p.score, "fp16_score": p.reference_score,
+                               "diff": p.diff, "ci95": list(p.ci95), "on_fp16_right": p.on_reference_right,
+                               "fp16_right": p.reference_right}
+                              for group, members in ANSWER_GROUPS.items()
+                              for p in paired([a for a in kept if a.task in members])],
         "cost": cost,
         "answers": str(answers_path),
     }
