@@ -12,7 +12,8 @@ the average bits the cache holds at `--seqlen` tokens, every table counted (pres
 `plays` is in no calibration text, so every recipe meets one kind of text it never saw.
 
 One cell (model, calibration text, evaluation text) at a time, written into the JSON as it finishes; a run that
-is stopped resumes at the first missing cell with the same windows, length and methods. `summary` gives, per model
+is stopped resumes at the first missing cell with the same windows, length and methods, and inside that cell
+after its last finished window (kept in `--recipes/checkpoints/`, removed once the cell is written). `summary` gives, per model
 and calibration text, each method's largest loss over the evaluation texts, its loss in its own domain, and the
 ratio of the largest out-of-domain loss to the in-domain one.
 
@@ -101,19 +102,29 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
-def evaluate_cell(model, tok, recipe, text, methods: list[str], windows: int, seqlen: int) -> tuple[list, dict]:
+def evaluate_cell(model, tok, recipe, text, methods: list[str], windows: int, seqlen: int,
+                  checkpoint: Path | None = None) -> tuple[list, dict]:
+    """Every method on the text's evaluation windows; with `checkpoint`, each finished window is kept there and a
+    stopped cell resumes after it (`evaluate`). `seconds` is this call's time; `resumed_after` the windows it
+    found done."""
+    import torch
+
     from kvsqueeze.eval.perplexity import evaluate
     from kvsqueeze.eval.texts import evaluation_windows
     from kvsqueeze.methods import preset_for
 
     ew = evaluation_windows(tok, text, seqlen, windows)
     specs = [preset_for(name, seqlen) for name in methods]
+    found = 0
+    if checkpoint is not None and checkpoint.is_file():
+        found = len(torch.load(checkpoint, weights_only=True).get("base_nll", []))
     t0 = time.perf_counter()
-    rows = evaluate(model, ew.ids, specs, recipe, progress=False)
+    rows = evaluate(model, ew.ids, specs, recipe, progress=False, checkpoint=checkpoint)
     seconds = time.perf_counter() - t0
     described = ew.describe()
     return [(name, r) for name, r in zip(methods, rows)], {"windows": described["windows"], "of": described["of"],
-                                                          "pieces": described["pieces"], "seconds": round(seconds, 1)}
+                                                          "pieces": described["pieces"], "seconds": round(seconds, 1),
+                                                          **({"resumed_after": found} if found else {})}
 
 
 def outlier_shares(model, recipe, ids, method: str = "nuq3-1%") -> dict:
@@ -213,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
                 model, tok = load_model(model_name)
             for evaluated in cells:
                 text = texts.setdefault(evaluated, load_text(evaluated))
-                pairs, cell = evaluate_cell(model, tok, recipe, text, methods, args.windows, args.seqlen)
+                ckpt = root / "checkpoints" / f"{model_name}.{calib}.{evaluated}.{args.windows}x{args.seqlen}.pt"
+                pairs, cell = evaluate_cell(model, tok, recipe, text, methods, args.windows, args.seqlen, ckpt)
                 base = next(r for name, r in pairs if name == "fp16")
                 for name, r in pairs:
                     spec = preset_for(name, args.seqlen)
@@ -228,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                 result["cells"][f"{model_name}/{calib}/{evaluated}"] = {**cell, "machine": machine()}
                 done.add((model_name, calib, evaluated))
                 write()
+                ckpt.unlink(missing_ok=True)  # the cell is in the JSON now
                 shown = ", ".join(f"{name} {100 * (r.ppl / base.ppl - 1):+.2f}%" for name, r in pairs[1:])
                 print(f"{model_name} calibrated on {calib}, {evaluated}: fp16 {base.ppl:.3f}; {shown} "
                       f"({cell['seconds']:.0f} s)", flush=True)

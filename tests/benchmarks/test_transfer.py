@@ -61,3 +61,30 @@ def test_bad_arguments_are_refused_before_loading(argv, message, tmp_path):
     with pytest.raises((SystemExit, ValueError), match=message):
         tr.main([*argv, "--models", "no-such-model", "--json", str(tmp_path / "t.json")])
     assert not (tmp_path / "t.json").exists()
+
+
+def test_a_stopped_cell_resumes_from_its_checkpoint(tiny_llama, tiny_recipe, tmp_path, monkeypatch):
+    from kvsqueeze.eval import perplexity as P
+    from kvsqueeze.eval.texts import Text
+    from tests.conftest import byte_tokenizer, sample_text
+
+    transfer = _load()
+    tok, text = byte_tokenizer(), Text("t", "", sample_text(400, seed=2))
+    methods = ["fp16", "nuq3-1%"]
+    whole, _ = transfer.evaluate_cell(tiny_llama, tok, tiny_recipe, text, methods, 3, 64)
+    ckpt = tmp_path / "checkpoints" / "cell.pt"
+    real, calls = P.against_reference, []
+
+    def stop_in_window_two(*a, **k):
+        calls.append(1)
+        if len(calls) > len(methods):
+            raise KeyboardInterrupt
+        return real(*a, **k)
+
+    monkeypatch.setattr(P, "against_reference", stop_in_window_two)
+    with pytest.raises(KeyboardInterrupt):
+        transfer.evaluate_cell(tiny_llama, tok, tiny_recipe, text, methods, 3, 64, ckpt)
+    monkeypatch.setattr(P, "against_reference", real)
+    resumed, cell = transfer.evaluate_cell(tiny_llama, tok, tiny_recipe, text, methods, 3, 64, ckpt)
+    assert cell["resumed_after"] == 1 and cell["windows"] == 3
+    assert resumed == whole

@@ -12,8 +12,10 @@ reports the same three).
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
@@ -136,6 +138,7 @@ def evaluate(
     recipe: Recipe | None = None,
     progress: bool = True,
     recipes: dict[str, Recipe] | None = None,
+    checkpoint: str | Path | None = None,
 ) -> list[PplRow]:
     """Perplexity, average stored bits, KL divergence and top-1 agreement against fp16, and a paired 95% interval
     of the PPL change, for each method over windows [W, T].
@@ -143,17 +146,24 @@ def evaluate(
     Windows run one at a time: the fp16 method's distribution on a window is computed once (whether fp16 is
     among `specs` or not) and each method is compared with it on that window. `recipes` maps a method's name to
     the recipe it reads instead of `recipe` (e.g. one calibrated with the method's sink count).
+
+    `checkpoint`: a file that keeps every finished window's results (rewritten whole after each window, never
+    half-written); a call given the same file, windows and methods resumes after the last window it holds and
+    returns what one uninterrupted call would. A file made for other windows or methods is refused.
     """
     recipes = recipes or {}
     fp16 = parse_method("fp16")
     names = [s.name for s in specs]
     acc = {n: {"nll": [], "tok": [], "kld": [], "top1": 0, "bits": 0.0, "elems": 0.0} for n in names}
     base_nll = []
+    saved = _Checkpoint(checkpoint, windows, names) if checkpoint is not None else None
+    done = saved.restore(acc, base_nll) if saved is not None else 0
     # quantizers built (and the recipe checked) once per method; each window only installs the hooks
     sims = {s.name: SimulatedQuantization(model, s, recipes.get(s.name, recipe)) for s in specs}
     reference = sims.get(fp16.name) or SimulatedQuantization(model, fp16, recipe)
-    bar = tqdm(total=len(specs) * windows.shape[0], disable=not progress, desc="eval", unit="win")
-    for w in windows:
+    bar = tqdm(total=len(specs) * windows.shape[0], initial=len(specs) * done, disable=not progress, desc="eval",
+               unit="win")
+    for w in windows[done:]:
         ids = w.view(1, -1)
         with reference as sim:
             ref = window_logits(model, ids, sim)[0]  # [T-1, V]
@@ -174,10 +184,45 @@ def evaluate(
             a["top1"] += top1
             a["bits"], a["elems"] = a["bits"] + held, a["elems"] + 2 * w.numel() * sim.shape.channels * sim.shape.layers
             bar.update(1)
+        if saved is not None:
+            saved.write(acc, base_nll)
     bar.close()
     return [row_from_windows(s.name, acc[s.name]["bits"] / acc[s.name]["elems"], acc[s.name]["nll"],
                              acc[s.name]["tok"], acc[s.name]["kld"], acc[s.name]["top1"],
                              None if s == fp16 else base_nll) for s in specs]
+
+
+class _Checkpoint:
+    """`evaluate`'s finished windows in a file (torch.save of the running sums), tied to its windows and methods."""
+
+    def __init__(self, path: str | Path, windows: torch.Tensor, names: list[str]):
+        self.path = Path(path)
+        self.names = names
+        self.windows = windows.shape[0]
+        digest = hashlib.sha256(windows.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
+        self.key = {"windows": list(windows.shape), "ids_sha256": digest, "methods": names}
+
+    def restore(self, acc: dict, base_nll: list) -> int:
+        """Fill the running sums from the file; the number of windows it holds (0 without a file)."""
+        if not self.path.is_file():
+            return 0
+        try:
+            held = torch.load(self.path, weights_only=True)
+        except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same advice
+            raise ValueError(f"checkpoint {self.path} cannot be read ({exc}); delete it to start again") from exc
+        if held.get("key") != self.key:
+            raise ValueError(f"checkpoint {self.path} was made for other windows or methods ({held.get('key')}); "
+                             f"delete it or give another file")
+        for name in self.names:
+            acc[name].update(held["acc"][name])
+        base_nll.extend(held["base_nll"])
+        return len(base_nll)
+
+    def write(self, acc: dict, base_nll: list) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        torch.save({"key": self.key, "acc": acc, "base_nll": base_nll}, tmp)
+        tmp.replace(self.path)
 
 
 def format_table(rows: list[PplRow]) -> str:
