@@ -13,9 +13,9 @@ the average bits the cache holds at `--seqlen` tokens, every table counted (pres
 
 One cell (model, calibration text, evaluation text) at a time, written into the JSON as it finishes; a run that
 is stopped resumes at the first missing cell with the same windows, length and methods, and inside that cell
-after its last finished window (kept in `--recipes/checkpoints/`, removed once the cell is written). `summary` gives, per model
-and calibration text, each method's largest loss over the evaluation texts, its loss in its own domain, and the
-ratio of the largest out-of-domain loss to the in-domain one.
+after its last finished window (kept in `--recipes/checkpoints/`, removed once the cell is written).
+`summary` gives, per model and calibration text, each method's largest loss over the evaluation texts, its loss
+in its own domain, and the ratio of the largest out-of-domain loss to the in-domain one.
 
 `--outliers` measures instead where a recipe meets keys it was not calibrated for: on the first evaluation window
 of every text, the share of key and value elements each layer keeps exact under `nuq3-1%` (1% per channel is

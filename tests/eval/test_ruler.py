@@ -222,7 +222,8 @@ def test_questions_asked_together_answer_as_each_alone(tiny_setup, monkeypatch):
     wide = Context(ctx.kind, ctx.length, ctx.sample, ctx.seed, ctx.text, ctx.n_tokens, ctx.questions + tuple(same))
     rows = []
     real = R.greedy_rows
-    monkeypatch.setattr(R, "greedy_rows", lambda m, t, c, ids, lim: rows.append(ids.shape[0]) or real(m, t, c, ids, lim))
+    monkeypatch.setattr(R, "greedy_rows",
+                        lambda m, t, c, ids, lim: rows.append(ids.shape[0]) or real(m, t, c, ids, lim))
     methods = "fp16,nuq3-1%,nuq@3.5:r8:chan,kivi2,turbo3:split,int4"
     together = _run((model, tok, recipe, [wide]), methods, "dense-prefill")
     assert max(rows) == 4 and len(together) == 6 * len(wide.questions)
@@ -252,6 +253,40 @@ def test_a_run_resumes_from_its_answer_log(tiny_setup, tmp_path, monkeypatch):
     monkeypatch.undo()
     more = _run(tiny_setup, "fp16,nuq3-1%,kivi2", "dense-prefill", log=R.AnswerLog(log))
     assert len(more) == 3 * len(TINY_TASKS) and more[:len(first)] == first
+
+
+def test_a_stored_prefill_survives_a_stopped_run_and_goes_once_answered(tiny_setup, tmp_path, monkeypatch):
+    from kvsqueeze.eval import ruler_eval as R
+    from kvsqueeze.integrations.prefill import DensePrefill
+
+    store = tmp_path / "prefills"
+    plain = _run(tiny_setup, "fp16,nuq3-1%", "dense-prefill")
+    real = R.greedy_rows
+
+    def stop(*a):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(R, "greedy_rows", stop)
+    with pytest.raises(KeyboardInterrupt):
+        _run(tiny_setup, "fp16,nuq3-1%", "dense-prefill", prefill_store=store)
+    (kept,) = store.iterdir()
+    model, tok, _, (ctx,) = tiny_setup
+    ids = tok(ctx.text, return_tensors="pt")["input_ids"]
+    saved = DensePrefill.load(kept, ids)
+    fresh = R.dense_prefill(model, ids, 256)
+    for part in ("pre_keys", "post_keys", "values"):
+        assert all(torch.equal(a, b) for a, b in zip(getattr(saved, part), getattr(fresh, part)))
+    with pytest.raises(ValueError, match="other tokens"):
+        DensePrefill.load(kept, ids[:, 1:])
+
+    def no_prefill(*a, **k):
+        raise AssertionError("the stored prefill was run again")
+
+    monkeypatch.setattr(R, "greedy_rows", real)
+    monkeypatch.setattr(R, "dense_prefill", no_prefill)
+    again = _run(tiny_setup, "fp16,nuq3-1%", "dense-prefill", prefill_store=store)
+    assert [a.answer for a in again] == [a.answer for a in plain]
+    assert not any(store.iterdir())  # every method answered: the file is gone
 
 
 def test_summary_averages_tasks_and_compares_with_fp16(tiny_setup):

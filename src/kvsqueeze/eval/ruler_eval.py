@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from ..integrations.prefill import check_full_attention, compressed, dense_prefill, filled_cache
+from ..integrations.prefill import DensePrefill, check_full_attention, compressed, dense_prefill, filled_cache
 from ..integrations.simulate import SimulatedQuantization
 from ..methods import MethodSpec
 from ..recipe import Recipe
@@ -177,6 +177,20 @@ def _first_line(text: str) -> str:
     return " ".join(x.strip() for x in out if x.strip())
 
 
+def _prefill(model, ids: torch.Tensor, chunk: int, hint: str, stored: Path | None) -> DensePrefill:
+    """The context's dense prefill: read from `stored` when a stopped run left it there, else run (and kept
+    there)."""
+    if stored is not None and stored.is_file():
+        try:
+            return DensePrefill.load(stored, ids)
+        except ValueError:
+            stored.unlink()  # another context's, or unreadable: prefilled again below
+    prefill = dense_prefill(model, ids, chunk, hint)
+    if stored is not None:
+        prefill.save(stored)
+    return prefill
+
+
 def _batches(questions: Sequence[Question], tokens: Sequence[list[int]], rows: int):
     """The questions with their tokens, in batches of at most `rows` whose questions have equal token counts
     (first by the order each count first appears, then in the order given)."""
@@ -256,14 +270,15 @@ def ruler_eval(model, tok, specs: Sequence[MethodSpec], contexts: Sequence[Conte
                engine: str = "dense-prefill", chunk: int = 2048, model_name: str | None = None,
                log: AnswerLog | None = None, progress: bool = True,
                labels: dict[str, str] | None = None, max_rows: int = 24,
-               row_memory: int = 4 << 30) -> list[Answer]:
+               row_memory: int = 4 << 30, prefill_store: str | Path | None = None) -> list[Answer]:
     """Every method's answers to every question of `contexts` (the log's earlier answers included).
 
     Contexts are taken in the order given (sample-major orders keep a stopped run balanced over lengths).
     `labels`: the name answers are logged under, by the spec's name (a preset's short name for the budget it
     resolves to at this length); others are logged under their own names. Questions of equal token length are
     answered together, at most `max_rows` at a time and as many as `row_memory` bytes of the method's cache
-    repeated per row hold (at least one).
+    repeated per row hold (at least one). `prefill_store`: a folder where each context's dense prefill is kept
+    until every method has answered its questions, so that a run stopped in between does not prefill it again.
     """
     from tqdm.auto import tqdm
 
@@ -301,7 +316,11 @@ def ruler_eval(model, tok, specs: Sequence[MethodSpec], contexts: Sequence[Conte
             ids = tok(c.text, return_tensors="pt")["input_ids"].to(device)
             bar.set_postfix_str(f"{c.kind} @ {c.length}, sample {c.sample}: prefill")
             t0 = time.perf_counter()
-            prefill = dense_prefill(model, ids, chunk, hint) if engine == "dense-prefill" else None
+            stored = None
+            if engine == "dense-prefill" and prefill_store is not None:
+                tag = f"{name.replace('/', '_')}.{c.kind}.{c.length}.{c.sample}.{c.seed}.{chunk}"
+                stored = Path(prefill_store) / f"{tag}.safetensors"
+            prefill = _prefill(model, ids, chunk, hint, stored) if engine == "dense-prefill" else None
             bar.set_postfix_str(f"{c.kind} @ {c.length}, sample {c.sample} (prefill {time.perf_counter() - t0:.0f}s)")
             for spec in pending:
                 with _Method(model, tok, spec, recipe, engine, chunk) as m:
@@ -320,6 +339,8 @@ def ruler_eval(model, tok, specs: Sequence[MethodSpec], contexts: Sequence[Conte
                     finally:
                         m.close(cache)
             del prefill
+            if stored is not None:
+                stored.unlink(missing_ok=True)  # every method has answered this context
     finally:
         bar.close()
     wanted = {key(s, c, q) for c in contexts for s in specs for q in c.questions}

@@ -30,6 +30,7 @@ way out.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -58,6 +59,35 @@ class DensePrefill:
     @property
     def tokens(self) -> int:
         return self.ids.shape[1]
+
+    def save(self, path: str | Path) -> Path:
+        """Write every tensor to one safetensors file (through a temporary name: never half-written)."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        named = {"ids": self.ids, "positions": self.positions}
+        for part in ("pre_keys", "post_keys", "values"):
+            named.update({f"{part}.{i}": t for i, t in enumerate(getattr(self, part))})
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        save_file({k: v.detach().contiguous().cpu() for k, v in named.items()}, str(tmp))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path, ids: torch.Tensor) -> DensePrefill:
+        """The prefill `save` wrote, on `ids`' device; refused (ValueError) unless it was made for these `ids`."""
+        from safetensors.torch import load_file
+
+        try:
+            named = load_file(str(path), device=str(ids.device))
+        except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same advice
+            raise ValueError(f"{path} is not a saved prefill ({exc}); delete it") from exc
+        if "ids" not in named or not torch.equal(named["ids"], ids):
+            raise ValueError(f"{path} holds the prefill of other tokens; delete it")
+        layers = sum(1 for k in named if k.startswith("pre_keys."))
+        parts = {part: [named[f"{part}.{i}"] for i in range(layers)] for part in ("pre_keys", "post_keys", "values")}
+        return cls(named["ids"], parts["pre_keys"], parts["post_keys"], parts["values"], named["positions"])
 
 
 class RecordingLayer(PreRopeKeys, LayerBase):
