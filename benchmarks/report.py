@@ -263,6 +263,38 @@ def ruler_paired(data: dict) -> str:
     return "\n".join(out).rstrip()
 
 
+def ruler_questions(data: dict) -> str:
+    """`ruler.json` (layout many): per model and length, each method against fp16 on the same questions: the
+    difference in points with its interval, the share of fp16's score, the score on the questions fp16 answers
+    fully, and the difference on questions asking for one string and for several."""
+    cfg = data["config"]
+    paired = {(r["model"], r["method"], r["length"]): r for r in data.get("paired", [])}
+    split = {(r["model"], r["method"], r["length"], r["answers"]): r for r in data.get("paired_by_answers", [])}
+    out = [f"Points against fp16 on the same questions (95% bootstrap interval over questions); {cfg['engine']} "
+           f"engine, greedy answers ({cfg['machine']})\n"]
+    for run in cfg["runs"]:
+        lengths = sorted({n for m, _, n in paired if m == run["model"]})
+        for n in lengths:
+            ref = next((r for (m, _, k), r in paired.items() if m == run["model"] and k == n), None)
+            out += [f"`{run['model']}` at {n // 1024}K (fp16 scores {ref['fp16_score']:.1f}; answers fully "
+                    f"{ref['fp16_right']} of {ref['questions']} questions):\n",
+                    "| method | questions | score | vs fp16 | share | on fp16's right | one answer | several |",
+                    "|---|---:|---:|---:|---:|---:|---:|---:|"]
+            for meth in cfg["methods"]:
+                r = paired.get((run["model"], meth, n))
+                if r is None:
+                    continue
+                one, several = (split.get((run["model"], meth, n, g)) for g in ("one", "several"))
+                share = "–" if r["share"] is None else f"{100 * r['share']:.0f}%"
+                right = "–" if r["on_fp16_right"] is None else f"{r['on_fp16_right']:.1f}"
+                out.append(f"| `{meth}` | {r['questions']} | {r['score']:.1f} | {r['diff']:+.1f} ({r['ci95'][0]:+.1f} "
+                           f"… {r['ci95'][1]:+.1f}) | {share} | {right} | "
+                           + " | ".join("–" if g is None else f"{g['diff']:+.1f} (n={g['questions']})"
+                                        for g in (one, several)) + " |")
+            out.append("")
+    return "\n".join(out).rstrip()
+
+
 def ruler_compact(data: dict) -> str:
     """One table for the README: the average score of each method at every (model, length), share of fp16's."""
     cfg = data["config"]
@@ -400,6 +432,7 @@ BLOCKS = {
     "transfer": ("transfer.json", transfer),
     "transfer-q3.5": ("transfer.json", lambda d: transfer(d, ("nuq3-1%", "q3.5"))),
     "ppl-by-length": ("ppl_by_length.json", ppl_by_length),
+    "ruler-questions": ("ruler.json", ruler_questions),
     "ruler-compact": ("ruler_one_sample.json", ruler_compact),
     "ruler-paired": ("ruler_one_sample.json", ruler_paired),
     "ruler": ("ruler_one_sample.json", ruler),

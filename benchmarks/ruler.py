@@ -121,6 +121,7 @@ def main() -> None:
         """The methods at one length: presets chosen for it, and {spec name: preset name} to log them under."""
         specs = [preset_for(n, length) for n in names]
         return specs, {s.name: n.lower() for s, n in zip(specs, names) if n.lower() in PRESETS}
+    here = machine() if args.device == "cpu" else f"{args.device}, {machine()}"
     tasks = args.tasks.split(",")
     answers_path = Path(args.answers)
     timing_path = answers_path.with_name(answers_path.stem + "_timing.jsonl")
@@ -151,7 +152,8 @@ def main() -> None:
                         with timing_path.open("a") as f:
                             f.write(json.dumps({"model": model_name, "length": n, "sample": sample,
                                                 "answers": len(log.answers) - before,
-                                                "seconds": round(time.perf_counter() - t0, 1)}) + "\n")
+                                                "seconds": round(time.perf_counter() - t0, 1),
+                                                "machine": here}) + "\n")
                     print(format_ruler_table(summarize([a for a in log.answers if a.model == model_name])),
                           flush=True)
 
@@ -167,9 +169,14 @@ def main() -> None:
         c = cost.setdefault(t["model"], {}).setdefault(str(t["length"]), {"seconds": 0.0, "answers": 0})
         c["seconds"] = round(c["seconds"] + t["seconds"], 1)
         c["answers"] += t["answers"]
+        c.setdefault("machines", [])
+        if t.get("machine", "not recorded") not in c["machines"]:
+            c["machines"].append(t.get("machine", "not recorded"))
     result = {
         "config": {
-            "machine": machine() if args.device == "cpu" else f"{args.device}, {machine()}", "dtype": args.dtype,
+            # the machines the timing records name (answers of runs that named none: "not recorded")
+            "machine": "; ".join(sorted({t.get("machine", "not recorded") for t in timing})) or here,
+            "dtype": args.dtype,
             "engine": args.engine, "chunk": args.chunk, "methods": shown,
             "presets": {p: f"{PRESETS[p]}:ctxN at each length N" for p in shown if p in PRESETS},
             "tasks": tasks, "seed": args.seed, "samples_requested": args.samples,
