@@ -426,7 +426,8 @@ def cmd_ruler(args) -> None:
             at = [preset_for(m, n) for m in names]  # a preset chosen for the length it runs at
             answers += ruler_eval(model, tok, at, [c for c in contexts[n] if c.sample == sample], recipe,
                                   engine=args.engine, chunk=args.chunk, model_name=args.model, log=log,
-                                  labels={sp.name: m for sp, m in zip(at, names) if m in PRESETS})
+                                  labels={sp.name: m for sp, m in zip(at, names) if m in PRESETS},
+                                  prefill_store=args.prefills)
     scores = summarize(answers)
     print(format_ruler_table(scores))
     if args.by_task:
@@ -605,6 +606,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "through its own cache) or sim (every method through the simulated path)")
     r.add_argument("--chunk", type=_bounded(1, MAX_TOKENS), default=_RULER.chunk, help="prefill chunk in tokens")
     r.add_argument("--answers", help="JSONL file every answer is appended to; a rerun with it resumes")
+    r.add_argument("--prefills", help="folder where each context's prefill waits until every method has answered "
+                                      "it, so that a stopped run does not prefill it again (dense-prefill)")
     r.add_argument("--by-task", action="store_true", help="also print one table per task")
     r.add_argument("--json")
     r.add_argument("--plot", help="PNG of the average score against length per method")

@@ -341,8 +341,10 @@ def test_ruler_cli_on_a_tiny_model(tiny_model_dir, tiny_recipe_dir, tmp_path, ca
     out, answers, png = tmp_path / "r.json", tmp_path / "answers.jsonl", tmp_path / "r.png"
     argv = ["ruler", "--model", str(tiny_model_dir), "--recipe", str(tiny_recipe_dir), "--methods", "fp16,nuq3-1%",
             "--lengths", "900", "--tasks", ",".join(TINY_TASKS), "--samples", "1", "--text", str(text),
-            "--layout", "shared", "--chunk", "256", "--answers", str(answers), "--json", str(out), "--plot", str(png)]
+            "--layout", "shared", "--chunk", "256", "--answers", str(answers), "--json", str(out), "--plot", str(png),
+            "--prefills", str(tmp_path / "prefills")]
     assert main(argv) == 0
+    assert not any((tmp_path / "prefills").iterdir())  # kept while the context was asked, gone once answered
     printed = capsys.readouterr().out
     assert "RULER-style average score" in printed and "nuq3-1%" in printed
     rows = json.loads(out.read_text())["rows"]
