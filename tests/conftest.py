@@ -120,6 +120,15 @@ def tiny_llama():
     return tiny_model("llama", seed=0)
 
 
+@pytest.fixture
+def own_attention(tiny_llama):
+    """A windowed cache selects kvsqueeze's attention on the model (`cache_for`); the session's shared model
+    gets its own back after the test (modules opt in with `pytest.mark.usefixtures("own_attention")`)."""
+    saved = tiny_llama.config._attn_implementation
+    yield
+    tiny_llama.set_attn_implementation(saved)
+
+
 @pytest.fixture(scope="session")
 def tiny_mistral():
     return tiny_model("mistral", seed=1)

@@ -125,13 +125,7 @@ def test_contexts_are_seeded_and_tasks_validated():
 TINY_TASKS = ["niah_single_number", "niah_multiquery"]
 
 
-@pytest.fixture(autouse=True)
-def own_attention(tiny_llama):
-    """A windowed cache selects kvsqueeze's attention on the model (`cache_for`); the session's shared model
-    gets its own back after each test."""
-    saved = tiny_llama.config._attn_implementation
-    yield
-    tiny_llama.set_attn_implementation(saved)
+pytestmark = pytest.mark.usefixtures("own_attention")  # a windowed cache selects kvsqueeze's attention
 
 
 @pytest.fixture(scope="module")

@@ -16,13 +16,7 @@ from kvsqueeze.methods.spec import DEFAULT_CONTEXT
 from kvsqueeze.shape import kv_shape
 
 
-@pytest.fixture(autouse=True)
-def own_attention(tiny_llama):
-    """A windowed cache selects kvsqueeze's attention on the model (`cache_for`); the session's shared model
-    gets its own back after each test."""
-    saved = tiny_llama.config._attn_implementation
-    yield
-    tiny_llama.set_attn_implementation(saved)
+pytestmark = pytest.mark.usefixtures("own_attention")  # a windowed cache selects kvsqueeze's attention
 
 
 def test_a_windowed_cache_selects_kvsqueeze_attention(tiny_llama, tiny_recipe):
