@@ -107,17 +107,13 @@ def evaluate_cell(model, tok, recipe, text, methods: list[str], windows: int, se
     """Every method on the text's evaluation windows; with `checkpoint`, each finished window is kept there and a
     stopped cell resumes after it (`evaluate`). `seconds` is this call's time; `resumed_after` the windows it
     found done."""
-    import torch
-
-    from kvsqueeze.eval.perplexity import evaluate
+    from kvsqueeze.eval.perplexity import checkpoint_windows, evaluate
     from kvsqueeze.eval.texts import evaluation_windows
     from kvsqueeze.methods import preset_for
 
     ew = evaluation_windows(tok, text, seqlen, windows)
     specs = [preset_for(name, seqlen) for name in methods]
-    found = 0
-    if checkpoint is not None and checkpoint.is_file():
-        found = len(torch.load(checkpoint, weights_only=True).get("base_nll", []))
+    found = checkpoint_windows(checkpoint) if checkpoint is not None else 0
     t0 = time.perf_counter()
     rows = evaluate(model, ew.ids, specs, recipe, progress=False, checkpoint=checkpoint)
     seconds = time.perf_counter() - t0
@@ -224,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                 model, tok = load_model(model_name)
             for evaluated in cells:
                 text = texts.setdefault(evaluated, load_text(evaluated))
-                ckpt = root / "checkpoints" / f"{model_name}.{calib}.{evaluated}.{args.windows}x{args.seqlen}.pt"
+                ckpt = root / "checkpoints" / f"{model_name}.{calib}.{evaluated}.{args.windows}x{args.seqlen}.safetensors"
                 pairs, cell = evaluate_cell(model, tok, recipe, text, methods, args.windows, args.seqlen, ckpt)
                 base = next(r for name, r in pairs if name == "fp16")
                 for name, r in pairs:

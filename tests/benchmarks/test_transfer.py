@@ -72,7 +72,7 @@ def test_a_stopped_cell_resumes_from_its_checkpoint(tiny_llama, tiny_recipe, tmp
     tok, text = byte_tokenizer(), Text("t", "", sample_text(400, seed=2))
     methods = ["fp16", "nuq3-1%"]
     whole, _ = transfer.evaluate_cell(tiny_llama, tok, tiny_recipe, text, methods, 3, 64)
-    ckpt = tmp_path / "checkpoints" / "cell.pt"
+    ckpt = tmp_path / "checkpoints" / "cell.safetensors"
     real, calls = P.against_reference, []
 
     def stop_in_window_two(*a, **k):

@@ -17,7 +17,7 @@ def test_a_stopped_evaluation_resumes_and_equals_an_uninterrupted_one(tiny_llama
     specs = parse_methods("fp16,nuq3-1%,q3.5")
     windows = _windows()
     whole = P.evaluate(tiny_llama, windows, specs, tiny_recipe, progress=False)
-    ckpt = tmp_path / "cell.pt"
+    ckpt = tmp_path / "cell.safetensors"
     real = P.against_reference
     calls = []
 
@@ -30,7 +30,7 @@ def test_a_stopped_evaluation_resumes_and_equals_an_uninterrupted_one(tiny_llama
     monkeypatch.setattr(P, "against_reference", stop_in_window_three)
     with pytest.raises(KeyboardInterrupt):
         P.evaluate(tiny_llama, windows, specs, tiny_recipe, progress=False, checkpoint=ckpt)
-    assert ckpt.is_file() and len(torch.load(ckpt, weights_only=True)["base_nll"]) == 2
+    assert P.checkpoint_windows(ckpt) == 2
     monkeypatch.setattr(P, "against_reference", real)
     forwards = []
     logits = P.window_logits
@@ -42,7 +42,7 @@ def test_a_stopped_evaluation_resumes_and_equals_an_uninterrupted_one(tiny_llama
 
 def test_a_checkpoint_of_other_windows_or_methods_is_refused(tiny_llama, tiny_recipe, tmp_path):
     windows = _windows()
-    ckpt = tmp_path / "cell.pt"
+    ckpt = tmp_path / "cell.safetensors"
     P.evaluate(tiny_llama, windows[:2], parse_methods("fp16,nuq3-1%"), tiny_recipe, progress=False, checkpoint=ckpt)
     with pytest.raises(ValueError, match="other windows or methods"):
         P.evaluate(tiny_llama, windows, parse_methods("fp16,nuq3-1%"), tiny_recipe, progress=False, checkpoint=ckpt)

@@ -13,6 +13,7 @@ reports the same three).
 from __future__ import annotations
 
 import hashlib
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,7 +148,7 @@ def evaluate(
     among `specs` or not) and each method is compared with it on that window. `recipes` maps a method's name to
     the recipe it reads instead of `recipe` (e.g. one calibrated with the method's sink count).
 
-    `checkpoint`: a file that keeps every finished window's results (rewritten whole after each window, never
+    `checkpoint`: a safetensors file that keeps every finished window's results (rewritten whole after each window, never
     half-written); a call given the same file, windows and methods resumes after the last window it holds and
     returns what one uninterrupted call would. A file made for other windows or methods is refused.
     """
@@ -193,12 +194,12 @@ def evaluate(
 
 
 class _Checkpoint:
-    """`evaluate`'s finished windows in a file (torch.save of the running sums), tied to its windows and methods."""
+    """`evaluate`'s finished windows in one safetensors file: each window's per-token KL divergences as tensors,
+    the running sums as JSON in its metadata, tied to its windows and methods."""
 
     def __init__(self, path: str | Path, windows: torch.Tensor, names: list[str]):
         self.path = Path(path)
         self.names = names
-        self.windows = windows.shape[0]
         digest = hashlib.sha256(windows.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
         self.key = {"windows": list(windows.shape), "ids_sha256": digest, "methods": names}
 
@@ -207,22 +208,42 @@ class _Checkpoint:
         if not self.path.is_file():
             return 0
         try:
-            held = torch.load(self.path, weights_only=True)
+            tensors, held = _read_checkpoint(self.path)
         except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same advice
             raise ValueError(f"checkpoint {self.path} cannot be read ({exc}); delete it to start again") from exc
         if held.get("key") != self.key:
             raise ValueError(f"checkpoint {self.path} was made for other windows or methods ({held.get('key')}); "
                              f"delete it or give another file")
-        for name in self.names:
+        for i, name in enumerate(self.names):
             acc[name].update(held["acc"][name])
+            acc[name]["kld"] = [tensors[f"kld.{i}.{w}"] for w in range(len(held["base_nll"]))]
         base_nll.extend(held["base_nll"])
         return len(base_nll)
 
     def write(self, acc: dict, base_nll: list) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {f"kld.{i}.{w}": k.contiguous() for i, name in enumerate(self.names)
+                   for w, k in enumerate(acc[name]["kld"])}
+        sums = {name: {k: v for k, v in acc[name].items() if k != "kld"} for name in self.names}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        torch.save({"key": self.key, "acc": acc, "base_nll": base_nll}, tmp)
+        save_file(tensors, str(tmp), metadata={"evaluate": json.dumps({"key": self.key, "acc": sums,
+                                                                       "base_nll": base_nll})})
         tmp.replace(self.path)
+
+
+def _read_checkpoint(path: Path) -> tuple[dict, dict]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}, json.loads(f.metadata()["evaluate"])
+
+
+def checkpoint_windows(path: str | Path) -> int:
+    """How many finished windows an `evaluate` checkpoint holds (0 without a file)."""
+    path = Path(path)
+    return len(_read_checkpoint(path)[1]["base_nll"]) if path.is_file() else 0
 
 
 def format_table(rows: list[PplRow]) -> str:
