@@ -52,6 +52,10 @@ import numba
 import numpy as np
 import torch
 
+from ..numba_cache import install
+
+install()  # cache entries follow every file of this directory
+
 __all__ = [
     "KMeansResult",
     "WeightedHistogram",

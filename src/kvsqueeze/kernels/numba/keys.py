@@ -141,27 +141,40 @@ def _dot_group(q, b, qh, ng, wb, w0, c0, half, d, bits, offs, klut, cs, sn, n, v
                 vstore_first(scores, o + 3 * LANES, vmul(v3, vscale), n - k - 3 * LANES)
 
 
-@njit(cache=True)
+@njit(parallel=True, cache=True)
 def sink_scores(q, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, sink_k, sink_slot, scores):
-    """Overwrite the scores of sink tokens with those of their exact keys (fp16 bits, uint16 [B, S, C], pre-RoPE)."""
+    """Overwrite the scores of sink tokens with those of their exact keys (fp16 bits, uint16 [B, S, C], pre-RoPE).
+
+    One work item per (row, entry): the entry's key is turned once for every KV head, then dotted with each query
+    head of the head's group (the same products, added in the same order, as one query head at a time)."""
     hq_all, d = q.shape[1], q.shape[2]
     g_size = hq_all // heads
     half = cos_lo.shape[0]  # rotary pairs (j, j + half); channels from 2 * half on are not turned
-    for b in range(sink_slot.shape[0]):
-        for s in range(sink_slot.shape[1]):
-            t = sink_slot[b, s]
-            if t < 0:
-                continue
-            for hq in range(hq_all):
-                base = (hq // g_size) * d
-                acc = ZERO
-                for j in range(half):
-                    cos, sin = cos_sin_at(positions[t, b], j, cos_hi, sin_hi, cos_lo, sin_lo)
-                    x, y = f16(sink_k[b, s, base + j]), f16(sink_k[b, s, base + j + half])
-                    acc += q[b, hq, j] * (x * cos - y * sin) + q[b, hq, j + half] * (y * cos + x * sin)
-                for j in range(2 * half, d):
-                    acc += q[b, hq, j] * f16(sink_k[b, s, base + j])
-                scores[b, hq, t] = acc * scaling
+    n_s = sink_slot.shape[1]
+    for i in prange(sink_slot.shape[0] * n_s):
+        b, s = i // n_s, i % n_s
+        t = sink_slot[b, s]
+        if t < 0:
+            continue
+        p = positions[t, b]
+        kr = np.empty(heads * d, np.float32)
+        for h in range(heads):
+            base = h * d
+            for j in range(half):
+                cos, sin = cos_sin_at(p, j, cos_hi, sin_hi, cos_lo, sin_lo)
+                x, y = f16(sink_k[b, s, base + j]), f16(sink_k[b, s, base + j + half])
+                kr[base + j] = x * cos - y * sin
+                kr[base + j + half] = y * cos + x * sin
+            for j in range(2 * half, d):
+                kr[base + j] = f16(sink_k[b, s, base + j])
+        for hq in range(hq_all):
+            base = (hq // g_size) * d
+            acc = ZERO
+            for j in range(half):
+                acc += q[b, hq, j] * kr[base + j] + q[b, hq, j + half] * kr[base + j + half]
+            for j in range(2 * half, d):
+                acc += q[b, hq, j] * kr[base + j]
+            scores[b, hq, t] = acc * scaling
 
 
 @njit(parallel=True, cache=True)

@@ -153,18 +153,19 @@ def _dense_value(codes, first, c, offs, vlut, scale_zero, e_sz):
     return vlut[c, code_at(codes, first, offs[c], offs[c + 1] - offs[c])] * s + z
 
 
-@njit(cache=True)
+@njit(parallel=True, cache=True)
 def sink_values(probs, codes, rows, geo, shift, vlut, offs, heads, scale_zero, pointers, fixed, channels, values,
                 sink_v, sink_slot, out):
     """out += probs * (exact - stored) over every channel of every sink, where stored is what the value pass
     and the outlier pass summed for that slot (its dequantized element or an outlier stored there).
     codes, rows, geo, shift, scale_zero: as `value_sums`. fixed > 0: every slot holds that many outliers, where
     `geo` puts them (`pointers` is not read); else pointers [T*B + 1] by slot (a store's token-major arrays) or
-    empty."""
+    empty. One work item per (row, KV head), which alone writes its query heads' outputs, sinks in order."""
     n_rows = rows.shape[0]
     hq_all, d = out.shape[1], out.shape[2]
     g_size = hq_all // heads
-    for b in range(sink_slot.shape[0]):
+    for i in prange(sink_slot.shape[0] * heads):
+        b, h = i // heads, i % heads
         for s in range(sink_slot.shape[1]):
             t = sink_slot[b, s]
             if t < 0:
@@ -177,9 +178,11 @@ def sink_values(probs, codes, rows, geo, shift, vlut, offs, heads, scale_zero, p
             elif pointers.shape[0] > 0:
                 e, e_end = pointers[t * n_rows + b], pointers[t * n_rows + b + 1]
             first, e_sz = at(slot, geo, V_CODES, shift), at(slot, geo, SCALE_ZERO, shift)
-            for c in range(heads * d):
-                h, j = c // d, c % d
-                if e < e_end and np.int64(channels[e]) == c:  # entries of a slot are in channel order
+            for j in range(d):
+                c = h * d + j
+                while e < e_end and np.int64(channels[e]) < c:  # entries of a slot are in channel order
+                    e += 1
+                if e < e_end and np.int64(channels[e]) == c:
                     stored = f16(values[e + to_value])
                     e += 1
                 else:
