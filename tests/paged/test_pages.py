@@ -181,3 +181,35 @@ def test_a_window_given_beside_the_pages_is_read_as_the_hf_store_reads_its_own(i
             want = decode_attention(q[b:b + 1], store.view(), rope, d**-0.5, backend="reference")
             torch.testing.assert_close(got[b:b + 1], want, rtol=2e-4, atol=2e-5)
     assert not torch.allclose(got, plain_numba, atol=1e-4)  # the window changes what the rows read
+
+
+def test_a_step_memo_gives_every_layer_the_view_it_would_build_alone():
+    """An engine's step builds one view per layer over the same block tables (`view(..., memo=)`): layers of other
+    widths read the memo's slots and get, with their own pages and an fp16 window, the very attention a view
+    built without the memo gives; other tables or lengths are not served from it."""
+    c, d, w = 64, 32, 8
+    first = PageLayout(*_quantizers(c, 3, 0.02, seed=31, slots=4), c, d, block_size=8, sinks=1)
+    second = PageLayout(*_quantizers(c, 3, 0.02, seed=32, slots=2, widths=(2, 3, 4)), c, d, block_size=8, sinks=1)
+    lens = torch.tensor([21, 3, 13])
+    g = torch.Generator().manual_seed(33)
+    q = torch.randn(3, 4, d, generator=g)
+    wk, wv = torch.randn(3, w, c, generator=g), torch.randn(3, w, c, generator=g)
+    rope = Rope.default(d)
+    memo = {}
+    pages = {}
+    pages[first], table, _ = _fill(first, lens.tolist(), seed=34)
+    pages[second], second_table, _ = _fill(second, lens.tolist(), seed=34)
+    assert torch.equal(second_table, table)  # both layers' pages sit at the same places, as in an engine
+    for layout in (first, second):
+        alone, mask = layout.view(pages[layout], table, lens, in_place=True)
+        shared, shared_mask = layout.view(pages[layout], table, lens, in_place=True, memo=memo)
+        assert torch.equal(mask, shared_mask)
+        want = decode_attention(q, layout.with_window(alone, wk, wv, lens), rope, d**-0.5, key_mask=mask)
+        got = decode_attention(q, layout.with_window(shared, wk, wv, lens, memo=memo), rope, d**-0.5,
+                               key_mask=shared_mask)
+        assert torch.equal(got, want)
+    assert len(memo) == 2  # one view entry and one window entry, read by the second layout
+    other = lens.clone()
+    other[1] = 5
+    view, mask = first.view(pages[first], table, other, in_place=True, memo=memo)
+    assert mask[1].sum() == 5 and view.tokens == 21

@@ -349,7 +349,7 @@ class PageLayout:
 
     # ---- reading -------------------------------------------------------------------------
     def view(self, pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
-             in_place: bool = False) -> tuple[StoreView, torch.Tensor]:
+             in_place: bool = False, memo: dict | None = None) -> tuple[StoreView, torch.Tensor]:
         """The cache of B sequences as one `StoreView` (T = the longest sequence) and its key mask bool [B, T].
 
         Args:
@@ -359,10 +359,18 @@ class PageLayout:
                 token's slot in its page, no copy), which the numba and Triton kernels read through the block
                 tables and the reference gathers (`StoreView.gathered`); a masked slot past a sequence's end names the
                 sequence's first slot (written, so finite). Other block sizes: the gathered copy.
+            memo: a dict the caller keeps while `block_table` and `seq_lens` stay the same tensors (an engine's
+                step, over every layer): the in-place view's slots, mask, sinks and positions, which depend on
+                those and the block size alone, are built once and read from it by every layout of that block size.
         Token t of sequence b sits at position t. A shorter sequence's slots past its length are zeroed in the
         gathered copy (whatever a page held there before) and masked.
         """
         self._check_pages(pages)
+        bs = self.block_size
+        key = ("view", bs, self.sinks, pages.device)
+        hit = memo.get(key) if memo is not None and in_place and bs & (bs - 1) == 0 else None
+        if hit is not None and hit[0] is block_table and hit[1] is seq_lens:
+            return self._paged_view(pages, *hit[2:]), hit[3]
         lens = seq_lens.to(torch.long).cpu()
         b = lens.numel()
         t = int(lens.max()) if b else 0
@@ -373,12 +381,14 @@ class PageLayout:
             raise ValueError(f"view: {b} sequences of up to {t} tokens need a block table [{b}, >= {nb}], got "
                              f"{tuple(block_table.shape)}")
         table = block_table[:, :nb].to(device=pages.device, dtype=torch.long)
-        bs = self.block_size
         dev = pages.device
         live = torch.arange(nb * bs).view(1, -1) < lens.view(-1, 1)  # [B, nb*bs]
         mask = live[:, :t].to(dev)
         if in_place and bs & (bs - 1) == 0:
-            return self._paged_view(pages, table, lens, t, mask), mask
+            rows = self._paged_rows(table, lens, t, mask)
+            if memo is not None:
+                memo[key] = (block_table, seq_lens, rows, mask)
+            return self._paged_view(pages, rows, mask), mask
 
         fast = self._fast(pages)
         if fast is not None:
@@ -421,13 +431,24 @@ class PageLayout:
                          sink_v, sink_slot, positions, {}, *self._offsets(dev))
         return view, mask
 
-    def _paged_view(self, pages: torch.Tensor, table: torch.Tensor, lens: torch.Tensor, t: int,
-                    mask: torch.Tensor) -> StoreView:
-        """`view(..., in_place=True)`: flat views of the whole buffer and where each slot's data lies in them."""
-        bs, b, dev = self.block_size, lens.numel(), pages.device
+    def _paged_rows(self, table: torch.Tensor, lens: torch.Tensor, t: int, mask: torch.Tensor) -> tuple:
+        """What an in-place view of these sequences needs besides the pages: (slots int32 [B, T], T, the first
+        page of each sequence, sink_slot int32 [B, S], positions int32 [T, B]); the same for every layout of
+        this block size and sink count."""
+        bs, b, dev = self.block_size, lens.numel(), mask.device
         tok = torch.arange(t, device=dev)
         slots = table[:, tok // bs] * bs + tok % bs  # [B, T]
         slots = torch.where(mask, slots, table[:, :1] * bs).to(torch.int32).contiguous()
+        rank = torch.arange(self.sinks).view(1, -1)
+        sink_slot = torch.where(rank < lens.view(-1, 1), rank, -1).to(torch.int32).to(dev)
+        positions = torch.arange(t, dtype=torch.int32, device=dev).view(-1, 1).expand(t, b).contiguous()
+        return slots, t, table[:, 0], sink_slot, positions
+
+    def _paged_view(self, pages: torch.Tensor, rows: tuple, mask: torch.Tensor) -> StoreView:
+        """`view(..., in_place=True)`: flat views of the whole buffer and where each slot's data lies in them
+        (`rows`: of `_paged_rows`)."""
+        slots, t, first, sink_slot, positions = rows
+        bs, dev = self.block_size, pages.device
         flat = self._flat(pages)
         words, halves = flat.view(torch.int32), flat.view(torch.float16)
         page, width, offset = [], [], []
@@ -437,7 +458,7 @@ class PageLayout:
             page.append(pages.stride(0) // size)  # from one page to the next: the page, or the block stride
             width.append(r.shape[1])
             offset.append(r.offset // size)
-        rows = Rows(slots, bs.bit_length() - 1, tuple(page), tuple(width), tuple(offset))
+        where = Rows(slots, bs.bit_length() - 1, tuple(page), tuple(width), tuple(offset))
         n_slots = pages.shape[0] * bs
         k_out = v_out = None
         if self.key_slots:
@@ -446,16 +467,13 @@ class PageLayout:
         if self.value_slots:
             v_out = Outliers(None, flat.view(torch.int16), halves, n_slots * self.value_slots, self.value_slots,
                              OUTLIER_CODE)
-        first = table[:, 0]
-        rank = torch.arange(self.sinks).view(1, -1)
-        sink_slot = torch.where(rank < lens.view(-1, 1), rank, -1).to(torch.int32).to(dev)
-        positions = torch.arange(t, dtype=torch.int32, device=dev).view(-1, 1).expand(t, b).contiguous()
         return StoreView(self.heads, self.head_dim, self.k_bits, self.v_bits, t, words, words, self.k_scale.to(dev),
                          self.k_zero.to(dev), *self._levels(dev), halves, k_out, v_out,
                          self.region(pages, "sink_k")[first], self.region(pages, "sink_v")[first], sink_slot,
-                         positions, self._memo, *self._offsets(dev), rows=rows)
+                         positions, self._memo, *self._offsets(dev), rows=where)
 
-    def with_window(self, view: StoreView, keys: torch.Tensor, values: torch.Tensor, lens: torch.Tensor) -> StoreView:
+    def with_window(self, view: StoreView, keys: torch.Tensor, values: torch.Tensor, lens: torch.Tensor,
+                    memo: dict | None = None) -> StoreView:
         """`view` (of `view()`) whose rows also read their most recent tokens exact: an fp16 window (`:rN`), held
         wherever the engine keeps it, given as the pre-RoPE keys and values [B, W, C] of each row's positions
         lens - W .. lens - 1. The kernels read them as they read sinks (exact entries naming their token); a
@@ -465,8 +483,16 @@ class PageLayout:
             raise ValueError(f"with_window: keys and values [{view.sink_k.shape[0]}, W, {self.channels}] expected, "
                              f"got {tuple(keys.shape)} and {tuple(values.shape)}")
         dev = view.sink_k.device
+        key = ("window", w, self.sinks, dev)
+        hit = memo.get(key) if memo is not None else None
+        if hit is not None and hit[0] is lens and hit[1] is view.sink_slot:
+            return view._replace(sink_k=torch.cat([view.sink_k, keys.to(dev, torch.float16)], dim=1),
+                                 sink_v=torch.cat([view.sink_v, values.to(dev, torch.float16)], dim=1),
+                                 sink_slot=hit[2])
         pos = lens.to(dev, torch.long).view(-1, 1) - w + torch.arange(w, device=dev).view(1, -1)
         slot = torch.where(pos >= self.sinks, pos, -1).to(torch.int32)
+        if memo is not None:  # (the sink slots of a memoized view are the same tensor at every layer)
+            memo[key] = (lens, view.sink_slot, torch.cat([view.sink_slot, slot], dim=1))
         return view._replace(sink_k=torch.cat([view.sink_k, keys.to(dev, torch.float16)], dim=1),
                              sink_v=torch.cat([view.sink_v, values.to(dev, torch.float16)], dim=1),
                              sink_slot=torch.cat([view.sink_slot, slot], dim=1))

@@ -38,7 +38,7 @@ scalings whose frequencies change with the length.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
 import torch
@@ -215,6 +215,12 @@ class KVSqueezeMetadata(AttentionMetadata):
     block_table: torch.Tensor  # int32 [R, max blocks]
     slot_mapping: torch.Tensor  # int64 [N]
     positions: torch.Tensor  # int64 [N]
+    decode: torch.Tensor  # int64 [D]: the requests with one new token
+    lead: bool  # the decode requests are the first D (the builder asks vLLM to put them first)
+    decode_table: torch.Tensor  # int32 [D, max blocks]: their block tables
+    decode_lens: torch.Tensor  # int64 [D]: their lengths
+    prefill: tuple[int, ...]  # the requests with more than one new token
+    memo: dict = field(default_factory=dict)  # what every layer of this step derives alike (`PageLayout.view`)
 
 
 class KVSqueezeMetadataBuilder(AttentionMetadataBuilder[KVSqueezeMetadata]):
@@ -235,7 +241,14 @@ class KVSqueezeMetadataBuilder(AttentionMetadataBuilder[KVSqueezeMetadata]):
             starts = torch.repeat_interleave(lens - qlens, qlens)
             offsets = torch.arange(int(qsl[-1])) - torch.repeat_interleave(qsl[:-1], qlens)
             positions = (starts + offsets)[:n].to(m.slot_mapping.device)
-        return KVSqueezeMetadata(n, qsl, lens, m.block_table_tensor[: m.num_reqs], m.slot_mapping[:n], positions)
+        table = m.block_table_tensor[: m.num_reqs]
+        qlens = qsl.diff()
+        decode = (qlens == 1).nonzero().flatten()
+        nd = decode.numel()
+        lead = nd == 0 or int(decode[-1]) == nd - 1
+        return KVSqueezeMetadata(n, qsl, lens, table, m.slot_mapping[:n], positions, decode, lead,
+                                 table[:nd] if lead else table[decode], lens[:nd] if lead else lens[decode],
+                                 tuple((qlens > 1).nonzero().flatten().tolist()))
 
 
 class KVSqueezeWindowBackend(KVSqueezeBackend):
@@ -435,55 +448,66 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         pos = md.positions.to(k.device)
         k_pre = self._pre_rope(k, pos, torch.finfo(key.dtype).eps).reshape(n, h * d)
         self.overflow += layout.write(pages, md.slot_mapping, k_pre, v, pos)
-        window = self._write_window(k_pre, v, n) if self.window else None
+        window = self._write_window(k_pre, v, n, md.memo) if self.window else None
         out = output[:n].view(n, hq, d)
         qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
-        qlens = qsl.diff()
-        decode = (qlens == 1).nonzero().flatten()
-        if decode.numel():
-            rows = qsl[decode]
-            view, mask = layout.view(pages, md.block_table[decode], lens[decode], in_place=True)
+        nd = md.decode.numel()
+        if nd:
+            view, mask = layout.view(pages, md.decode_table, md.decode_lens, in_place=True, memo=md.memo)
             if window is not None:  # each row's last W tokens read exact, as the HF store's window gives them
-                store, table = window
-                wk, wv = self._read_window(store, table[decode], lens[decode])
-                view = layout.with_window(view, wk, wv, lens[decode])
-            o = decode_attention(q[rows].contiguous(), view, self.rope, self.scale, key_mask=mask,
-                                 backend=self.config.decode, softcap=self.softcap)
-            out[rows] = o.to(out.dtype)
-        for r in (qlens > 1).nonzero().flatten().tolist():
+                wk, wv = self._read_window(*window, md)
+                view = layout.with_window(view, wk, wv, md.decode_lens, memo=md.memo)
+            rows = None if md.lead else qsl[md.decode]  # decode requests first: their tokens are rows 0 .. D - 1
+            o = decode_attention(q[:nd] if md.lead else q[rows].contiguous(), view, self.rope, self.scale,
+                                 key_mask=mask, backend=self.config.decode, softcap=self.softcap)
+            if md.lead:
+                out[:nd] = o
+            else:
+                out[rows] = o.to(out.dtype)
+        for r in md.prefill:
             a, b = int(qsl[r]), int(qsl[r + 1])
             qr = query[a:b].view(b - a, hq, d)
             win = None if window is None else (window[0], window[1][r])
             out[a:b] = self._prefill(layout, pages, md.block_table[r:r + 1], int(lens[r]), qr, win).to(out.dtype)
         return output
 
-    def _write_window(self, k_pre: torch.Tensor, v: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _write_window(self, k_pre: torch.Tensor, v: torch.Tensor, n: int,
+                      memo: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this layer's fp16 keys (pre-RoPE) and values of every token of the step into the window's pages
-        (`WindowStore`); the window pages [blocks, Bw, layers, 2, C] and their block table [R, blocks]."""
-        md = get_forward_context().attn_metadata
-        wmd = md.get(self.window_store.layer_name) if isinstance(md, dict) else None
-        if wmd is None:
-            raise ServingError(f"the step's attention metadata holds none for {self.window_store.layer_name!r}, the "
-                               "fp16 window's pages: this vLLM does not build the window's KV group (serve with the "
-                               "vLLM version kvsqueeze pins, without micro-batching)")
+        (`WindowStore`); the window pages [blocks, Bw, layers, 2, C] and their block table [R, blocks]. The
+        slots are found once per step (`memo`: the step's, shared by its layers)."""
+        hit = memo.get("window_write")
+        if hit is None:
+            md = get_forward_context().attn_metadata
+            wmd = md.get(self.window_store.layer_name) if isinstance(md, dict) else None
+            if wmd is None:
+                raise ServingError(f"the step's attention metadata holds none for {self.window_store.layer_name!r}, "
+                                   "the fp16 window's pages: this vLLM does not build the window's KV group (serve "
+                                   "with the vLLM version kvsqueeze pins, without micro-batching)")
+            bw = self.window_store.tokens().shape[1]
+            slot = wmd.slot_mapping[:n].to(torch.int64)
+            keep = slot >= 0  # padding tokens have none
+            hit = memo["window_write"] = (keep, slot[keep] // bw, slot[keep] % bw, wmd.block_table)
+        keep, page, off, table = hit
         store = self.window_store.tokens()
-        bw = store.shape[1]
-        slot = wmd.slot_mapping[:n].to(torch.int64)
-        keep = slot >= 0  # padding tokens have none
-        page, off = slot[keep] // bw, slot[keep] % bw
-        store[page, off, self.layer, 0] = k_pre[keep].to(torch.float16)
-        store[page, off, self.layer, 1] = v[keep].to(torch.float16)
-        return store, wmd.block_table
+        both = torch.stack([k_pre[keep], v[keep]], dim=1).to(torch.float16)  # [n, 2, C]
+        store[page, off, self.layer] = both
+        return store, table
 
-    def _read_window(self, store: torch.Tensor, table: torch.Tensor, lens: torch.Tensor):
-        """Keys (pre-RoPE) and values [R, W, C] of each row's positions lens - W .. lens - 1 from the window's
-        pages (zeros before position 0: `with_window` gives them no entry)."""
-        w = self.window
-        pos = lens.to(torch.int64).view(-1, 1) - w + torch.arange(w).view(1, -1)
-        page, off = WindowStore.slots(table.to(pos.device), pos.clamp(min=0), store.shape[1])
-        k, v = store[page, off, self.layer, 0], store[page, off, self.layer, 1]
-        before = (pos < 0).unsqueeze(-1)
-        return k.masked_fill(before, 0), v.masked_fill(before, 0)
+    def _read_window(self, store: torch.Tensor, table: torch.Tensor, md: KVSqueezeMetadata):
+        """Keys (pre-RoPE) and values [D, W, C] of each decode request's positions lens - W .. lens - 1 from the
+        window's pages (zeros before position 0: `with_window` gives them no entry); where they lie is found
+        once per step (`md.memo`)."""
+        hit = md.memo.get("window_read")
+        if hit is None:
+            w = self.window
+            pos = md.decode_lens.to(torch.int64).view(-1, 1) - w + torch.arange(w).view(1, -1)
+            rows = table[:md.decode.numel()] if md.lead else table[md.decode]
+            page, off = WindowStore.slots(rows.to(pos.device), pos.clamp(min=0), store.shape[1])
+            hit = md.memo["window_read"] = (page, off, (pos < 0).view(*pos.shape, 1, 1))
+        page, off, before = hit
+        kv = store[page, off, self.layer].masked_fill(before, 0)  # [D, W, 2, C]
+        return kv[:, :, 0], kv[:, :, 1]
 
     _warm = False
 
