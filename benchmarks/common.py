@@ -70,6 +70,8 @@ def decode_machine() -> dict:
     from kvsqueeze.kernels.numba.simd import ISA
 
     return {"cpu": cpu, "machine": machine(), "kernels_compiled_for": ISA,
+            "numba_cpu_name": os.environ.get("NUMBA_CPU_NAME"),  # set: the kernels' target forced (simd.AVX2_ENV)
+            "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),  # the dense baselines' vector ISA
             "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "numba_threads": numba.get_num_threads(), "numba_threading_layer": numba.threading_layer(),
             "torch": torch.__version__, "numba": numba.__version__, "platform": platform.platform(),
