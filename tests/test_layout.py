@@ -22,10 +22,10 @@ from pathlib import Path
 import kvsqueeze
 
 ROOT = Path(kvsqueeze.__file__).parent
-LAYERS = [("numerics",), ("storage", "recipe", "shape", "config"), ("methods", "kernels"), ("cache",),
+LAYERS = [("numerics",), ("storage", "recipe", "shape", "config", "numba_cache"), ("methods", "kernels"), ("cache",),
           ("paged", "integrations"), ("serving", "calibrate", "eval"), ("cli",)]
 RANK = {group: i for i, row in enumerate(LAYERS) for group in row}
-NUMERICS = {"numerics", "storage", "recipe", "shape", "config", "methods"}  # what neither cache nor kernels are
+NUMERICS = {"numerics", "storage", "recipe", "shape", "config", "numba_cache", "methods"}  # what neither cache nor kernels are
 
 
 def _module_name(path: Path) -> str:
