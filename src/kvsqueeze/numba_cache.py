@@ -48,12 +48,14 @@ def _stamped(base: type) -> type:
     return Locator
 
 
-LOCATORS = tuple(_stamped(c) for c in (caching.UserProvidedCacheLocator, caching.InTreeCacheLocator,
-                                       caching.UserWideCacheLocator))
+_BASES = tuple(getattr(caching, n, None) for n in ("UserProvidedCacheLocator", "InTreeCacheLocator",
+                                                   "UserWideCacheLocator"))
+# a numba that names its locators otherwise keeps its own behaviour (the tests require these names)
+LOCATORS = tuple(_stamped(c) for c in _BASES) if all(_BASES) else ()
 
 
 def install() -> None:
     """Put `LOCATORS` first in numba's list (once)."""
-    classes = caching.CacheImpl._locator_classes
-    if not any(c in LOCATORS for c in classes):
+    classes = getattr(getattr(caching, "CacheImpl", None), "_locator_classes", None)
+    if LOCATORS and isinstance(classes, list) and not any(c in LOCATORS for c in classes):
         classes[:0] = LOCATORS

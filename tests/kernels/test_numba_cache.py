@@ -26,6 +26,7 @@ def _cached_dispatchers():
 
 
 def test_every_cached_kernel_is_stamped_by_its_directory():
+    assert len(numba_cache.LOCATORS) == 3, f"numba {numba.__version__} names its cache locators otherwise"
     found = dict(_cached_dispatchers())
     assert "kvsqueeze.kernels.numba.attend._attend" in found and "kvsqueeze.calibrate.kmeans._run_cost" in found
     for name, fn in found.items():
