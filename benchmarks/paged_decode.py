@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).parent))
 from common import DEFAULT_RECIPE, decode_machine, prepare, quantizers, shape  # noqa: E402
 
 
-def run(layout: PageLayout, hq: int, d: int, batch: int, tokens: int, rounds: int) -> dict:
-    g = torch.Generator().manual_seed(0)
+def filled_pages(layout: PageLayout, batch: int, tokens: int, g: torch.Generator):
+    """(pages, block table int32 [B, pages each], lengths [B]): `batch` sequences of `tokens` random keys and values
+    written into shuffled pages of a buffer with three spare pages."""
     bs, c = layout.block_size, layout.channels
     per = -(-tokens // bs)
     pages = layout.allocate(batch * per + 3)
@@ -40,7 +41,12 @@ def run(layout: PageLayout, hq: int, d: int, batch: int, tokens: int, rounds: in
         pos = torch.arange(tokens)
         slots = table[b, pos // bs].long() * bs + pos % bs
         layout.write(pages, slots, torch.randn(tokens, c, generator=g), torch.randn(tokens, c, generator=g), pos)
-    lens = torch.full((batch,), tokens)
+    return pages, table, torch.full((batch,), tokens)
+
+
+def run(layout: PageLayout, hq: int, d: int, batch: int, tokens: int, rounds: int) -> dict:
+    g = torch.Generator().manual_seed(0)
+    pages, table, lens = filled_pages(layout, batch, tokens, g)
     q = torch.randn(batch, hq, d, generator=g)
     rope = Rope.default(d)
 

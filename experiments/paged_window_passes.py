@@ -25,6 +25,7 @@ import torch
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import DEFAULT_RECIPE, decode_machine, prepare, quantizers, shape  # noqa: E402
+from paged_decode import filled_pages  # noqa: E402
 
 from kvsqueeze.kernels import Rope, decode_attention  # noqa: E402
 from kvsqueeze.kernels.numba import kernel_inputs  # noqa: E402
@@ -49,15 +50,8 @@ def main() -> None:
     layout = PageLayout(kq, vq, h * d, d, 128, sinks=parse_method(args.method).sinks)
     batch, tokens = (int(x) for x in args.shape.split("x"))
     g = torch.Generator().manual_seed(0)
-    bs, c = layout.block_size, layout.channels
-    per = -(-tokens // bs)
-    pages = layout.allocate(batch * per + 3)
-    table = torch.randperm(pages.shape[0], generator=g)[:batch * per].view(batch, per).to(torch.int32)
-    for b in range(batch):
-        pos = torch.arange(tokens)
-        slots = table[b, pos // bs].long() * bs + pos % bs
-        layout.write(pages, slots, torch.randn(tokens, c, generator=g), torch.randn(tokens, c, generator=g), pos)
-    lens = torch.full((batch,), tokens)
+    c = layout.channels
+    pages, table, lens = filled_pages(layout, batch, tokens, g)  # what benchmarks/paged_decode.py times on
     q = torch.randn(batch, hq, d, generator=g)
     rope, scaling = Rope.default(d), d**-0.5
     view, mask = layout.view(pages, table, lens, in_place=True)
