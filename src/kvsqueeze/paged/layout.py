@@ -486,16 +486,16 @@ class PageLayout:
         key = ("window", w, self.sinks, dev)
         hit = memo.get(key) if memo is not None else None
         if hit is not None and hit[0] is lens and hit[1] is view.sink_slot:
-            return view._replace(sink_k=torch.cat([view.sink_k, keys.to(dev, torch.float16)], dim=1),
-                                 sink_v=torch.cat([view.sink_v, values.to(dev, torch.float16)], dim=1),
-                                 sink_slot=hit[2])
-        pos = lens.to(dev, torch.long).view(-1, 1) - w + torch.arange(w, device=dev).view(1, -1)
-        slot = torch.where(pos >= self.sinks, pos, -1).to(torch.int32)
-        if memo is not None:  # (the sink slots of a memoized view are the same tensor at every layer)
-            memo[key] = (lens, view.sink_slot, torch.cat([view.sink_slot, slot], dim=1))
+            sink_slot = hit[2]
+        else:
+            pos = lens.to(dev, torch.long).view(-1, 1) - w + torch.arange(w, device=dev).view(1, -1)
+            slot = torch.where(pos >= self.sinks, pos, -1).to(torch.int32)
+            sink_slot = torch.cat([view.sink_slot, slot], dim=1)
+            if memo is not None:  # (the sink slots of a memoized view are the same tensor at every layer)
+                memo[key] = (lens, view.sink_slot, sink_slot)
         return view._replace(sink_k=torch.cat([view.sink_k, keys.to(dev, torch.float16)], dim=1),
                              sink_v=torch.cat([view.sink_v, values.to(dev, torch.float16)], dim=1),
-                             sink_slot=torch.cat([view.sink_slot, slot], dim=1))
+                             sink_slot=sink_slot)
 
     def _levels(self, dev) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value levels a view decodes with: the codebook, or [C, 2**bits] with channel widths."""
