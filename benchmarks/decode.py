@@ -25,7 +25,16 @@ outliers as in real caches. Speed does not depend on the values otherwise.
 `--step`: the whole per-layer work of one decode step, what a user waits for:
 compress the new token's key and value (quantize, pack, append to the store)
 and attend with the fused kernel, against a `DynamicCache` layer's step
-(concatenate the new key and value, then SDPA) in float32 and bfloat16.
+(concatenate the new key and value, then SDPA) and a `StaticCache` layer's
+(write in place, then SDPA) in float32 and bfloat16. Each timed call follows
+at least `--settle-ms` of untimed calls of the same variant: the `DynamicCache`
+step allocates and frees its whole cache (50 MB at 32K in float32) every call,
+and on this project's VMs a call that starts within about 20 ms of such a free
+runs up to 2.5x slower, whichever variant it is; without the settling that
+cost landed on the variant that happened to come next in the rotation, and the
+fused step at 32K measured 2.3 or 5-8 ms from run to run. Settled, each
+variant is timed in its own steady state (the `DynamicCache` step still pays
+for its own frees, as it does in a model).
 
 `--e2e`: greedy decoding on the default model after a `--prompt`-token BBC
 prompt, decode tokens/s (prefill timed apart) for the compressed cache with
@@ -82,6 +91,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-reference", action="store_true", help="skip the (slow) reference backend")
     p.add_argument("--e2e", action="store_true", help="also time greedy decoding on the default model")
     p.add_argument("--step", action="store_true", help="time whole per-layer decode steps (append + attention)")
+    p.add_argument("--settle-ms", type=float, default=25.0,
+                   help="--step: untimed calls of the same variant for at least this long before each timed call")
     p.add_argument("--model", default=DEFAULT_MODEL)
     p.add_argument("--prompt", type=int, default=8192, help="e2e prompt tokens")
     p.add_argument("--new", type=int, default=32, help="e2e decoded tokens")
@@ -216,6 +227,10 @@ def step_rows(args, recipe) -> list[dict]:
         for r in range(args.rounds):
             for key in keys_[r % len(keys_):] + keys_[: r % len(keys_)]:
                 call, reset = variants[key]
+                settle = time.perf_counter() + args.settle_ms / 1e3  # see the docstring
+                while time.perf_counter() < settle:
+                    call()
+                    reset()
                 t0 = time.perf_counter()
                 call()
                 times[key].append(time.perf_counter() - t0)
@@ -323,7 +338,8 @@ def main(argv=None) -> None:
                                   "append) + decode_attention; static = the new key and value written in place "
                                   "into a cache allocated once (StaticCache, serving engines) + SDPA over it; dense = "
                                   "torch.cat of them onto the layer's cache (DynamicCache) + SDPA; each variant restored to the same length after each "
-                                  "call, outside the timing")
+                                  f"call, outside the timing; each timed call after {args.settle_ms:g} ms of untimed "
+                                  "calls of the same variant")
     if args.e2e:
         payload["e2e"] = e2e_rows(args, recipe)
     payload["machine"]["load_average_end"] = os.getloadavg()
