@@ -223,6 +223,12 @@ class KVSqueezeMetadata(AttentionMetadata):
     memo: dict = field(default_factory=dict)  # what every layer of this step derives alike (`PageLayout.view`)
 
 
+def _decode_rows(x: torch.Tensor, index: torch.Tensor, lead: bool) -> torch.Tensor:
+    """The rows of `x` at `index` (the decode requests', or their tokens'): its first len(index) rows when the
+    decode requests lead the batch, without gathering them."""
+    return x[:index.numel()] if lead else x[index]
+
+
 class KVSqueezeMetadataBuilder(AttentionMetadataBuilder[KVSqueezeMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
@@ -234,20 +240,19 @@ class KVSqueezeMetadataBuilder(AttentionMetadataBuilder[KVSqueezeMetadata]):
         n = m.num_actual_tokens
         qsl = m.query_start_loc_cpu[: m.num_reqs + 1].to(torch.int64)
         lens = m.seq_lens[: m.num_reqs].to("cpu", torch.int64)
+        qlens = qsl.diff()
         if m.positions is not None:
             positions = m.positions[:n].to(torch.int64).clone()
         else:  # token j of request r sits at (seq_len - query_len) + j
-            qlens = qsl.diff()
             starts = torch.repeat_interleave(lens - qlens, qlens)
             offsets = torch.arange(int(qsl[-1])) - torch.repeat_interleave(qsl[:-1], qlens)
             positions = (starts + offsets)[:n].to(m.slot_mapping.device)
         table = m.block_table_tensor[: m.num_reqs]
-        qlens = qsl.diff()
         decode = (qlens == 1).nonzero().flatten()
         nd = decode.numel()
         lead = nd == 0 or int(decode[-1]) == nd - 1
         return KVSqueezeMetadata(n, qsl, lens, table, m.slot_mapping[:n], positions, decode, lead,
-                                 table[:nd] if lead else table[decode], lens[:nd] if lead else lens[decode],
+                                 _decode_rows(table, decode, lead), _decode_rows(lens, decode, lead),
                                  tuple((qlens > 1).nonzero().flatten().tolist()))
 
 
@@ -457,8 +462,8 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             if window is not None:  # each row's last W tokens read exact, as the HF store's window gives them
                 wk, wv = self._read_window(*window, md)
                 view = layout.with_window(view, wk, wv, md.decode_lens, memo=md.memo)
-            rows = None if md.lead else qsl[md.decode]  # decode requests first: their tokens are rows 0 .. D - 1
-            o = decode_attention(q[:nd] if md.lead else q[rows].contiguous(), view, self.rope, self.scale,
+            rows = md.decode if md.lead else qsl[md.decode]  # decode requests first: their tokens are rows 0 .. D - 1
+            o = decode_attention(_decode_rows(q, rows, md.lead).contiguous(), view, self.rope, self.scale,
                                  key_mask=mask, backend=self.config.decode, softcap=self.softcap)
             if md.lead:
                 out[:nd] = o
@@ -502,7 +507,7 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         if hit is None:
             w = self.window
             pos = md.decode_lens.to(torch.int64).view(-1, 1) - w + torch.arange(w).view(1, -1)
-            rows = table[:md.decode.numel()] if md.lead else table[md.decode]
+            rows = _decode_rows(table, md.decode, md.lead)
             page, off = WindowStore.slots(rows.to(pos.device), pos.clamp(min=0), store.shape[1])
             hit = md.memo["window_read"] = (page, off, (pos < 0).view(*pos.shape, 1, 1))
         page, off, before = hit
