@@ -110,6 +110,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "but its last token, handed to every cache (what a long prompt's decode speed needs, at one "
                         "prefill's cost)")
     p.add_argument("--quantized-cache-bits", default="4,2", help="transformers QuantizedCache widths ('' to skip)")
+    p.add_argument("--e2e-baselines", default="DynamicCache,StaticCache",
+                   help="the transformers caches timed beside kvsqueeze's ('' for none)")
     p.add_argument("--json", default=str(Path(__file__).parent / "results" / "decode.json"))
     return p.parse_args(argv)
 
@@ -314,8 +316,13 @@ def e2e_rows(args, recipe) -> list[dict]:
                 cache.update(keys, values, i, {"cache_position": torch.arange(t)})
         return cache, None
 
-    runs = {"DynamicCache": lambda: filled(DynamicCache(config=model.config)),
-            "StaticCache": lambda: filled(StaticCache(config=model.config, max_cache_len=args.prompt + args.new + 1))}
+    baselines = {"DynamicCache": lambda: filled(DynamicCache(config=model.config)),
+                 "StaticCache": lambda: filled(StaticCache(config=model.config,
+                                                           max_cache_len=args.prompt + args.new + 1))}
+    wanted = [b for b in args.e2e_baselines.split(",") if b]
+    if unknown := set(wanted) - set(baselines):
+        raise SystemExit(f"--e2e-baselines: unknown {sorted(unknown)}; choose from {', '.join(baselines)}")
+    runs = {name: baselines[name] for name in wanted}
     for method in args.e2e_methods.split(","):
         def ours(method=method):
             if shared is not None:
@@ -342,10 +349,11 @@ def e2e_rows(args, recipe) -> list[dict]:
         finally:
             if handle is not None:
                 handle.close()
-        reference = reference or tokens
-        same = sum(a == b for a, b in zip(tokens, reference))
+        reference = tokens if name == "DynamicCache" else reference
+        same = {} if reference is None else {
+            "tokens_equal_to_dynamic_cache": f"{sum(a == b for a, b in zip(tokens, reference))}/{len(tokens)}"}
         rows.append({"cache": name, "prompt_tokens": args.prompt, "new_tokens": args.new, "trained_context": trained,
-                     "decode_tokens_per_s": round(tps, 3), "tokens_equal_to_dynamic_cache": f"{same}/{len(tokens)}"}
+                     "decode_tokens_per_s": round(tps, 3)} | same
                     | ({"prefill_s": round(prefill, 2)} if shared is None else
                        {"prefill": f"shared exact prefill of {ids.shape[1] - 1} tokens, {shared_s:.1f} s"}))
         print(rows[-1])
