@@ -159,6 +159,53 @@ def check(q, store: KVStore, rope: Rope, scaling: float, method: str, tokens: in
         raise SystemExit(f"{method} at {tokens} tokens: the numba backend differs from the reference by {err:.3g}")
 
 
+def step_inputs(recipe):
+    """The recipe's model's layer (query heads, KV heads, head_dim), its RoPE and scaling, a query [1, Hq, D]
+    from torch's global generator and a new token's key and value [1, 1, C] from a generator seeded 7."""
+    import argparse
+
+    import torch
+
+    from kvsqueeze.kernels import Rope
+
+    hq, h, d = shape(argparse.Namespace(heads=None, kv_heads=None, head_dim=None), recipe)
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(1, hq, d)
+    k1, v1 = torch.randn(1, 1, h * d, generator=g), torch.randn(1, 1, h * d, generator=g)
+    return hq, h, d, Rope.default(d), d**-0.5, q, k1, v1
+
+
+def decode_step(method: str, recipe, q, k1, v1, rope: Rope, scaling: float, tokens: int, seed: int = 0):
+    """One layer's fused decode step as `decode.py --step` times it, over a `fill_store` of `tokens - 1` tokens:
+    (store, step, reset); `step()` appends the token (k1, v1 [1, 1, C]) and attends with the numba kernel,
+    `reset()` crops the store back. The step's result is checked against the reference before it is returned."""
+    import torch
+
+    from kvsqueeze.cache.positions import PositionLog
+    from kvsqueeze.kernels import decode_attention
+    from kvsqueeze.methods import parse_method
+
+    c, d = k1.shape[-1], q.shape[-1]
+    kq, vq = quantizers(method, recipe, c, seed=seed)
+    store = fill_store(kq, vq, tokens - 1, c, d, parse_method(method).sinks, PositionLog(), seed=seed)
+    pos = torch.full((1, 1), tokens - 1)
+
+    def step():
+        store.append(k1, v1, None, pos)
+        return decode_attention(q, store.view(), rope, scaling, backend="numba")
+
+    def reset():
+        store.crop(tokens - 1)
+
+    got = step()
+    want = decode_attention(q, store.view(), rope, scaling, backend="reference")
+    reset()
+    if not torch.allclose(got, want, atol=2e-5, rtol=1e-4):
+        raise SystemExit(f"{method} step at {tokens} tokens differs from the reference by "
+                         f"{float((got - want).abs().max()):.3g}")
+    return store, step, reset
+
+
 # ---- memory ------------------------------------------------------------------------------------------
 def tensor_bytes(x) -> int:
     """Bytes of a tensor, of a quantized tensor subclass (its inner tensors) or of containers of them."""

@@ -79,7 +79,8 @@ from kvsqueeze.kernels import Rope, decode_attention
 from kvsqueeze.methods import parse_method
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import DEFAULT_RECIPE, check, decode_machine, fill_store, prepare, quantizers, shape  # noqa: E402
+from common import (DEFAULT_RECIPE, check, decode_machine, decode_step, fill_store, prepare, quantizers,  # noqa: E402
+                    shape)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -198,20 +199,8 @@ def step_rows(args, recipe) -> list[dict]:
         k1, v1 = torch.randn(1, 1, c, generator=g), torch.randn(1, 1, c, generator=g)
         variants = {}
         for i, method in enumerate(args.methods.split(",")):
-            kq, vq = quantizers(method, recipe, c, seed=i)
-            store = fill_store(kq, vq, tokens - 1, c, d, parse_method(method).sinks, PositionLog(), seed=i)
-            pos = torch.full((1, 1), tokens - 1)
-
-            def fused(store=store, pos=pos):
-                store.append(k1, v1, None, pos)
-                return decode_attention(q, store.view(), rope, scaling, backend="numba")
-
-            out = fused()  # the fused step, checked against the reference on the same store
-            want = decode_attention(q, store.view(), rope, scaling, backend="reference")
-            if not torch.allclose(out, want, atol=2e-5, rtol=1e-4):
-                raise SystemExit(f"{method} step at {tokens} tokens differs from the reference")
-            store.crop(tokens - 1)
-            variants[(method, "append + numba")] = (fused, lambda store=store: store.crop(tokens - 1))
+            _, fused, reset = decode_step(method, recipe, q, k1, v1, rope, scaling, tokens, seed=i)  # checked
+            variants[(method, "append + numba")] = (fused, reset)
         for dtype in (torch.float32, torch.bfloat16):
             keys = torch.randn(1, h, tokens - 1, d).to(dtype)
             values = torch.randn(1, h, tokens - 1, d).to(dtype)

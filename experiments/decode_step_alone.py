@@ -22,13 +22,11 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import DEFAULT_RECIPE, decode_machine, fill_store, prepare, quantizers, shape  # noqa: E402
+from common import DEFAULT_RECIPE, decode_machine, decode_step, prepare, step_inputs  # noqa: E402
 
-from kvsqueeze.cache.positions import PositionLog  # noqa: E402
-from kvsqueeze.kernels import Rope, decode_attention  # noqa: E402
+from kvsqueeze.kernels import decode_attention  # noqa: E402
 from kvsqueeze.kernels.numba import kernel_inputs  # noqa: E402
 from kvsqueeze.kernels.numba.attend import _attend  # noqa: E402
-from kvsqueeze.methods import parse_method  # noqa: E402
 
 
 def quantiles(xs: list[float]) -> list[float]:
@@ -44,23 +42,12 @@ def main() -> None:
     ap.add_argument("--json", default=str(ROOT / "experiments" / "results" / "decode_step_alone.json"))
     args = ap.parse_args()
     recipe = prepare(2, DEFAULT_RECIPE)
-    hq, h, d = shape(argparse.Namespace(heads=None, kv_heads=None, head_dim=None), recipe)
-    c, tokens = h * d, args.context
-    rope, scaling = Rope.default(d), d**-0.5
-    g = torch.Generator().manual_seed(7)
-    q = torch.randn(1, hq, d)
-    k1, v1 = torch.randn(1, 1, c, generator=g), torch.randn(1, 1, c, generator=g)
+    _, _, _, rope, scaling, q, k1, v1 = step_inputs(recipe)
+    tokens = args.context
     pos = torch.full((1, 1), tokens - 1)
     rows = []
     for i, method in enumerate(args.methods.split(",")):
-        kq, vq = quantizers(method, recipe, c, seed=i)
-        store = fill_store(kq, vq, tokens - 1, c, d, parse_method(method).sinks, PositionLog(), seed=i)
-        store.append(k1, v1, None, pos)  # checked against the reference before any timing
-        got = decode_attention(q, store.view(), rope, scaling, backend="numba")
-        want = decode_attention(q, store.view(), rope, scaling, backend="reference")
-        if not torch.allclose(got, want, atol=2e-5, rtol=1e-4):
-            raise SystemExit(f"{method}: the fused result differs from the reference")
-        store.crop(tokens - 1)
+        store, _, _ = decode_step(method, recipe, q, k1, v1, rope, scaling, tokens, seed=i)  # checked
         parts = {"append": [], "view": [], "decode_attention": [], "whole step": []}
         for _ in range(args.calls):
             t0 = time.perf_counter()

@@ -33,11 +33,7 @@ import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import DEFAULT_RECIPE, decode_machine, fill_store, prepare, quantizers, shape  # noqa: E402
-
-from kvsqueeze.cache.positions import PositionLog  # noqa: E402
-from kvsqueeze.kernels import Rope, decode_attention  # noqa: E402
-from kvsqueeze.methods import parse_method  # noqa: E402
+from common import DEFAULT_RECIPE, decode_machine, decode_step, prepare, step_inputs  # noqa: E402
 
 
 def main() -> None:
@@ -50,20 +46,13 @@ def main() -> None:
     ap.add_argument("--json", default=str(ROOT / "experiments" / "results" / "decode_step_neighbours.json"))
     args = ap.parse_args()
     recipe = prepare(2, DEFAULT_RECIPE)
-    hq, h, d = shape(argparse.Namespace(heads=None, kv_heads=None, head_dim=None), recipe)
-    c, t = h * d, args.context
-    rope, scaling = Rope.default(d), d**-0.5
-    g = torch.Generator().manual_seed(7)
-    q = torch.randn(1, hq, d)
-    k1, v1 = torch.randn(1, 1, c, generator=g), torch.randn(1, 1, c, generator=g)
-    kq, vq = quantizers(args.method, recipe, c, seed=0)
-    store = fill_store(kq, vq, t - 1, c, d, parse_method(args.method).sinks, PositionLog(), seed=0)
-    pos = torch.full((1, 1), t - 1)
+    hq, h, d, rope, scaling, q, k1, v1 = step_inputs(recipe)
+    t = args.context
+    _, step, reset = decode_step(args.method, recipe, q, k1, v1, rope, scaling, t)  # checked
 
     def fused():
-        store.append(k1, v1, None, pos)
-        out = decode_attention(q, store.view(), rope, scaling, backend="numba")
-        store.crop(t - 1)
+        out = step()
+        reset()
         return out
 
     keys, values = torch.randn(1, h, t - 1, d), torch.randn(1, h, t - 1, d)
@@ -85,12 +74,6 @@ def main() -> None:
         "static-float32": lambda: F.scaled_dot_product_attention(qd, k_all, v_all, scale=scaling, enable_gqa=True),
         "nothing": lambda: None,
     }
-    got = fused()  # checked against the reference backend on the same store before any timing
-    store.append(k1, v1, None, pos)
-    want = decode_attention(q, store.view(), rope, scaling, backend="reference")
-    store.crop(t - 1)
-    if not torch.allclose(got, want, atol=2e-5, rtol=1e-4):
-        raise SystemExit("the fused step differs from the reference")
     for _ in range(3):
         fused()
     rows = []

@@ -23,17 +23,13 @@ import time
 from pathlib import Path
 
 import numpy as np
-import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import DEFAULT_RECIPE, decode_machine, fill_store, prepare, quantizers, shape  # noqa: E402
+from common import DEFAULT_RECIPE, decode_machine, decode_step, prepare, step_inputs  # noqa: E402
 
 import kvsqueeze.kernels.numba.attend as A  # noqa: E402
-from kvsqueeze.cache.positions import PositionLog  # noqa: E402
 from kvsqueeze.cache.store import KVStore  # noqa: E402
-from kvsqueeze.kernels import Rope, decode_attention  # noqa: E402
-from kvsqueeze.methods import parse_method  # noqa: E402
 
 PASSES = ("key_scores", "key_outliers", "sink_scores", "row_max", "value_sums", "value_outliers",
           "value_outliers_fixed", "sink_values")
@@ -76,40 +72,26 @@ def main() -> None:
     ap.add_argument("--json", default=str(ROOT / "experiments" / "results" / "decode_step_parts.json"))
     args = ap.parse_args()
     recipe = prepare(2, DEFAULT_RECIPE)
-    hq, h, d = shape(argparse.Namespace(heads=None, kv_heads=None, head_dim=None), recipe)
-    c = h * d
-    rope, scaling = Rope.default(d), d**-0.5
-    g = torch.Generator().manual_seed(7)
-    q = torch.randn(1, hq, d)
-    k1, v1 = torch.randn(1, 1, c, generator=g), torch.randn(1, 1, c, generator=g)
+    _, _, _, rope, scaling, q, k1, v1 = step_inputs(recipe)
     compiled = {"_attend": A._attend, "kernel_inputs": A.kernel_inputs, **{p: getattr(A, p) for p in PASSES}}
     plain = {"append": KVStore.append, "view": KVStore.view}
     rows = []
     for method in args.methods.split(","):
-        kq, vq = quantizers(method, recipe, c, seed=0)
         for t in (int(x) for x in args.contexts.split(",")):
-            store = fill_store(kq, vq, t - 1, c, d, parse_method(method).sinks, PositionLog(), seed=0)
-            pos = torch.full((1, 1), t - 1)
+            _, fused, reset = decode_step(method, recipe, q, k1, v1, rope, scaling, t)  # checked
 
-            def step(store=store, pos=pos, t=t):
-                store.append(k1, v1, None, pos)
-                out = decode_attention(q, store.view(), rope, scaling, backend="numba")
-                store.crop(t - 1)
+            def step(fused=fused, reset=reset):
+                out = fused()
+                reset()
                 return out
 
-            store.append(k1, v1, None, pos)
-            want = decode_attention(q, store.view(), rope, scaling, backend="reference")
-            store.crop(t - 1)
-            if not torch.allclose(step(), want, atol=2e-5, rtol=1e-4):
-                raise SystemExit(f"{method} at {t}: the fused step differs from the reference")
             # the whole step and the Python around the compiled kernel
             t0 = time.perf_counter()
             A._attend, A.kernel_inputs = timed("_attend", compiled["_attend"]), timed("kernel_inputs",
                                                                                       compiled["kernel_inputs"])
             KVStore.append, KVStore.view = timed("append", plain["append"]), timed("view", plain["view"])
-            whole = []
             try:
-                calls = run(lambda: whole.append(timed("step", step)()), args.seconds)
+                calls = run(timed("step", step), args.seconds)
                 parts = {k: round(statistics.median(v), 1) for k, v in TIMES.items()}
             finally:
                 A._attend, A.kernel_inputs = compiled["_attend"], compiled["kernel_inputs"]

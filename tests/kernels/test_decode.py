@@ -666,3 +666,109 @@ def test_the_first_triton_result_of_each_variant_on_a_gpu_is_held_to_the_referen
     monkeypatch.setattr(attend, "_check_first", lambda *a: calls.append(a))
     torch.testing.assert_close(attend.decode_attention(q, kv, rope, 0.25, None), good)
     assert not calls  # checked once per variant
+
+
+# ---- the Triton programs compiled for a GPU, without one ------------------------------------------------
+# The interpreter runs the programs as Python, so it never types them as the GPU compiler does: a program that
+# returns int64 on one path and int32 on another passes every interpreted test and is refused on the first GPU.
+# So every program the backend launches is compiled for an sm_90 GPU here (Triton's front end, LLVM and its
+# bundled ptxas need no GPU), with the argument types and constants of the launches the cases below make.
+TL_TYPES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.int8: "i8",
+            torch.uint8: "u8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.bool: "i1"}
+
+COMPILE_FOR_GPU = r'''
+import json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from kvsqueeze.kernels.triton import attend, encode, passes
+
+gpu_sizes = {"BLOCK_T": attend.BLOCK_T, "BLOCK": attend.SPARSE_BLOCK}  # the interpreter's larger blocks, undone
+failed = []
+for module, name, types, consts in json.load(open(sys.argv[1])):
+    fn = getattr({"passes": passes, "encode": encode}[module], name)
+    consts = {k: gpu_sizes.get(k, v) if module == "passes" else v for k, v in consts}
+    constexpr = {p.name for p in fn.params if p.is_constexpr}
+    signature = dict(zip(fn.arg_names, types))
+    signature.update({k: "constexpr" for k in consts})
+    assert set(signature) == set(fn.arg_names) and set(consts) == constexpr, (name, signature, consts)
+    try:
+        triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=GPUTarget("cuda", 90, 32))
+    except Exception as exc:  # every failure is reported, not only the first
+        failed.append(f"{name} {types} {consts}: {type(exc).__name__}: {str(exc)[-600:]}")
+print(json.dumps(failed))
+'''
+
+
+def _tl_type(x) -> str:
+    if isinstance(x, torch.Tensor):
+        return "*" + TL_TYPES[x.dtype]
+    if isinstance(x, bool):
+        return "i1"
+    if isinstance(x, int):
+        return "i32" if -2**31 <= x < 2**31 else "i64"
+    if isinstance(x, float):
+        return "fp32"
+    raise TypeError(f"a launch argument of type {type(x).__name__}")
+
+
+def _launched(source: str) -> set[str]:
+    """The programs a module launches from Python (`name[grid](...)`)."""
+    import re
+
+    return set(re.findall(r"(\w+)\[\(", source))
+
+
+def test_every_triton_program_compiles_for_a_gpu(monkeypatch, tmp_path):
+    import inspect
+    import json
+    import subprocess
+    import sys
+
+    from kvsqueeze.kernels.triton import attend, encode, passes
+
+    launches = set()
+
+    class Recorder:
+        def __init__(self, module: str, name: str, program):
+            self.module, self.name, self.program = module, name, program
+
+        def __getitem__(self, grid):
+            launch = self.program[grid]
+
+            def run(*args, **kwargs):
+                launches.add((self.module, self.name, tuple(_tl_type(a) for a in args), tuple(sorted(kwargs.items()))))
+                return launch(*args, **kwargs)
+            return run
+
+    programs = {("passes", n) for n in _launched(inspect.getsource(attend))} | {
+        ("encode", n) for n in _launched(inspect.getsource(encode))}
+    for module, name in programs:
+        owner = {"passes": passes, "encode": encode}[module]
+        monkeypatch.setattr(owner, name, Recorder(module, name, getattr(owner, name)))
+    g = torch.Generator().manual_seed(3)
+    stores = [make_store(40, 2, 2, 64, bits, 0.02, 1, seed=bits) for bits in (2, 3, 4)]
+    stores += [make_store(33, 1, 2, 80, 3, 0.0, 0), make_mixed_store(17, 2, 3, 64, 0.01, 2)[0]]
+    for store in stores:
+        kv = view_of(store)
+        b, d = kv.k_codes.shape[1], kv.head_dim
+        q = torch.randn(b, kv.heads * 3, d, generator=g)
+        for variant in [kv, *outlier_variants(kv)]:
+            decode_attention(q, variant, Rope.default(d), d**-0.5, backend=Backend.TRITON)
+        decode_attention(q, kv, Rope(Rope.default(d // 2).inv_freq), d**-0.5, backend=Backend.TRITON,
+                         key_mask=torch.rand(b, kv.tokens, generator=g) > 0.2, softcap=30.0,
+                         sink_logits=torch.randn(kv.heads * 3, generator=g))
+    c = 2 * 64
+    keys, values = random_kv(2, 20, c, g)
+    for fraction in (0.0, 0.02):
+        store = KVStore(*make_quantizers(keys.reshape(-1, c), 3, fraction), c, 1, head_dim=64, encoder="triton")
+        store.append(keys, values)
+    assert {(m, n) for m, n, _, _ in launches} == programs  # every program, in at least one variant
+    records = tmp_path / "launches.json"
+    records.write_text(json.dumps(sorted([m, n, list(t), [list(kv) for kv in c]] for m, n, t, c in launches)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", COMPILE_FOR_GPU, str(records)], env=env, capture_output=True,
+                          text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    failed = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not failed, "\n".join(failed)
