@@ -48,6 +48,37 @@ def test_growable_appends_are_amortized():
         buf.append(torch.zeros(1, 4))
 
 
+def test_growable_host_rows_write_into_the_allocation_in_use_and_never_into_an_old_or_copied_one():
+    """`host_rows` is where the numba encoder writes a decode step's codes: after a reallocation, a replace, a
+    conversion or a clear, and in a copy, its rows must be the allocation's now, not those it viewed before."""
+    for dtype, bits in ((torch.int32, np.int32), (torch.float16, np.int16)):
+        buf = GrowableTensor((2,), dtype)
+        for i in range(40):  # crosses reallocations at 16 and 32 rows
+            buf.extend(1)
+            rows = buf.host_rows(i, i + 1)
+            assert rows.dtype == bits
+            rows[:] = np.array([[i, i + 1]], dtype=np.int16).view(bits) if bits is np.int16 else [[i, i + 1]]
+        want = torch.arange(40).view(-1, 1) + torch.arange(2)
+        got = buf.view().view(torch.int16) if dtype == torch.float16 else buf.view()
+        assert torch.equal(got.long(), want)
+        twin = copy.deepcopy(buf)
+        twin.host_rows(0, 1)[:] = 0  # the copy's own allocation
+        assert not twin.view()[0].any()
+        assert torch.equal((buf.view().view(torch.int16) if dtype == torch.float16 else buf.view()).long(), want)
+        for edit in (lambda: buf.replace(buf.view().clone()), buf.clear):
+            edit()
+            buf.extend(1)
+            buf.host_rows(0, 1)[:] = 7
+            assert torch.equal(buf.view()[:1], torch.full((1, 2), 7, dtype=torch.int16).view(dtype)
+                               if dtype == torch.float16 else torch.full((1, 2), 7, dtype=dtype))
+    wide = GrowableTensor((), torch.int32)
+    wide.extend(3)
+    wide.host_rows(0, 3)[:] = [1, 2, 3]
+    wide.astype(torch.int64)
+    wide.host_rows(0, 1)[:] = 2**40  # written into the int64 allocation
+    assert wide.view().tolist() == [2**40, 2, 3]
+
+
 def test_growable_storage_stays_until_a_reallocation_and_holds_the_rows():
     """`storage` is what the store's views hand the kernels: the same tensor while appends fit."""
     buf = GrowableTensor((2,), torch.int16)

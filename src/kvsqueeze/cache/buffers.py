@@ -9,6 +9,7 @@ what is allocated (the slack is at most the size in use, plus a small minimum).
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 MIN_ROWS = 16  # first allocation; small enough that an empty cache costs nothing worth reporting
@@ -28,6 +29,7 @@ class GrowableTensor:
         self.device = torch.device(device)
         self._data = torch.empty((0, *self.row_shape), dtype=dtype, device=self.device)
         self.length = 0
+        self._host: np.ndarray | None = None  # the allocation's numpy view (`host_rows`), until it changes
 
     def __len__(self) -> int:
         return self.length
@@ -41,6 +43,17 @@ class GrowableTensor:
         """The whole allocation, [capacity, *row_shape]: its first `length` rows are in use. It stays the same
         tensor until an append outgrows it (or `replace` / `astype` / `clear`)."""
         return self._data
+
+    def __getstate__(self) -> dict:  # a copy makes its own view of its own allocation
+        return {**self.__dict__, "_host": None}
+
+    def host_rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows [start, stop) of a CPU allocation as a numpy view, for a compiled encoder to write in place
+        (16-bit floats as their int16 bits). The view of the allocation is made once, not on every call."""
+        if self._host is None:
+            data = self._data.view(torch.int16) if self._data.dtype in (torch.float16, torch.bfloat16) else self._data
+            self._host = data.numpy()
+        return self._host[start:stop]
 
     def append(self, rows: torch.Tensor) -> None:
         """Append rows [n, *row_shape] (cast to this buffer's dtype)."""
@@ -56,7 +69,7 @@ class GrowableTensor:
             grown = torch.empty((max(rows, 2 * self._data.shape[0], MIN_ROWS), *self.row_shape),
                                 dtype=self.dtype, device=self.device)
             grown[: self.length] = self._data[: self.length]
-            self._data = grown
+            self._data, self._host = grown, None
 
     def extend(self, n: int) -> torch.Tensor:
         """Take n more rows in use, unwritten, and return the storage (for writes at offsets the device holds)."""
@@ -82,17 +95,17 @@ class GrowableTensor:
     def replace(self, rows: torch.Tensor) -> None:
         """Make `rows` [n, *row_shape'] the whole content (after a batch gather, the row shape may change)."""
         self.row_shape = tuple(rows.shape[1:])
-        self._data = rows.to(self.dtype).contiguous()
+        self._data, self._host = rows.to(self.dtype).contiguous(), None
         self.length = rows.shape[0]
 
     def astype(self, dtype: torch.dtype) -> None:
         """Convert the storage to a wider dtype (pointer arrays outgrowing int32)."""
         self.dtype = dtype
-        self._data = self._data.to(dtype)
+        self._data, self._host = self._data.to(dtype), None
 
     def clear(self) -> None:
         """Drop everything, capacity included."""
-        self._data = torch.empty((0, *self.row_shape), dtype=self.dtype, device=self.device)
+        self._data, self._host = torch.empty((0, *self.row_shape), dtype=self.dtype, device=self.device), None
         self.length = 0
 
     @property

@@ -144,10 +144,11 @@ class TokenOutliers:
         pointers = None
         if self.fixed is None:
             at = len(self.pointers)
-            pointers = self.pointers.extend(tokens)[at: at + tokens].numpy()
-        channels = self.channels.extend(entries)[base: base + entries].numpy()
-        values = self.values.extend(entries)[base: base + entries].view(torch.int16).numpy()
-        return pointers, channels, values, base
+            self.pointers.extend(tokens)
+            pointers = self.pointers.host_rows(at, at + tokens)
+        self.channels.extend(entries)
+        self.values.extend(entries)
+        return pointers, self.channels.host_rows(base, base + entries), self.values.host_rows(base, base + entries), base
 
     def commit(self, tokens: int, base: int, entries: int) -> None:
         """End a `reserve` that returned `base`: the new tokens hold the first `entries` entries of its room."""
