@@ -342,10 +342,10 @@ def e2e_rows(args, recipe) -> list[dict]:
         same = {} if reference is None else {
             "tokens_equal_to_dynamic_cache": f"{sum(a == b for a, b in zip(tokens, reference))}/{len(tokens)}"}
         rows.append({"cache": name, "prompt_tokens": args.prompt, "new_tokens": args.new, "trained_context": trained,
-                     "decode_tokens_per_s": round(tps, 3)} | same
+                     "decode_tokens_per_s": round(tps, 3), "tokens": tokens} | same
                     | ({"prefill_s": round(prefill, 2)} if shared is None else
                        {"prefill": f"shared exact prefill of {ids.shape[1] - 1} tokens, {shared_s:.1f} s"}))
-        print(rows[-1])
+        print({k: v for k, v in rows[-1].items() if k != "tokens"})
     return rows
 
 
