@@ -365,6 +365,7 @@ def main(argv=None) -> None:
     if args.step:
         payload["steps"] = step_rows(args, recipe)
         payload["step_ratios"] = step_ratios(payload["steps"])
+        payload["settle_ms"] = args.settle_ms
         payload["step_timing"] = ("one layer's decode step: fused = store.append of the new token (quantize, pack, "
                                   "append) + decode_attention; static = the new key and value written in place "
                                   "into a cache allocated once (StaticCache, serving engines) + SDPA over it; dense = "

@@ -26,7 +26,7 @@ def test_the_step_rows_time_every_variant_after_settling(tmp_path):
     assert {r["method"] for r in data["steps"]} == {"nuq3-1%", "dense-float32", "static-float32", "dense-bfloat16",
                                                     "static-bfloat16"}
     assert all(r["repeats"] == 2 and r["median_ms"] > 0 for r in data["steps"])
-    assert "after 1 ms of untimed calls" in data["step_timing"]
+    assert "after 1 ms of untimed calls" in data["step_timing"] and data["settle_ms"] == 1
 
 
 def test_a_shared_prefill_fills_every_cache_and_the_static_one_decodes_as_the_dynamic_one(tiny_model_dir,
