@@ -54,8 +54,7 @@ def test_growable_host_rows_write_into_the_allocation_in_use_and_never_into_an_o
     for dtype, bits in ((torch.int32, np.int32), (torch.float16, np.int16)):
         buf = GrowableTensor((2,), dtype)
         for i in range(40):  # crosses reallocations at 16 and 32 rows
-            buf.extend(1)
-            rows = buf.host_rows(i, i + 1)
+            rows = buf.extend_host(1)  # the row it takes, i
             assert rows.dtype == bits
             rows[:] = np.array([[i, i + 1]], dtype=np.int16).view(bits) if bits is np.int16 else [[i, i + 1]]
         want = torch.arange(40).view(-1, 1) + torch.arange(2)

@@ -51,9 +51,17 @@ class GrowableTensor:
         """Rows [start, stop) of a CPU allocation as a numpy view, for a compiled encoder to write in place
         (16-bit floats as their int16 bits). The view of the allocation is made once, not on every call."""
         if self._host is None:
+            if self.device.type != "cpu":
+                raise ValueError(f"host_rows: numpy views are of CPU allocations, this one is on {self.device}")
             data = self._data.view(torch.int16) if self._data.dtype in (torch.float16, torch.bfloat16) else self._data
             self._host = data.numpy()
         return self._host[start:stop]
+
+    def extend_host(self, n: int) -> np.ndarray:
+        """Take n more rows in use, unwritten, and return them as a numpy view (`host_rows`) to write in place."""
+        start = self.length
+        self.extend(n)
+        return self.host_rows(start, start + n)
 
     def append(self, rows: torch.Tensor) -> None:
         """Append rows [n, *row_shape] (cast to this buffer's dtype)."""

@@ -141,14 +141,8 @@ class TokenOutliers:
         base = len(self.values)
         if base + entries > _INT32_MAX and self.pointers.dtype == torch.int32:
             self.pointers.astype(torch.int64)
-        pointers = None
-        if self.fixed is None:
-            at = len(self.pointers)
-            self.pointers.extend(tokens)
-            pointers = self.pointers.host_rows(at, at + tokens)
-        self.channels.extend(entries)
-        self.values.extend(entries)
-        return pointers, self.channels.host_rows(base, base + entries), self.values.host_rows(base, base + entries), base
+        pointers = None if self.fixed is not None else self.pointers.extend_host(tokens)
+        return pointers, self.channels.extend_host(entries), self.values.extend_host(entries), base
 
     def commit(self, tokens: int, base: int, entries: int) -> None:
         """End a `reserve` that returned `base`: the new tokens hold the first `entries` entries of its room."""

@@ -274,11 +274,9 @@ class KVStore:
                          self.sinks, self.window, self.window_taken.numpy(), start,
                          self.sink_k.view(torch.int16).numpy(), self.sink_v.view(torch.int16).numpy(),
                          self.sink_slot.numpy())
-        for buf in (self.k_codes, self.v_codes, self.v_scale_zero):
-            buf.extend(t)
-        k_words = self.k_codes.host_rows(start, start + t).reshape(n, -1).view(np.uint32)
-        v_words = self.v_codes.host_rows(start, start + t).reshape(n, -1).view(np.uint32)
-        v_sz = self.v_scale_zero.host_rows(start, start + t).reshape(n, 2)  # fp16 bits
+        k_words = self.k_codes.extend_host(t).reshape(n, -1).view(np.uint32)
+        v_words = self.v_codes.extend_host(t).reshape(n, -1).view(np.uint32)
+        v_sz = self.v_scale_zero.extend_host(t).reshape(n, 2)  # fp16 bits
         ko, vo = self.k_outliers, self.v_outliers
         none16 = np.empty(0, np.int16)
         k_ptr, k_chan, k_val, k_base = ko.reserve(n, n * c) if ko is not None else (
