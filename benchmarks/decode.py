@@ -29,9 +29,10 @@ and attend with the fused kernel, against a `DynamicCache` layer's step
 (write in place, then SDPA) in float32 and bfloat16. Each timed call follows
 at least `--settle-ms` of untimed calls of the same variant: the `DynamicCache`
 step allocates and frees its whole cache (50 MB at 32K in float32) every call,
-and on this project's VMs a call that starts within about 20 ms of such a free
-runs up to 2.5x slower, whichever variant it is; without the settling that
-cost landed on the variant that happened to come next in the rotation, and the
+and on this project's VMs the first call after such a free runs about 3.5 ms
+slower at 32K, whichever variant it is (idle time in between does not help;
+`experiments/decode_step_neighbours.py`); without the settling that cost
+landed on the variant that happened to come next in the rotation, and the
 fused step at 32K measured 2.3 or 5-8 ms from run to run. Settled, each
 variant is timed in its own steady state (the `DynamicCache` step still pays
 for its own frees, as it does in a model).
