@@ -115,8 +115,9 @@ def quantizers(method: str, recipe, channels: int, seed: int = 0) -> tuple[Vecto
 
 
 def fill_store(kq: VectorQuantizer, vq: VectorQuantizer, tokens: int, channels: int, head_dim: int, sinks: int,
-               positions: PositionLog, seed: int = 0, chunk: int = 8192) -> KVStore:
-    """A one-row store of `tokens` heavy-tailed tokens whose keys fit the key quantizer's channel ranges."""
+               positions: PositionLog, seed: int = 0, chunk: int = 8192, batch: int = 1) -> KVStore:
+    """A store of `batch` rows (default one) of `tokens` heavy-tailed tokens whose keys fit the key quantizer's
+    channel ranges."""
     import torch
 
     from kvsqueeze.cache.store import KVStore
@@ -128,8 +129,8 @@ def fill_store(kq: VectorQuantizer, vq: VectorQuantizer, tokens: int, channels: 
     for start in range(0, tokens, chunk):
         n = min(chunk, tokens - start)
         torch.manual_seed(seed + start)
-        keys = center + half * tdist.sample((1, n, channels)) / TAIL_Q99
-        values = tdist.sample((1, n, channels)) * (0.5 + torch.rand(channels, generator=g))
+        keys = center + half * tdist.sample((batch, n, channels)) / TAIL_Q99
+        values = tdist.sample((batch, n, channels)) * (0.5 + torch.rand(channels, generator=g))
         store.append(keys.float(), values.float())
     return store
 

@@ -6,7 +6,8 @@ zero-points, thresholds and codebook; values per token, with the scale,
 zero-point and top-k outliers of each new token computed online. Encoding is
 `quantizer.VectorQuantizer.encode`, decoding is `affine.dequantize` (through
 `kernels.reference.dequantize_view`): the very functions of the simulated
-path, so the store reproduces it exactly.
+path, so the store reproduces it exactly. On the CPU `kernels.dequantize_view`
+runs numba's compiled version of that reconstruction, equal bit for bit.
 
 Layout, token-major (a slot is one token of one batch row; slot n = t * B + b):
 
@@ -56,7 +57,7 @@ import torch
 
 from ..numerics.affine import choose_qparams
 from ..methods.budget import check_widths
-from ..kernels.reference import dequantize_view
+from ..kernels.api import dequantize_view
 from ..kernels.view import Outliers, StoreView
 from ..numerics.packing import OUTLIER_CODE, code_offsets, mixed_words, pack_codes, pack_mixed, words_per_vector
 from ..numerics.quantizer import VectorQuantizer

@@ -58,6 +58,14 @@ def _load(backend: Backend) -> Callable:
     return importlib.import_module(_MODULES[backend], __package__).decode_attention
 
 
+@functools.cache
+def _dequantizer(device_type: str) -> Callable:
+    """The fastest `dequantize_view` that loads for a device type: numba's on the CPU, else the reference's."""
+    backend = resolve_backend(Backend.AUTO, device_type)
+    module = importlib.import_module(_MODULES[backend], __package__)
+    return getattr(module, "dequantize_view", None) or importlib.import_module(".reference", __package__).dequantize_view
+
+
 def _runs_on(backend: Backend, device_type: str) -> bool:
     return _devices(backend) is None or device_type in _devices(backend)
 
@@ -179,3 +187,11 @@ def decode_attention(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
     if softcap is not None and not softcap > 0:
         raise ValueError(f"decode_attention: softcap must be positive (None: no cap), got {softcap}")
     return impl(q.contiguous(), kv, rope, float(scaling), key_mask, softcap, sink_logits)
+
+
+def dequantize_view(kv: StoreView) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys (pre-RoPE) and values of every slot of a compressed cache, float32 [T, B, C] each, as
+    `kernels.reference.dequantize_view` reconstructs them (level[code] * scale + zero, outliers in place, sinks
+    whole), by the fastest backend that has this op for the view's device: numba's compiled pass on the CPU
+    (equal to the reference bit for bit, which the tests hold it to), the reference elsewhere."""
+    return _dequantizer(kv.device.type)(kv)
