@@ -1,6 +1,8 @@
 """What reading a whole compressed cache back costs, with torch's ops (the reference) and with numba's compiled
 pass: the read a forward of several tokens makes of every layer (a long-context question, a prefill chunk after
-the first).
+the first). And what filling it costs: one prompt appended in one call (its sinks, then the rest), with the
+torch ops (`encoder="torch"`) and with the CPU's default (the sinks through torch, the rest in one numba call);
+the two stores are checked equal array by array.
 
 The stores are `benchmarks/decode.py --step`'s (synthetic heavy-tailed keys and values, the recipe's middle
 layer, SmolLM2-135M's layer shape), with `--rows` batch rows each; both results are checked equal bit for bit
@@ -26,6 +28,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import DEFAULT_RECIPE, decode_machine, fill_store, prepare, quantizers, step_inputs  # noqa: E402
 
 from kvsqueeze.cache.positions import PositionLog  # noqa: E402
+from kvsqueeze.cache.store import KVStore  # noqa: E402
 from kvsqueeze.kernels.numba.dequant import dequantize_view as compiled  # noqa: E402
 from kvsqueeze.kernels.reference import dequantize_view as reference  # noqa: E402
 from kvsqueeze.methods import parse_method  # noqa: E402
@@ -64,8 +67,25 @@ def main() -> None:
                         raise SystemExit(f"{method} at {t} tokens x {batch} rows: numba differs from the reference")
                 ref_ms, fast_ms = median_ms(lambda: reference(view), args.repeats), median_ms(lambda: compiled(view),
                                                                                            args.repeats)
+                fill = {}
+                if batch == 1:
+                    keys, values = (x.transpose(0, 1).contiguous() for x in store.dequantize())  # [1, T, C]
+                    for encoder in ("torch", "auto"):
+                        def append(encoder=encoder):
+                            s = KVStore(kq, vq, c, parse_method(method).sinks, head_dim=d, positions=PositionLog(),
+                                        encoder=encoder)
+                            s.append(keys, values)
+                            return s
+                        fill[encoder] = median_ms(append, max(1, args.repeats // 2))
+                        made = append()
+                        if encoder == "torch":
+                            plain = made
+                    for got, want in zip(made.dequantize(), plain.dequantize()):
+                        if not torch.equal(got, want):
+                            raise SystemExit(f"{method} at {t} tokens: the two encoders' stores differ")
                 rows.append({"method": method, "context": t, "rows": batch, "reference_ms": ref_ms, "numba_ms": fast_ms,
-                             "speedup": round(ref_ms / fast_ms, 1)})
+                             "speedup": round(ref_ms / fast_ms, 1),
+                             **({"append_torch_ms": fill["torch"], "append_numba_ms": fill["auto"]} if fill else {})})
                 print(json.dumps(rows[-1]), flush=True)
     out = {"machine": decode_machine(), "threads": torch.get_num_threads(),
            "store": "benchmarks/decode.py's synthetic store, the recipe's middle layer (SmolLM2-135M: 3 KV heads x 64)",

@@ -514,3 +514,35 @@ def test_store_views_share_one_memo_until_an_allocation_changes():
     assert kept > 20 and grown >= 2  # most steps append into spare capacity; some reallocate
     store.gather_rows(torch.tensor([1, 0]))  # a batch edit replaces the arrays too
     assert "derived" not in store.view().memo
+
+
+@pytest.mark.parametrize("c, bits, fraction, sinks, window, widths", [
+    (32, 3, 0.05, 1, 0, False), (80, 4, 0.05, 2, 3, False), (130, 3, 0.02, 3, 0, True), (192, 3, 0.01, 1, 32, True),
+])
+def test_a_prompt_after_its_sinks_goes_through_the_numba_encoder(c, bits, fraction, sinks, window, widths,
+                                                                   monkeypatch):
+    """A first forward without padding: its sinks through the torch ops, every later token of it in one numba
+    call, the same bits as the torch path's whole prompt; a prompt no longer than its sinks stays with torch."""
+    kq, vq = _quantizers(c, bits, fraction, "vector")
+    if widths:
+        g = torch.Generator().manual_seed(c)
+        books = {w: uniform_levels(w) if w == 1 else normal_float_levels(w) for w in range(1, 7)}
+        kq, vq = (dataclasses.replace(q, widths=torch.randint(1, 7, (c,), generator=g), codebooks=books,
+                                      levels=books[6]) for q in (kq, vq))
+    encoded = []
+    original = KVStore._append_numba
+    monkeypatch.setattr(KVStore, "_append_numba", lambda self, k, v, t, b: encoded.append(t) or original(self, k, v, t, b))
+    for n in (40, sinks):
+        stores = [KVStore(kq, vq, c, sinks, encoder=enc, window=window) for enc in ("torch", "numba")]
+        encoded.clear()
+        k, v = _tokens(2, n, c, 7 + n)
+        pos = torch.arange(5, 5 + n).expand(2, n)
+        for store in stores:
+            store.append(k, v, None, pos)
+        assert encoded == ([n - sinks] if n > sinks else [])
+        got, want = _store_arrays(stores[1]), _store_arrays(stores[0])
+        for name in want:
+            assert torch.equal(got[name], want[name]), (n, name)
+        assert torch.equal(stores[1].positions.view(), stores[0].positions.view())
+        for a, b in zip(stores[1].dequantize(), stores[0].dequantize()):
+            assert torch.equal(a, b)

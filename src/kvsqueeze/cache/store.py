@@ -196,6 +196,15 @@ class KVStore:
             self._allocate(b)
         if b != self.batch or c != self.channels:
             raise ValueError(f"appending [B={b}, C={c}] to a cache of batch {self.batch} and {self.channels} channels")
+        if self.encoder == "numba" and self.sinks and t > 1 and (real is None or bool(real.all())):
+            # a prompt's first tokens are its sinks: those through the torch ops, the rest in one numba call
+            taken = int(self.sinks_taken.min())
+            first = self.sinks - taken
+            if 0 < first < t and int(self.sinks_taken.max()) == taken:
+                cut = None if positions is None else positions[:, :first]
+                self.append(keys[:, :first], values[:, :first], None, cut)
+                self.append(keys[:, first:], values[:, first:], None, None if positions is None else positions[:, first:])
+                return
         start = self.tokens
         if positions is None:
             positions = torch.arange(start, start + t, device=keys.device).expand(b, t)
@@ -265,7 +274,7 @@ class KVStore:
     def _append_numba(self, keys: torch.Tensor, values: torch.Tensor, t: int, b: int) -> None:
         """`append`'s encoding of real tokens that are no sinks, in one numba call writing the arrays in place
         (`kernels.numba.encode`); the same bits as the torch ops."""
-        from ..kernels.numba.encode import encode_append, write_window
+        from ..kernels.numba.encode import PARALLEL_SLOTS, encode_append, encode_append_parallel, write_window
 
         n, c, start = t * b, self.channels, self.tokens
         xk = keys.detach().float().transpose(0, 1).reshape(n, c).contiguous()  # [T*B, C], slot order
@@ -285,8 +294,9 @@ class KVStore:
         side = self.v_fixed // 2 if vo is not None else 0
         _, v_chan, v_val, v_base = vo.reserve(n, n * 2 * side) if vo is not None else (None, none16, none16, 0)
         tab = self._numba_tables
-        written = encode_append(xk.numpy(), xv.numpy(), *tab, k_words, v_words, v_sz, ko is not None, k_ptr,
-                                k_base, k_chan, k_val, side, v_chan, v_val)
+        encode = encode_append_parallel if n >= PARALLEL_SLOTS else encode_append  # a decode step: no threads
+        written = encode(xk.numpy(), xv.numpy(), *tab, k_words, v_words, v_sz, ko is not None, k_ptr, k_base, k_chan,
+                         k_val, side, v_chan, v_val)
         if ko is not None:
             ko.commit(n, k_base, written)
         if vo is not None:

@@ -1,4 +1,5 @@
-"""Quantize-and-pack of new tokens on the CPU, in one numba call per append (what a decode step appends).
+"""Quantize-and-pack of new tokens on the CPU, in one numba call per append: a decode step's token one slot after
+the other (`encode_append`), a prompt's or a prefill chunk's slots in parallel (`encode_append_parallel`).
 
 What `KVStore.append` does with torch ops for a token that is no sink (`quantizer.VectorQuantizer.encode`,
 `packing.pack_codes` / `pack_mixed`, `sparse.TokenOutliers`), fused and written straight into the store's
@@ -24,7 +25,7 @@ from __future__ import annotations
 import math
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 _MIN_SCALE = np.float32(1e-6)  # affine._MIN_SCALE as float32
 _HALF = np.float32(0.5)
@@ -92,7 +93,7 @@ def _put(words, n, offs, c, code):
 @njit(cache=True)
 def encode_append(xk, xv, k_lo, k_hi, k_scale, k_zero, k_mids, k_count, k_offs, v_mids, v_count, v_offs,
                   k_words, v_words, v_sz, k_outliers, k_ptr, k_base, k_chan, k_val, v_side, v_chan, v_val):
-    """Encode N slots (no sinks) into the store's arrays; returns the key outliers written.
+    """Encode N slots (no sinks) into the store's arrays, one after the other; returns the key outliers written.
 
     xk, xv float32 [N, C]; k_lo, k_hi, k_scale, k_zero float32 [C] (scale and zero fp16-exact); *_mids float32
     [C, M] (each channel's codebook midpoints, its first *_count[c] in use); *_offs int64 [C + 1] stream bit
@@ -101,66 +102,109 @@ def encode_append(xk, xv, k_lo, k_hi, k_scale, k_zero, k_mids, k_count, k_offs, 
     `k_base`; k_chan int16 and k_val int16 (fp16 bits) [>= N * C] get the entries. Value outliers (`v_side` per
     side): v_chan, v_val int16 [N * 2 * v_side].
     """
-    n_slots, c_all = xk.shape
+    taken = np.zeros(xk.shape[1], np.bool_)
     nnz = 0
-    taken = np.zeros(c_all, np.bool_)
-    for n in range(n_slots):
-        # keys
-        for i in range(k_words.shape[1]):
-            k_words[n, i] = 0
-        for c in range(c_all):
-            x = xk[n, c]
-            if k_outliers and (x < k_lo[c] or x > k_hi[c]):
-                k_chan[nnz] = np.int16(c - 65536 if c >= 32768 else c)
-                k_val[nnz] = _f16_bits(x)
-                nnz += 1
-                continue  # OUTLIER_CODE is 0: nothing to OR in
-            _put(k_words, n, k_offs, c, _code((x - k_zero[c]) / k_scale[c], k_mids, c, k_count[c]))
+    for n in range(xk.shape[0]):
+        nnz += _encode_slot(n, nnz, taken, xk, xv, k_lo, k_hi, k_scale, k_zero, k_mids, k_count, k_offs, v_mids,
+                            v_count, v_offs, k_words, v_words, v_sz, k_outliers, k_chan, k_val, v_side, v_chan, v_val)
         if k_outliers:
             k_ptr[n] = k_base + nnz
-        # values: the v_side largest and smallest elements are exact, the next ones bound the range
-        for c in range(c_all):
-            taken[c] = False
-        for _ in range(v_side):
-            best = -1
-            for c in range(c_all):
-                if not taken[c] and (best < 0 or xv[n, c] > xv[n, best]):
-                    best = c
-            taken[best] = True
-        hi = -np.inf
-        for c in range(c_all):
-            if not taken[c] and xv[n, c] > hi:
-                hi = xv[n, c]
-        for _ in range(v_side):
-            best = -1
-            for c in range(c_all):
-                if not taken[c] and (best < 0 or xv[n, c] < xv[n, best]):
-                    best = c
-            taken[best] = True
-        lo = np.inf
-        for c in range(c_all):
-            if not taken[c] and xv[n, c] < lo:
-                lo = xv[n, c]
-        hi32, lo32 = np.float32(hi), np.float32(lo)
-        zero = np.float32(_f16_round(np.float32((hi32 + lo32) * _HALF)))
-        half = np.float32((hi32 - lo32) * _HALF)
-        scale = np.float32(_f16_round(half if half > _MIN_SCALE else _MIN_SCALE))
-        if scale < _MIN_SCALE:
-            scale = _MIN_SCALE
-        v_sz[n, 0] = _f16_bits(scale)
-        v_sz[n, 1] = _f16_bits(zero)
-        for i in range(v_words.shape[1]):
-            v_words[n, i] = 0
-        e = n * 2 * v_side
-        for c in range(c_all):
-            x = xv[n, c]
-            if taken[c]:
-                v_chan[e] = np.int16(c - 65536 if c >= 32768 else c)
-                v_val[e] = _f16_bits(x)
-                e += 1
-                continue
-            _put(v_words, n, v_offs, c, _code((x - zero) / scale, v_mids, c, v_count[c]))
     return nnz
+
+
+PARALLEL_SLOTS = 64  # from this many slots (a prompt, a prefill chunk) `encode_append_parallel` pays for its threads
+_SLOT_BLOCK = 16  # slots per work item of the parallel encoder
+
+
+@njit(parallel=True, cache=True)
+def encode_append_parallel(xk, xv, k_lo, k_hi, k_scale, k_zero, k_mids, k_count, k_offs, v_mids, v_count, v_offs,
+                           k_words, v_words, v_sz, k_outliers, k_ptr, k_base, k_chan, k_val, v_side, v_chan, v_val):
+    """`encode_append` over the slots in parallel, the same arrays written: each slot's key outliers counted first
+    (a comparison per element), their running count taken, then every slot encoded where its entries begin."""
+    n_slots, c_all = xk.shape
+    ends = np.zeros(n_slots, np.int64)
+    if k_outliers:
+        for n in prange(n_slots):
+            count = 0
+            for c in range(c_all):
+                x = xk[n, c]
+                if x < k_lo[c] or x > k_hi[c]:
+                    count += 1
+            ends[n] = count
+        for n in range(1, n_slots):
+            ends[n] += ends[n - 1]
+    for item in prange((n_slots + _SLOT_BLOCK - 1) // _SLOT_BLOCK):
+        taken = np.zeros(c_all, np.bool_)
+        for n in range(item * _SLOT_BLOCK, min(n_slots, (item + 1) * _SLOT_BLOCK)):
+            first = ends[n - 1] if n > 0 else 0
+            _encode_slot(n, first, taken, xk, xv, k_lo, k_hi, k_scale, k_zero, k_mids, k_count, k_offs, v_mids,
+                         v_count, v_offs, k_words, v_words, v_sz, k_outliers, k_chan, k_val, v_side, v_chan, v_val)
+            if k_outliers:
+                k_ptr[n] = k_base + ends[n]
+    return ends[n_slots - 1] if n_slots else 0
+
+
+@njit(cache=True, inline="always")
+def _encode_slot(n, at, taken, xk, xv, k_lo, k_hi, k_scale, k_zero, k_mids, k_count, k_offs, v_mids, v_count,
+                 v_offs, k_words, v_words, v_sz, k_outliers, k_chan, k_val, v_side, v_chan, v_val):
+    """Slot n: its key codes and key outliers (written from entry `at`), its value codes, scale, zero-point and
+    value outliers; returns how many key outliers it wrote. taken bool [C]: scratch."""
+    c_all = xk.shape[1]
+    nnz = at
+    # keys
+    for i in range(k_words.shape[1]):
+        k_words[n, i] = 0
+    for c in range(c_all):
+        x = xk[n, c]
+        if k_outliers and (x < k_lo[c] or x > k_hi[c]):
+            k_chan[nnz] = np.int16(c - 65536 if c >= 32768 else c)
+            k_val[nnz] = _f16_bits(x)
+            nnz += 1
+            continue  # OUTLIER_CODE is 0: nothing to OR in
+        _put(k_words, n, k_offs, c, _code((x - k_zero[c]) / k_scale[c], k_mids, c, k_count[c]))
+    # values: the v_side largest and smallest elements are exact, the next ones bound the range
+    for c in range(c_all):
+        taken[c] = False
+    for _ in range(v_side):
+        best = -1
+        for c in range(c_all):
+            if not taken[c] and (best < 0 or xv[n, c] > xv[n, best]):
+                best = c
+        taken[best] = True
+    hi = -np.inf
+    for c in range(c_all):
+        if not taken[c] and xv[n, c] > hi:
+            hi = xv[n, c]
+    for _ in range(v_side):
+        best = -1
+        for c in range(c_all):
+            if not taken[c] and (best < 0 or xv[n, c] < xv[n, best]):
+                best = c
+        taken[best] = True
+    lo = np.inf
+    for c in range(c_all):
+        if not taken[c] and xv[n, c] < lo:
+            lo = xv[n, c]
+    hi32, lo32 = np.float32(hi), np.float32(lo)
+    zero = np.float32(_f16_round(np.float32((hi32 + lo32) * _HALF)))
+    half = np.float32((hi32 - lo32) * _HALF)
+    scale = np.float32(_f16_round(half if half > _MIN_SCALE else _MIN_SCALE))
+    if scale < _MIN_SCALE:
+        scale = _MIN_SCALE
+    v_sz[n, 0] = _f16_bits(scale)
+    v_sz[n, 1] = _f16_bits(zero)
+    for i in range(v_words.shape[1]):
+        v_words[n, i] = 0
+    e = n * 2 * v_side
+    for c in range(c_all):
+        x = xv[n, c]
+        if taken[c]:
+            v_chan[e] = np.int16(c - 65536 if c >= 32768 else c)
+            v_val[e] = _f16_bits(x)
+            e += 1
+            continue
+        _put(v_words, n, v_offs, c, _code((x - zero) / scale, v_mids, c, v_count[c]))
+    return nnz - at
 
 
 @njit(cache=True)
