@@ -376,6 +376,14 @@ def test_triton_encoder_writes_the_bits_of_the_torch_path(c, bits, fraction, sin
     assert torch.equal(stores[1].dequantize()[1], stores[0].dequantize()[1])
 
 
+def _own_widths(kq, vq, c: int):
+    """The quantizers with a random width of 1 to 6 bits per channel (a ':chan' budget), a codebook per width."""
+    g = torch.Generator().manual_seed(c)
+    books = {w: uniform_levels(w) if w == 1 else normal_float_levels(w) for w in range(1, 7)}
+    return (dataclasses.replace(q, widths=torch.randint(1, 7, (c,), generator=g), codebooks=books, levels=books[6])
+            for q in (kq, vq))
+
+
 @pytest.mark.parametrize("c, bits, fraction, sinks, window, family, widths", [
     (32, 3, 0.05, 1, 0, "nuq", False), (40, 2, 0.0, 0, 0, "nf", False), (80, 4, 0.05, 2, 3, "int", False),
     (130, 3, 0.02, 3, 0, "nuq", True), (64, 2, 0.01, 0, 4, "nuq", True), (192, 3, 0.01, 1, 32, "nuq", True),
@@ -386,10 +394,7 @@ def test_numba_encoder_writes_the_bits_of_the_torch_path(c, bits, fraction, sink
     numba encoder), with one width or a width per channel (1 to 6 bits), with and without an fp16 window."""
     kq, vq = _quantizers(c, bits, fraction, "vector", family=family)
     if widths:
-        g = torch.Generator().manual_seed(c)
-        books = {w: uniform_levels(w) if w == 1 else normal_float_levels(w) for w in range(1, 7)}
-        kq, vq = (dataclasses.replace(q, widths=torch.randint(1, 7, (c,), generator=g), codebooks=books,
-                                      levels=books[6]) for q in (kq, vq))
+        kq, vq = _own_widths(kq, vq, c)
     stores = [KVStore(kq, vq, c, sinks, encoder=enc, window=window) for enc in ("torch", "numba")]
     assert [store.encoder for store in stores] == ["torch", "numba"]
     real = torch.ones(2, 9, dtype=torch.bool)
@@ -525,10 +530,7 @@ def test_a_prompt_after_its_sinks_goes_through_the_numba_encoder(c, bits, fracti
     call, the same bits as the torch path's whole prompt; a prompt no longer than its sinks stays with torch."""
     kq, vq = _quantizers(c, bits, fraction, "vector")
     if widths:
-        g = torch.Generator().manual_seed(c)
-        books = {w: uniform_levels(w) if w == 1 else normal_float_levels(w) for w in range(1, 7)}
-        kq, vq = (dataclasses.replace(q, widths=torch.randint(1, 7, (c,), generator=g), codebooks=books,
-                                      levels=books[6]) for q in (kq, vq))
+        kq, vq = _own_widths(kq, vq, c)
     encoded = []
     original = KVStore._append_numba
     monkeypatch.setattr(KVStore, "_append_numba", lambda self, k, v, t, b: encoded.append(t) or original(self, k, v, t, b))
