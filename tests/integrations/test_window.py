@@ -124,6 +124,38 @@ def test_mixed_attention_by_parts_over_several_bands_equals_the_chunked_path(win
     torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masked", [False, True])
+def test_query_heads_of_a_kv_head_attend_as_rows_of_it(dtype, masked):
+    """Without a causal mask a part's G query heads per KV head attend as G * Tq rows of that head, over keys read
+    in place: each query head's attention and log-sum-exp over its own copy of the keys (what the part computed
+    before), to float rounding (the kernel blocks the rows by their count), and float64's."""
+    from kvsqueeze.kernels.mixed import _FLASH, _part
+
+    g = torch.Generator().manual_seed(3)
+    b, h, group, tq, tk, d = 2, 2, 7, 37, 300, 64
+    q = torch.randn(b, h * group, tq, d, generator=g)
+    k, v = (torch.randn(b, h, tk, d, generator=g) for _ in range(2))
+    mask = None
+    if masked:  # a band: each query reads a window of keys ending at its own
+        gap = torch.arange(tk - tq, tk)[:, None] - torch.arange(tk)[None, :]
+        mask = torch.zeros(gap.shape).masked_fill_((gap < 0) | (gap >= 50), float("-inf")).expand(b, 1, tq, tk)
+    kk, vv = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = (q.double() @ kk.double().transpose(-1, -2)) * 0.125 + (0 if mask is None else mask.double())
+    exact, exact_lse = scores.softmax(-1) @ vv.double(), scores.logsumexp(-1)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    cast = (lambda x: x) if mask is None else (lambda x: x.to(dtype))
+    out, lse = _part(q.to(dtype), k.to(dtype), v.to(dtype), 0.125, False, None if mask is None else cast(mask))
+    before = _FLASH(q.to(dtype), kk.to(dtype), vv.to(dtype), 0.0, False,
+                    attn_mask=None if mask is None else cast(mask), scale=0.125)[:2]
+    assert out.shape == before[0].shape == exact.shape and lse.shape == before[1].shape == exact_lse.shape
+    for got in (out, before[0]):
+        torch.testing.assert_close(got.double(), exact, atol=tol, rtol=tol)
+    for got in (lse, before[1]):
+        torch.testing.assert_close(got.double(), exact_lse, atol=tol, rtol=tol)
+    torch.testing.assert_close(out.float(), before[0].float(), atol=tol, rtol=tol)
+
+
 def test_mixed_attention_refuses_an_exact_copy_that_starts_too_late():
     q, k = torch.randn(1, 2, 4, 8), torch.randn(1, 2, 20, 8)
     mixed_attention(q, k[:, :, 12:], k[:, :, 12:], k, k, None, 0.25, 5, start=12)  # query 16 reads 12 exact

@@ -53,11 +53,23 @@ BAND = 256  # queries per call of the window's band
 
 def _part(query, keys, values, scaling, causal: bool, mask=None):
     """Softmax attention of one part of the keys: output [B, Hq, Tq, D] and its log-sum-exp [B, Hq, Tq] (float32),
-    so that parts over disjoint keys combine into the attention over all of them."""
-    g = query.shape[1] // keys.shape[1]
+    so that parts over disjoint keys combine into the attention over all of them.
+
+    Without a causal mask the G query heads of a KV head attend as G * Tq rows of that one head (mask rows
+    repeated to match), reading the keys and values in place instead of copying them G times: the same
+    attention to float rounding (the kernel blocks rows by their count), and faster the more query heads share
+    a KV head (`experiments/grouped_heads_part.py`)."""
+    b, hq, tq, d = query.shape
+    h = keys.shape[1]
+    g = hq // h
+    if g > 1 and not causal:
+        rows = mask if mask is None else mask.repeat(1, 1, g, 1)  # [B | 1, 1, G * Tq, K], rows g-major as the queries'
+        out, lse = _FLASH(query.reshape(b, h, g * tq, d), keys.contiguous(), values.contiguous(), 0.0, False,
+                          attn_mask=rows, scale=scaling)[:2]
+        return out.reshape(b, hq, tq, d), lse.reshape(b, hq, tq)
     if g > 1:
         keys, values = keys.repeat_interleave(g, dim=1), values.repeat_interleave(g, dim=1)
-    return _FLASH(query, keys.contiguous(), values.contiguous(), 0.0, causal, attn_mask=mask, scale=scaling)
+    return _FLASH(query, keys.contiguous(), values.contiguous(), 0.0, causal, attn_mask=mask, scale=scaling)[:2]
 
 
 def _mixed_by_parts(query, key, value, kq, vq, scaling, w: int, start: int):
