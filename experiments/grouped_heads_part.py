@@ -1,6 +1,7 @@
 """What attending a part of the keys costs when the G query heads of a KV head run as G * Tq rows of it (keys read
 in place) against each query head over its own copy of the keys (`repeat_interleave`, as before): the first part
-of a windowed prefill chunk or question (`kernels.mixed._part`, the quantized keys every query reads).
+of a windowed prefill chunk or question (`kernels.mixed._part`, the quantized keys every query reads; `_part`
+groups queries of up to `GROUPED_ROWS` tokens and copies the keys for longer ones).
 
 Shapes: SmolLM2-135M's (3 KV heads, 3 query heads each) for a 256-token prefill chunk over 1,800 older keys,
 one row and 8 rows (vLLM's prefill chunks); Qwen2.5-Coder-0.5B's (2 KV heads, 7 query heads each) for 4 rows of a

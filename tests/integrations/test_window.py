@@ -126,14 +126,15 @@ def test_mixed_attention_by_parts_over_several_bands_equals_the_chunked_path(win
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("masked", [False, True])
-def test_query_heads_of_a_kv_head_attend_as_rows_of_it(dtype, masked):
+def test_query_heads_of_a_kv_head_attend_as_rows_of_it(dtype, masked, monkeypatch):
     """Without a causal mask a part's G query heads per KV head attend as G * Tq rows of that head, over keys read
     in place: each query head's attention and log-sum-exp over its own copy of the keys (what the part computed
     before), to float rounding (the kernel blocks the rows by their count), and float64's."""
-    from kvsqueeze.kernels.mixed import _FLASH, _part
+    from kvsqueeze.kernels.mixed import _FLASH, GROUPED_ROWS, _part
 
     g = torch.Generator().manual_seed(3)
     b, h, group, tq, tk, d = 2, 2, 7, 37, 300, 64
+    assert tq <= GROUPED_ROWS
     q = torch.randn(b, h * group, tq, d, generator=g)
     k, v = (torch.randn(b, h, tk, d, generator=g) for _ in range(2))
     mask = None
@@ -145,7 +146,13 @@ def test_query_heads_of_a_kv_head_attend_as_rows_of_it(dtype, masked):
     exact, exact_lse = scores.softmax(-1) @ vv.double(), scores.logsumexp(-1)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     cast = (lambda x: x) if mask is None else (lambda x: x.to(dtype))
+    from kvsqueeze.kernels import mixed
+
+    shapes = []
+    monkeypatch.setattr(mixed, "_FLASH", lambda query, *a, **kw: shapes.append(tuple(query.shape)) or _FLASH(query, *a,
+                                                                                                             **kw))
     out, lse = _part(q.to(dtype), k.to(dtype), v.to(dtype), 0.125, False, None if mask is None else cast(mask))
+    assert shapes == [(b, h, group * tq, d)]  # the query heads as rows of their KV head
     before = _FLASH(q.to(dtype), kk.to(dtype), vv.to(dtype), 0.0, False,
                     attn_mask=None if mask is None else cast(mask), scale=0.125)[:2]
     assert out.shape == before[0].shape == exact.shape and lse.shape == before[1].shape == exact_lse.shape

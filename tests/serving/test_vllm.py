@@ -19,8 +19,9 @@ ROOT = Path(__file__).resolve().parents[2]
 VLLM_PYTHON = Path(os.environ.get("KVSQUEEZE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
 METHOD = "nuq3-1%:kslots2"
 
-pytestmark = pytest.mark.skipif(not VLLM_PYTHON.exists(),
-                                reason=f"no vLLM environment at {VLLM_PYTHON} (make vllm-setup)")
+pytestmark = [pytest.mark.skipif(not VLLM_PYTHON.exists(),
+                                 reason=f"no vLLM environment at {VLLM_PYTHON} (make vllm-setup)"),
+              pytest.mark.usefixtures("own_attention")]  # a windowed cache selects kvsqueeze's attention
 
 
 def _prompts() -> list[list[int]]:

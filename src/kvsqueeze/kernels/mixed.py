@@ -49,20 +49,22 @@ def attend(query, keys, values, mask, scaling, softcap=None, sink_logits=None) -
 
 _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)  # output and log-sum-exp
 BAND = 256  # queries per call of the window's band
+GROUPED_ROWS = 64  # queries per query head up to which a KV head's query heads attend as its rows (`_part`)
 
 
 def _part(query, keys, values, scaling, causal: bool, mask=None):
     """Softmax attention of one part of the keys: output [B, Hq, Tq, D] and its log-sum-exp [B, Hq, Tq] (float32),
     so that parts over disjoint keys combine into the attention over all of them.
 
-    Without a causal mask the G query heads of a KV head attend as G * Tq rows of that one head (mask rows
-    repeated to match), reading the keys and values in place instead of copying them G times: the same
-    attention to float rounding (the kernel blocks rows by their count), and faster the more query heads share
-    a KV head (`experiments/grouped_heads_part.py`)."""
+    Without a causal mask, queries of up to `GROUPED_ROWS` tokens (a question, a few tokens over a long cache)
+    have the G query heads of a KV head attend as G * Tq rows of that one head (mask rows repeated to match),
+    reading the keys and values in place instead of copying them G times: the same attention to float rounding
+    (the kernel blocks rows by their count), 2-3x faster (`experiments/grouped_heads_part.py`). Longer chunks
+    keep the copies: a 256-token bfloat16 prefill chunk gained little alone and ran slower in vLLM's engine."""
     b, hq, tq, d = query.shape
     h = keys.shape[1]
     g = hq // h
-    if g > 1 and not causal:
+    if g > 1 and not causal and tq <= GROUPED_ROWS:
         rows = mask if mask is None else mask.repeat(1, 1, g, 1)  # [B | 1, 1, G * Tq, K], rows g-major as the queries'
         out, lse = _FLASH(query.reshape(b, h, g * tq, d), keys.contiguous(), values.contiguous(), 0.0, False,
                           attn_mask=rows, scale=scaling)[:2]
