@@ -114,6 +114,20 @@ def quantizers(method: str, recipe, channels: int, seed: int = 0) -> tuple[Vecto
     return kq, VectorQuantizer(normal_float_levels(spec.v_bits), "token", spec.outlier_fraction)
 
 
+def median_ms(f, repeats: int) -> float:
+    """Median wall time of `repeats` calls of f() after one untimed call, in milliseconds."""
+    import statistics
+    import time
+
+    f()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f()
+        times.append(1e3 * (time.perf_counter() - t0))
+    return round(statistics.median(times), 2)
+
+
 def fill_store(kq: VectorQuantizer, vq: VectorQuantizer, tokens: int, channels: int, head_dim: int, sinks: int,
                positions: PositionLog, seed: int = 0, chunk: int = 8192, batch: int = 1) -> KVStore:
     """A store of `batch` rows (default one) of `tokens` heavy-tailed tokens whose keys fit the key quantizer's

@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import decode_machine  # noqa: E402
+from common import decode_machine, median_ms  # noqa: E402
 
 from kvsqueeze.kernels.mixed import _FLASH, _part  # noqa: E402
 
@@ -34,16 +32,6 @@ SHAPES = {  # name: (rows, KV heads, query heads per KV head, queries, keys, hea
     "smollm2-135m prefill chunk, 8 rows": (8, 3, 3, 256, 1800, 64),
     "qwen2.5-coder-0.5b question, 4 rows": (4, 2, 7, 32, 32768, 64),
 }
-
-
-def median_ms(f, repeats: int) -> float:
-    f()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return round(statistics.median(times), 2)
 
 
 def main() -> None:

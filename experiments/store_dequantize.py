@@ -16,32 +16,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from common import DEFAULT_RECIPE, decode_machine, fill_store, prepare, quantizers, step_inputs  # noqa: E402
+from common import (DEFAULT_RECIPE, decode_machine, fill_store, median_ms, prepare, quantizers,  # noqa: E402
+                    step_inputs)
 
 from kvsqueeze.cache.positions import PositionLog  # noqa: E402
 from kvsqueeze.cache.store import KVStore  # noqa: E402
 from kvsqueeze.kernels.numba.dequant import dequantize_view as compiled  # noqa: E402
 from kvsqueeze.kernels.reference import dequantize_view as reference  # noqa: E402
 from kvsqueeze.methods import parse_method  # noqa: E402
-
-
-def median_ms(f, repeats: int) -> float:
-    f()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        times.append(1e3 * (time.perf_counter() - t0))
-    return round(statistics.median(times), 2)
 
 
 def main() -> None:
