@@ -114,8 +114,8 @@ def quantizers(method: str, recipe, channels: int, seed: int = 0) -> tuple[Vecto
     return kq, VectorQuantizer(normal_float_levels(spec.v_bits), "token", spec.outlier_fraction)
 
 
-def median_ms(f, repeats: int) -> float:
-    """Median wall time of `repeats` calls of f() after one untimed call, in milliseconds."""
+def median_ms(f, repeats: int, digits: int = 2) -> float:
+    """Median wall time of `repeats` calls of f() after one untimed call, in milliseconds (`digits` decimals)."""
     import statistics
     import time
 
@@ -125,7 +125,7 @@ def median_ms(f, repeats: int) -> float:
         t0 = time.perf_counter()
         f()
         times.append(1e3 * (time.perf_counter() - t0))
-    return round(statistics.median(times), 2)
+    return round(statistics.median(times), digits)
 
 
 def fill_store(kq: VectorQuantizer, vq: VectorQuantizer, tokens: int, channels: int, head_dim: int, sinks: int,

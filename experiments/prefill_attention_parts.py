@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -26,17 +24,11 @@ import torch
 from kvsqueeze.kernels import mixed
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from common import machine  # noqa: E402
+from common import machine, median_ms  # noqa: E402
 
 
 def timed(fn, rounds: int) -> float:
-    fn()
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return round(1e3 * statistics.median(times), 3)
+    return median_ms(fn, rounds, digits=3)
 
 
 def main() -> None:

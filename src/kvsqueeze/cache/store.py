@@ -196,21 +196,19 @@ class KVStore:
             self._allocate(b)
         if b != self.batch or c != self.channels:
             raise ValueError(f"appending [B={b}, C={c}] to a cache of batch {self.batch} and {self.channels} channels")
-        if self.encoder == "numba" and self.sinks and t > 1 and (real is None or bool(real.all())):
+        # the numba encoder takes real tokens that are no sinks; on the CPU these reads cost nothing
+        numba = self.encoder == "numba" and (real is None or bool(real.all()))
+        pending = self.sinks - int(self.sinks_taken.min()) if numba and self.sinks else 0  # sinks still to take
+        if 0 < pending < t and int(self.sinks_taken.max()) == self.sinks - pending:
             # a prompt's first tokens are its sinks: those through the torch ops, the rest in one numba call
-            taken = int(self.sinks_taken.min())
-            first = self.sinks - taken
-            if 0 < first < t and int(self.sinks_taken.max()) == taken:
-                cut = None if positions is None else positions[:, :first]
-                self.append(keys[:, :first], values[:, :first], None, cut)
-                self.append(keys[:, first:], values[:, first:], None, None if positions is None else positions[:, first:])
-                return
+            for lo, hi in ((0, pending), (pending, t)):
+                self.append(keys[:, lo:hi], values[:, lo:hi], None, None if positions is None else positions[:, lo:hi])
+            return
         start = self.tokens
         if positions is None:
             positions = torch.arange(start, start + t, device=keys.device).expand(b, t)
         self.positions.write(start, positions)
-        if (self.encoder == "numba" and (self.sinks == 0 or int(self.sinks_taken.min()) >= self.sinks)
-                and (real is None or bool(real.all()))):  # on the CPU these reads cost nothing
+        if numba and pending <= 0:
             self._append_numba(keys, values, t, b)
             return
         sink = self._take_sinks(keys, values, real)  # [B, T]

@@ -64,20 +64,21 @@ def write_sinks(sink_k, sink_v, sink_slot, keys, values):
                 values[s, j] = f16(sink_v[b, i, j])
 
 
-def _pointers(o: Outliers | None, slots: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _pointers(o: Outliers | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(pointers int64, channels, fp16 values as uint16) of trimmed outliers (`Outliers.trim`)."""
     if o is None or o.nnz == 0:
         return _NO_POINTERS, np.zeros(0, np.uint16), np.zeros(0, np.uint16)
-    return (_np(o.pointers[: slots + 1].long()), _np(o.channels[: o.nnz]).view(np.uint16),
-            _np(o.values[: o.nnz]).view(np.uint16))
+    return _np(o.pointers.long()), _np(o.channels).view(np.uint16), _np(o.values).view(np.uint16)
 
 
 def _check_indices(kv: StoreView, t: int, c: int) -> None:
-    """The compiled passes write where sinks and outliers point, unchecked: refuse indices past the arrays."""
+    """The compiled passes write where sinks and outliers point, unchecked: refuse indices past the arrays (kv
+    trimmed)."""
     bad = []
     if kv.sink_slot.numel() and int(kv.sink_slot.max()) >= t:
         bad.append(f"a sink at token {int(kv.sink_slot.max())} of a {t}-token cache")
     for name, o in (("key", kv.k_outliers), ("value", kv.v_outliers)):
-        if o is not None and o.nnz and int((o.channels[: o.nnz].int() & 0xFFFF).max()) >= c:
+        if o is not None and o.nnz and int((o.channels.int() & 0xFFFF).max()) >= c:
             bad.append(f"a {name} outlier past channel {c - 1}")
     if bad:
         raise ValueError(f"dequantize_view: {'; '.join(bad)}: the view does not describe this cache")
@@ -99,7 +100,7 @@ def dequantize_view(kv: StoreView) -> tuple[torch.Tensor, torch.Tensor]:
         dequantize_slots(_np(kv.k_codes).view(np.uint32).reshape(slots, -1),
                          _np(kv.v_codes).view(np.uint32).reshape(slots, -1), *luts, k_offs, v_offs,
                          _np(kv.v_scale_zero).view(np.uint16).reshape(slots, 2),
-                         *_pointers(kv.k_outliers, slots), *_pointers(kv.v_outliers, slots), keys, values)
+                         *_pointers(kv.k_outliers), *_pointers(kv.v_outliers), keys, values)
         write_sinks(_np(kv.sink_k).view(np.uint16), _np(kv.sink_v).view(np.uint16), _np(kv.sink_slot.int()), keys,
                     values)
     return torch.from_numpy(keys).view(t, b, c), torch.from_numpy(values).view(t, b, c)

@@ -127,8 +127,7 @@ def encode_append_parallel(xk, xv, k_lo, k_hi, k_scale, k_zero, k_mids, k_count,
         for n in prange(n_slots):
             count = 0
             for c in range(c_all):
-                x = xk[n, c]
-                if x < k_lo[c] or x > k_hi[c]:
+                if _key_outlier(xk[n, c], k_lo, k_hi, c):
                     count += 1
             ends[n] = count
         for n in range(1, n_slots):
@@ -145,6 +144,13 @@ def encode_append_parallel(xk, xv, k_lo, k_hi, k_scale, k_zero, k_mids, k_count,
 
 
 @njit(cache=True, inline="always")
+def _key_outlier(x, k_lo, k_hi, c):
+    """A key element outside its channel's calibrated range is kept exact (the one test of both passes: the
+    parallel encoder's counts must be the entries it writes)."""
+    return x < k_lo[c] or x > k_hi[c]
+
+
+@njit(cache=True, inline="always")
 def _encode_slot(n, at, taken, xk, xv, k_lo, k_hi, k_scale, k_zero, k_mids, k_count, k_offs, v_mids, v_count,
                  v_offs, k_words, v_words, v_sz, k_outliers, k_chan, k_val, v_side, v_chan, v_val):
     """Slot n: its key codes and key outliers (written from entry `at`), its value codes, scale, zero-point and
@@ -156,7 +162,7 @@ def _encode_slot(n, at, taken, xk, xv, k_lo, k_hi, k_scale, k_zero, k_mids, k_co
         k_words[n, i] = 0
     for c in range(c_all):
         x = xk[n, c]
-        if k_outliers and (x < k_lo[c] or x > k_hi[c]):
+        if k_outliers and _key_outlier(x, k_lo, k_hi, c):
             k_chan[nnz] = np.int16(c - 65536 if c >= 32768 else c)
             k_val[nnz] = _f16_bits(x)
             nnz += 1
