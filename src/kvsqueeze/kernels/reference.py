@@ -15,21 +15,22 @@ import torch
 from ..numerics.affine import dequantize
 from ..numerics.packing import unpack_codes, unpack_mixed
 from ..numerics.rope import Rope
-from .view import Outliers, StoreView
+from .view import NO_CHANNEL, Outliers, StoreView
 
 
 def _replace_outliers(dense: torch.Tensor, sparse: Outliers | None, spare: int) -> None:
     """Overwrite dense [T*B, C] at the outliers' (slot, channel) with their fp16 values (sparse trimmed).
 
-    Entries past pointers[slots], room a decode step left (`TokenOutliers.append_unsettled`), write row `spare`."""
+    Entries past pointers[slots], room a decode step left (`TokenOutliers.append_unsettled`), and empty entries
+    (`NO_CHANNEL`) write row `spare`."""
     if sparse is None or sparse.nnz == 0:
         return
     ptr = sparse.pointers.long()  # [slots + 1]
     entry = torch.arange(sparse.nnz, device=dense.device)
     slot = torch.searchsorted(ptr, entry, right=True) - 1  # the last slot starting at or before the entry
-    real = entry < ptr[-1:]
-    dense[torch.where(real, slot, spare), torch.where(real, sparse.channels.long() & 0xFFFF, 0)] = \
-        sparse.values.float()
+    channel = sparse.channels.long() & 0xFFFF
+    real = (entry < ptr[-1:]) & (channel != NO_CHANNEL)
+    dense[torch.where(real, slot, spare), torch.where(real, channel, 0)] = sparse.values.float()
 
 
 def _unpack(words: torch.Tensor, bits: int, offsets: torch.Tensor | None, channels: int) -> torch.Tensor:

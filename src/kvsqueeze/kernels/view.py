@@ -33,7 +33,9 @@ class Outliers(NamedTuple):
     Attributes:
         pointers: int32 or int64 [>= slots + 1]: the entries of slot n are pointers[n] : pointers[n + 1].
             None when `fixed` is set: then pointers[n] = n * fixed.
-        channels: int16 [>= nnz], the 16-bit pattern of a channel in [0, C) (read back with `& 0xFFFF`).
+        channels: int16 [>= nnz], the 16-bit pattern of a channel in [0, C) (read back with `& 0xFFFF`), or
+            `NO_CHANNEL`: an empty entry, which every backend skips (a fixed count of entries per slot of which a
+            page holds fewer: a rank's share of a token whose exact elements lie partly in other ranks' heads).
         values: fp16 [>= nnz].
         nnz: entries in use. With pointers, those past pointers[slots] are no outliers: room a decode step left
             (`TokenOutliers.append_unsettled`), since counting them would wait for the device.
@@ -59,6 +61,8 @@ class Outliers(NamedTuple):
         return self._replace(pointers=pointers[: slots + 1], channels=self.channels[: self.nnz],
                              values=self.values[: self.nnz])
 
+
+NO_CHANNEL = 0xFFFF  # an outlier entry that names no channel (see `Outliers.channels`)
 
 ARRAYS = ("k_codes", "v_codes", "v_scale_zero", "k_channels", "k_values", "v_channels", "v_values")
 

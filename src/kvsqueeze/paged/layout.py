@@ -26,6 +26,13 @@ fp16 [bs, vk], sink_k fp16 [S, C], sink_v fp16 [S, C]. Slot n of the buffer is t
 every kernel, the numba one on CPU and the Triton ones on GPU, then attends over paged memory as over the HF
 cache's store. `read` dequantizes one sequence straight from its pages (what a prefill chunk attends).
 
+A rank's share (`heads`): under tensor parallelism each rank holds some of a layer's KV heads. Its pages hold the
+codes and sinks of its heads' channels only, and each token's value scale and zero-point and its whole fixed count of
+key and value slots, as the full layout would write them from the whole token: `write` takes the keys and values of
+every head (what the ranks exchange), encodes them as the full layout does, and keeps its share, so that a rank's
+codes are bit for bit the matching channels of the full layout's. A slot whose element lies in another rank's
+heads holds `NO_CHANNEL` (and a zero value), which every reader skips.
+
 Two implementations do the page work: torch ops (any device; the reference) and, for pages in CPU memory, the
 numba kernels of `kvsqueeze.kernels.numba.pages` (one pass per token instead of dozens of small torch ops,
 which is what a serving engine's every layer and step pays for). They write the same bytes and read the same
@@ -35,6 +42,7 @@ Nothing here needs transformers.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -43,7 +51,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..kernels.view import ARRAYS, Outliers, Rows, StoreView
+from ..kernels.view import ARRAYS, NO_CHANNEL, Outliers, Rows, StoreView
 from ..methods.budget import check_widths
 from ..numerics.packing import OUTLIER_CODE, code_offsets, mixed_words, pack_codes, pack_mixed, words_per_vector
 from ..numerics.quantizer import VectorQuantizer
@@ -108,6 +116,12 @@ def regions(channels: int, k_words: int, v_words: int, key_slots: int, value_slo
     return out
 
 
+def _channels_of(q: VectorQuantizer, c0: int, c1: int) -> VectorQuantizer:
+    """q cut to channels c0 .. c1 (per-channel ranges and widths): what a share's codes are read with."""
+    cut = lambda t: None if t is None else t[c0:c1]  # noqa: E731
+    return dataclasses.replace(q, lo=cut(q.lo), hi=cut(q.hi), widths=cut(q.widths))
+
+
 def code_words(q: VectorQuantizer, channels: int) -> int:
     """int32 words one token's codes of `q` take in a page."""
     return words_per_vector(channels, q.bits) if q.widths is None else mixed_words(q.stream_offsets(channels))
@@ -130,11 +144,18 @@ class PageLayout:
         block_size: tokens per page.
         sinks: leading positions of each sequence kept exactly in fp16 (at most `block_size`).
         kernels: "auto" (numba for pages in CPU memory where it loads, else torch), "torch" or "numba".
+        heads: (first, count): the KV heads this layout holds of the channels // head_dim the quantizers cover (a
+            tensor-parallel rank's share; see the module docstring); None: all of them.
+
+    `channels` and `heads` of the layout are then its share's, `full_channels` the method's.
     """
 
     def __init__(self, k_quant: VectorQuantizer, v_quant: VectorQuantizer, channels: int, head_dim: int,
-                 block_size: int, sinks: int = 0, kernels: str = "auto"):
+                 block_size: int, sinks: int = 0, kernels: str = "auto", heads: tuple[int, int] | None = None):
         problems = []
+        first, count = (0, channels // head_dim if head_dim > 0 else 0) if heads is None else heads
+        if head_dim > 0 and not (0 <= first and 0 < count and (first + count) * head_dim <= channels):
+            problems.append(f"heads {heads} is not a share of the {channels // head_dim} KV heads of width {head_dim}")
         if kernels not in KERNELS:
             problems.append(f"kernels must be one of {', '.join(KERNELS)}, got {kernels!r}")
         key_slots = k_quant.slots if k_quant.fraction > 0 else 0
@@ -149,8 +170,8 @@ class PageLayout:
         if k_quant.fraction > 0 and not 0 < key_slots <= channels:
             problems.append(f"a page holds a fixed number of exact key elements per token: give the key quantizer "
                             f"1 to {channels} slots (a method with ':kslotsN', e.g. 'nuq3-1%:kslots6')")
-        if channels > 1 << 16:
-            problems.append(f"{channels} channels: outlier channel indices are 16 bits")
+        if channels >= NO_CHANNEL:
+            problems.append(f"{channels} channels: outlier channel indices are 16 bits, {NO_CHANNEL} meaning none")
         for name, q in (("key", k_quant), ("value", v_quant)):
             if q.widths is not None:
                 check_widths(q.widths.tolist(), f"PageLayout {name}s")
@@ -158,20 +179,25 @@ class PageLayout:
                 problems.append(f"{name}s: {q.widths_problem(channels)}")
         if problems:
             raise ValueError("PageLayout: " + "; ".join(problems))
-        self.k_quant, self.v_quant = k_quant, v_quant
-        self.channels, self.head_dim, self.heads = channels, head_dim, channels // head_dim
+        self.k_quant, self.v_quant = k_quant, v_quant  # the whole method's: `write` encodes whole tokens with them
+        self.full_channels, self.first_channel = channels, first * head_dim
+        self.channels, self.head_dim, self.heads = count * head_dim, head_dim, count
+        c0, c1 = self.first_channel, self.first_channel + self.channels
+        # what the share's pages are read with: the quantizers cut to its channels (ranges, widths)
+        self._k_share, self._v_share = (q if heads is None else _channels_of(q, c0, c1) for q in (k_quant, v_quant))
         self.block_size, self.key_slots, self.sinks = block_size, key_slots, sinks
         self.k_bits, self.v_bits = k_quant.bits, v_quant.bits
         self.value_slots = (v_quant.fixed_outliers(channels) or 0) if v_quant.fraction > 0 else 0
         from ..numerics.affine import choose_qparams
 
         scale, zero = choose_qparams(k_quant.lo.view(1, -1), k_quant.hi.view(1, -1))
-        self.k_scale, self.k_zero = scale.view(-1).half(), zero.view(-1).half()
+        self.k_scale, self.k_zero = scale.view(-1)[c0:c1].half(), zero.view(-1)[c0:c1].half()
         # channels with widths of their own (`nuq@AVG:chan`): one bit stream of every width, as the HF store packs it
         self.k_offsets, self.v_offsets = (None if q.widths is None else code_offsets(q.widths.cpu())
-                                          for q in (k_quant, v_quant))
-        self.regions = regions(channels, code_words(k_quant, channels), code_words(v_quant, channels), key_slots,
-                               self.value_slots, sinks, block_size)
+                                          for q in (self._k_share, self._v_share))
+        self.regions = regions(self.channels, code_words(self._k_share, self.channels),
+                               code_words(self._v_share, self.channels), key_slots, self.value_slots, sinks,
+                               block_size)
         self.page_bytes = page_bytes(self.regions, block_size)
         self.kernels = kernels
         if kernels == "numba":
@@ -196,22 +222,26 @@ class PageLayout:
         levels float32 [C, L] and the codes' stream bit offsets int64 [C + 1]; the key range, scale, zero [C]."""
         from ..numerics.affine import choose_qparams
 
-        c = self.channels
+        c, c0, c1 = self.full_channels, self.first_channel, self.first_channel + self.channels
         kq, vq = self.k_quant, self.v_quant
         k_scale, k_zero = choose_qparams(kq.lo.view(1, -1), kq.hi.view(1, -1))
         f = lambda x: np.ascontiguousarray(x.detach().float().cpu().numpy())  # noqa: E731
 
-        def per_channel(q: VectorQuantizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        def per_channel(q: VectorQuantizer) -> tuple[np.ndarray, np.ndarray]:
             mids = q.channel_midpoints(c)[0].t()  # [M, C]: the kernel's inner loop runs over channels
             levels = q.decode_levels.float().cpu()
             levels = levels.view(1, -1).expand(c, -1) if levels.dim() == 1 else levels
-            return f(mids), f(levels), np.ascontiguousarray(q.stream_offsets(c).numpy())
+            return f(mids), f(levels)
 
-        k_mids, k_levels, k_offs = per_channel(kq)
-        v_mids, v_levels, v_offs = per_channel(vq)
-        return {"k_mids": k_mids, "k_levels": k_levels, "k_offs": k_offs, "k_scale": f(k_scale.view(-1)),
+        k_mids, k_levels = per_channel(kq)
+        v_mids, v_levels = per_channel(vq)
+        # the share's codes are packed (and read) as a stream of its own channels
+        offs = lambda q: np.ascontiguousarray(q.stream_offsets(c1 - c0).numpy())  # noqa: E731
+        return {"k_mids": k_mids, "k_levels": k_levels, "k_offs": offs(self._k_share), "k_scale": f(k_scale.view(-1)),
                 "k_zero": f(k_zero.view(-1)), "k_lo": f(kq.lo.view(-1)), "k_hi": f(kq.hi.view(-1)), "v_mids": v_mids,
-                "v_levels": v_levels, "v_offs": v_offs, "k_scale_read": f(self.k_scale), "k_zero_read": f(self.k_zero)}
+                "v_levels": v_levels, "v_offs": offs(self._v_share), "k_scale_read": f(self.k_scale),
+                "k_zero_read": f(self.k_zero), "k_levels_read": np.ascontiguousarray(k_levels[c0:c1]),
+                "v_levels_read": np.ascontiguousarray(v_levels[c0:c1])}
 
     _REGION_ORDER = (*ARRAYS, "sink_k", "sink_v")  # what the numba page kernels take, in this order
 
@@ -271,7 +301,8 @@ class PageLayout:
         Args:
             pages: the layer's buffer (`allocate`).
             slots: int [N], block * block_size + offset of each token; negative: skip the token (padding).
-            keys: pre-RoPE keys [N, C]; values [N, C]; any float dtype.
+            keys: pre-RoPE keys [N, C]; values [N, C]; any float dtype. C is `full_channels`: a share is given
+                every head's keys and values and keeps its own (see the module docstring).
             positions: int [N], each token's position in its sequence (positions below `sinks` are sinks).
         Returns:
             the number of key outliers clipped because a token had more than `key_slots` of them.
@@ -283,9 +314,9 @@ class PageLayout:
         n, c = keys.shape
         if n == 0:
             return 0
-        if c != self.channels or values.shape != keys.shape:
-            raise ValueError(f"write: keys and values must be [N, {self.channels}], got {tuple(keys.shape)} and "
-                             f"{tuple(values.shape)}")
+        if c != self.full_channels or values.shape != keys.shape:
+            raise ValueError(f"write: keys and values must be [N, {self.full_channels}] (every KV head's), got "
+                             f"{tuple(keys.shape)} and {tuple(values.shape)}")
         slots = slots.long()
         block, offset = slots // self.block_size, slots % self.block_size
         if int(block.max()) >= pages.shape[0] or int(slots.min()) < 0:
@@ -296,6 +327,7 @@ class PageLayout:
             return self._write_numba(fast, pages, block, offset, xk, xv, positions)
         sink = (positions.long() < self.sinks).view(-1, 1)  # [N, 1]
         kq, vq = self.k_quant, self.v_quant
+        c0, c1 = self.first_channel, self.first_channel + self.channels
         enc_k = kq.encode(xk)  # with `slots`, the mask holds exactly `key_slots` elements per token
         overflow = 0
         k_codes = enc_k.codes
@@ -304,18 +336,16 @@ class PageLayout:
             k_codes = k_codes.masked_fill(enc_k.outliers, OUTLIER_CODE)
             past = (xk < kq.lo) | (xk > kq.hi)
             overflow = int((past & ~enc_k.outliers).sum())
-            self._put(pages, "k_channels", block, offset, chosen.to(torch.int16))
-            self._put(pages, "k_values", block, offset, xk.gather(1, chosen).half())
+            self._put_slots(pages, "k", block, offset, chosen, xk.gather(1, chosen))
         enc_v = vq.encode(xv)
         v_codes = enc_v.codes
         if self.value_slots:
             mask = enc_v.outliers
             chosen = mask.nonzero(as_tuple=True)[1].view(n, self.value_slots)  # row-major: ascending per token
             v_codes = v_codes.masked_fill(mask, OUTLIER_CODE)
-            self._put(pages, "v_channels", block, offset, chosen.to(torch.int16))
-            self._put(pages, "v_values", block, offset, xv.gather(1, chosen).half())
-        k_codes = k_codes.masked_fill(sink, OUTLIER_CODE)
-        v_codes = v_codes.masked_fill(sink, OUTLIER_CODE)
+            self._put_slots(pages, "v", block, offset, chosen, xv.gather(1, chosen))
+        k_codes = k_codes[:, c0:c1].masked_fill(sink, OUTLIER_CODE)
+        v_codes = v_codes[:, c0:c1].masked_fill(sink, OUTLIER_CODE)
         self._put(pages, "k_codes", block, offset, self._pack(k_codes, self.k_offsets, self.k_bits, "k_codes"))
         self._put(pages, "v_codes", block, offset, self._pack(v_codes, self.v_offsets, self.v_bits, "v_codes"))
         sz = torch.cat([enc_v.scale.expand(n, 1), enc_v.zero.expand(n, 1)], dim=1).masked_fill(sink, 0)
@@ -323,20 +353,33 @@ class PageLayout:
         rows = sink.view(-1).nonzero().flatten()
         if rows.numel():
             rank = positions[rows].long()
-            self.region(pages, "sink_k")[block[rows], rank] = xk[rows].half()
-            self.region(pages, "sink_v")[block[rows], rank] = xv[rows].half()
+            self.region(pages, "sink_k")[block[rows], rank] = xk[rows, c0:c1].half()
+            self.region(pages, "sink_v")[block[rows], rank] = xv[rows, c0:c1].half()
         return overflow
+
+    def _put_slots(self, pages: torch.Tensor, side: str, block: torch.Tensor, offset: torch.Tensor,
+                   chosen: torch.Tensor, exact: torch.Tensor) -> None:
+        """A token's exact elements (channels `chosen` [N, k] of the whole token, ascending, and their values) as
+        the share holds them: its own channels renumbered from its first, the others `NO_CHANNEL` with value 0,
+        after its own (so a slot's channels stay in ascending order)."""
+        own = (chosen >= self.first_channel) & (chosen < self.first_channel + self.channels)
+        channel = torch.where(own, chosen - self.first_channel, NO_CHANNEL)
+        order = channel.argsort(dim=1, stable=True)  # NO_CHANNEL sorts last
+        channel, exact = channel.gather(1, order), torch.where(own, exact, 0.0).gather(1, order)
+        self._put(pages, f"{side}_channels", block, offset, channel.to(torch.int32).to(torch.int16))
+        self._put(pages, f"{side}_values", block, offset, exact.half())
 
     def _write_numba(self, fast, pages, block, offset, xk, xv, positions) -> int:
         tab = self._tables
         n = xk.shape[0]
         clipped = np.zeros(n, np.int64)
-        side = self.v_quant.outliers_per_side(self.channels) if self.value_slots else 0
+        side = self.v_quant.outliers_per_side(self.full_channels) if self.value_slots else 0
         as_np = lambda x: np.ascontiguousarray(x.numpy())  # noqa: E731
         fast.write_tokens(as_np(xk.contiguous()), as_np(xv.contiguous()), as_np(block), as_np(offset),
-                          as_np(positions.long()), self.sinks, tab["k_mids"], tab["k_levels"], tab["k_scale"],
-                          tab["k_zero"], tab["k_lo"], tab["k_hi"], tab["k_offs"], self.key_slots, tab["v_mids"],
-                          tab["v_levels"], tab["v_offs"], side, *self._regions_np(pages), clipped)
+                          as_np(positions.long()), self.sinks, self.first_channel, self.channels, tab["k_mids"],
+                          tab["k_levels"], tab["k_scale"], tab["k_zero"], tab["k_lo"], tab["k_hi"], tab["k_offs"],
+                          self.key_slots, tab["v_mids"], tab["v_levels"], tab["v_offs"], side,
+                          *self._regions_np(pages), clipped)
         return int(clipped.sum())
 
     def _pack(self, codes: torch.Tensor, offsets: torch.Tensor | None, bits: int, region: str) -> torch.Tensor:
@@ -504,10 +547,10 @@ class PageLayout:
 
     @functools.cached_property
     def _decode_levels(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The quantizers' decode levels, built once: with channel widths they are a table stacked per call, and a
-        new tensor every step would also make the kernels rebuild their lookup tables (kept in `_memo` while the
-        tensors they came from are the same)."""
-        return self.k_quant.decode_levels, self.v_quant.decode_levels
+        """The quantizers' decode levels (of the share's channels), built once: with channel widths they are a
+        table stacked per call, and a new tensor every step would also make the kernels rebuild their lookup tables
+        (kept in `_memo` while the tensors they came from are the same)."""
+        return self._k_share.decode_levels, self._v_share.decode_levels
 
     def _offsets(self, dev) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         return tuple(None if o is None else o.to(dev) for o in (self.k_offsets, self.v_offsets))
@@ -543,7 +586,7 @@ class PageLayout:
         keys = torch.empty(length, self.channels, dtype=torch.float32)  # not the default dtype (an engine sets it)
         values = torch.empty(length, self.channels, dtype=torch.float32)
         fast.read_sequence(np.ascontiguousarray(table[:nb].to(torch.int64).numpy()), length, self.block_size,
-                           self.sinks, tab["k_offs"], tab["v_offs"], tab["k_levels"], tab["k_scale_read"],
-                           tab["k_zero_read"], tab["v_levels"], *self._regions_np(pages), keys.numpy(),
+                           self.sinks, tab["k_offs"], tab["v_offs"], tab["k_levels_read"], tab["k_scale_read"],
+                           tab["k_zero_read"], tab["v_levels_read"], *self._regions_np(pages), keys.numpy(),
                            values.numpy())
         return keys, values

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-from ..view import Outliers, StoreView
+from ..view import NO_CHANNEL, Outliers, StoreView
 from .attend import _even_offsets, _luts, _np
 from .common import code_at
 from .simd import f16
@@ -29,8 +29,8 @@ def dequantize_slots(k_codes, v_codes, klut, vlut, k_offs, v_offs, sz, k_ptr, k_
                      keys, values):
     """keys, values float32 [N, C] of the N slots: codes uint32 [N, W] packed along channels at stream bits
     offs int32 [C + 1]; klut / vlut float32 [C, R] (R >= 2**width of every channel); sz fp16 bits uint16 [N, 2];
-    outliers: the entries of slot n are ptr[n] : ptr[n + 1] (int64 [N + 1]; [0]: none), channels uint16 and
-    fp16 values as uint16 bits."""
+    outliers: the entries of slot n are ptr[n] : ptr[n + 1] (int64 [N + 1]; [0]: none), channels uint16 (an entry
+    at `NO_CHANNEL` is empty) and fp16 values as uint16 bits."""
     n, c = keys.shape
     k_out, v_out = k_ptr.shape[0] > 1, v_ptr.shape[0] > 1
     for s in prange(n):
@@ -43,10 +43,12 @@ def dequantize_slots(k_codes, v_codes, klut, vlut, k_offs, v_offs, sz, k_ptr, k_
             values[s, j] = level * scale + zero
         if k_out:
             for e in range(k_ptr[s], k_ptr[s + 1]):
-                keys[s, np.int64(k_chan[e])] = f16(k_val[e])
+                if k_chan[e] < c:  # NO_CHANNEL: an empty entry
+                    keys[s, np.int64(k_chan[e])] = f16(k_val[e])
         if v_out:
             for e in range(v_ptr[s], v_ptr[s + 1]):
-                values[s, np.int64(v_chan[e])] = f16(v_val[e])
+                if v_chan[e] < c:
+                    values[s, np.int64(v_chan[e])] = f16(v_val[e])
 
 
 @njit(cache=True)
@@ -78,7 +80,8 @@ def _check_indices(kv: StoreView, t: int, c: int) -> None:
     if kv.sink_slot.numel() and int(kv.sink_slot.max()) >= t:
         bad.append(f"a sink at token {int(kv.sink_slot.max())} of a {t}-token cache")
     for name, o in (("key", kv.k_outliers), ("value", kv.v_outliers)):
-        if o is not None and o.nnz and int((o.channels.int() & 0xFFFF).max()) >= c:
+        channel = None if o is None or not o.nnz else o.channels.int() & 0xFFFF
+        if channel is not None and int(channel.masked_fill(channel == NO_CHANNEL, 0).max()) >= c:
             bad.append(f"a {name} outlier past channel {c - 1}")
     if bad:
         raise ValueError(f"dequantize_view: {'; '.join(bad)}: the view does not describe this cache")

@@ -33,6 +33,7 @@ from .simd import f16, half_bits
 
 _HALF = np.float32(0.5)
 _ONE = np.float32(1.0)
+_NO_CHANNEL = np.uint16(0xFFFF)  # `kernels.view.NO_CHANNEL`
 _MIN_SCALE = np.float32(1e-6)  # affine._MIN_SCALE, as torch compares it: a float32
 
 
@@ -89,17 +90,20 @@ def _top(x, k, side, idx, val):
 
 
 @njit(parallel=True, cache=True, error_model="numpy")  # no zero-division branch: scales are >= 1e-6
-def write_tokens(xk, xv, block, offset, positions, sinks, k_mids, k_levels, k_scale, k_zero, k_lo, k_hi, k_offs,
-                 key_slots, v_mids, v_levels, v_offs, v_side, r_kcodes, r_vcodes, r_sz, r_kch, r_kval, r_vch, r_vval,
-                 r_sink_k, r_sink_v, clipped):
+def write_tokens(xk, xv, block, offset, positions, sinks, c0, cl, k_mids, k_levels, k_scale, k_zero, k_lo, k_hi,
+                 k_offs, key_slots, v_mids, v_levels, v_offs, v_side, r_kcodes, r_vcodes, r_sz, r_kch, r_kval, r_vch,
+                 r_vval, r_sink_k, r_sink_v, clipped):
     """Quantize tokens n < N into slot (block[n], offset[n]) of their pages; see the module docstring.
 
     Args:
         xk, xv: float32 [N, C] pre-RoPE keys and values; block, offset, positions: int64 [N].
         sinks: positions below it are stored exactly (sink area of the page).
+        c0, cl: the pages hold channels c0 .. c0 + cl of every token (a rank's share; 0, C: all): their codes and
+            sinks, each token's scale and zero-point, and its slots renumbered from c0, those of other channels
+            `NO_CHANNEL` (value 0) after them. Everything else is computed from the whole token.
         k_mids, k_levels: float32 each channel's key boundaries [M, C] (+inf past its own) and levels [C, L];
             k_scale, k_zero: float32 [C] (fp16 values); k_lo, k_hi: float32 [C] calibrated range; k_offs: int64
-            [C + 1] stream bit offsets of the codes; key_slots: exact key elements per token (0: none).
+            [cl + 1] stream bit offsets of the share's codes; key_slots: exact key elements per token (0: none).
         v_mids, v_levels, v_offs: the values'; v_side: value outliers per side of each token (0: none).
         r_*: the page regions (`layout.regions`), written.
         clipped: int64 [N], written: the token's outliers that did not get a slot.
@@ -145,16 +149,20 @@ def write_tokens(xk, xv, block, offset, positions, sinks, k_mids, k_levels, k_sc
                 s = 0
                 for j in range(c):
                     if taken[j]:
-                        r_kch[p, o, s] = np.uint16(j)
-                        r_kval[p, o, s] = half_bits(xk[n, j])
+                        if c0 <= j < c0 + cl:
+                            r_kch[p, o, s] = np.uint16(j - c0)
+                            r_kval[p, o, s] = half_bits(xk[n, j])
+                            s += 1
                         codes[j] = 0
-                        s += 1
                     elif past[j]:
                         over += 1
+                for i in range(s, key_slots):
+                    r_kch[p, o, i] = _NO_CHANNEL
+                    r_kval[p, o, i] = 0
             clipped[n] = over
             if sink:
                 codes[:] = 0
-            _pack(codes, k_offs, words_k)
+            _pack(codes[c0:c0 + cl], k_offs, words_k)
             for i in range(words_k.shape[0]):
                 r_kcodes[p, o, i] = words_k[i]
             # values: the token's range between its top-k outliers per side, its fp16 scale and zero-point
@@ -183,23 +191,26 @@ def write_tokens(xk, xv, block, offset, positions, sinks, k_mids, k_levels, k_sc
             for j in range(c):
                 if taken[j]:
                     codes[j] = 0
-                    if s < vk:
-                        r_vch[p, o, s] = np.uint16(j)
+                    if s < vk and c0 <= j < c0 + cl:
+                        r_vch[p, o, s] = np.uint16(j - c0)
                         r_vval[p, o, s] = half_bits(xn[j])
-                    s += 1
+                        s += 1
                 else:
                     codes[j] = qi[j]
+            for i in range(s, vk):
+                r_vch[p, o, i] = _NO_CHANNEL
+                r_vval[p, o, i] = 0
             if sink:
                 codes[:] = 0
                 r_sz[p, o, 0] = 0
                 r_sz[p, o, 1] = 0
-                for j in range(c):
-                    r_sink_k[p, positions[n], j] = half_bits(xk[n, j])
-                    r_sink_v[p, positions[n], j] = half_bits(xv[n, j])
+                for j in range(cl):
+                    r_sink_k[p, positions[n], j] = half_bits(xk[n, c0 + j])
+                    r_sink_v[p, positions[n], j] = half_bits(xv[n, c0 + j])
             else:
                 r_sz[p, o, 0] = half_bits(scale)
                 r_sz[p, o, 1] = half_bits(zero)
-            _pack(codes, v_offs, words_v)
+            _pack(codes[c0:c0 + cl], v_offs, words_v)
             for i in range(words_v.shape[0]):
                 r_vcodes[p, o, i] = words_v[i]
 
@@ -218,12 +229,14 @@ def read_sequence(table, length, bs, sinks, k_offs, v_offs, k_levels, k_scale, k
             kc = code_at(r_kcodes[p, o], 0, k_offs[j], k_offs[j + 1] - k_offs[j])
             keys[t, j] = k_levels[j, kc] * k_scale[j] + k_zero[j]
         for s in range(r_kch.shape[2]):
-            keys[t, np.int64(r_kch[p, o, s])] = f16(r_kval[p, o, s])
+            if r_kch[p, o, s] < c:  # NO_CHANNEL: an empty slot (a rank's share)
+                keys[t, np.int64(r_kch[p, o, s])] = f16(r_kval[p, o, s])
         scale, zero = f16(r_sz[p, o, 0]), f16(r_sz[p, o, 1])
         for j in range(c):
             values[t, j] = v_levels[j, code_at(r_vcodes[p, o], 0, v_offs[j], v_offs[j + 1] - v_offs[j])] * scale + zero
         for s in range(r_vch.shape[2]):
-            values[t, np.int64(r_vch[p, o, s])] = f16(r_vval[p, o, s])
+            if r_vch[p, o, s] < c:
+                values[t, np.int64(r_vch[p, o, s])] = f16(r_vval[p, o, s])
         if t < sinks:
             first = table[0]
             for j in range(c):

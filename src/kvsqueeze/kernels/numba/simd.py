@@ -473,6 +473,19 @@ uand = _uint_op("and_", "a & b")
 umin = _uint_op("umin", "minimum")
 
 
+@intrinsic
+def vbelow(typingctx, a, limit):
+    """1.0 in the lanes where a < limit (unsigned; `limit` an integer for every lane), 0.0 elsewhere."""
+    if a != u32x16 or not isinstance(limit, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        below = builder.icmp_unsigned("<", args[0], _splat(builder, _to_i32(builder, args[1]), _VI))
+        return builder.uitofp(below, _VF)
+
+    return f32x16(a, limit), codegen
+
+
 # ---- codes ---------------------------------------------------------------------------------------
 @intrinsic
 def vfunnel(typingctx, lo, hi, shift):

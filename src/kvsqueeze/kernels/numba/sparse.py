@@ -43,6 +43,7 @@ from .simd import (
     umul,
     ushr,
     vadd,
+    vbelow,
     vfunnel,
     vhalf,
     vindex,
@@ -165,6 +166,8 @@ def key_outliers(q, codes, slot_words, klut, bits, heads, positions, cos_hi, sin
             row_out = b * U(hq_all) * ut + t  # scores[b, 0, t]
             ea = e - U(pointers[slot]) + U(entry_base[slot])  # where the slot's entries are stored
             c = U(channels[ea])
+            if c >= U(n_chan):  # NO_CHANNEL: an empty entry
+                continue
             if known:
                 delta = f16(values[ea + uv]) - lut[c * uwidth + ucode]
             else:
@@ -225,6 +228,8 @@ def value_outliers(probs, codes, n_words, vlut, bits, heads, scale_zero, pointer
             row_acc, row_p = b * U(hq_all) * ud, b * U(hq_all) * ut + t  # acc[b, 0, 0], probs[b, 0, t]
             for e in range(U(pointers[slot]), U(pointers[slot + U(1)])):
                 c = U(channels[e])
+                if c >= U(n_chan):  # NO_CHANNEL
+                    continue
                 level = levels[c * uwidth + (under if known else _code(codes_flat, slot * uw, c, ub))]
                 delta = f16(values[e]) - (level * s + z)
                 ia, ip = row_acc + c_acc[c], row_p + c_p[c]
@@ -271,6 +276,8 @@ def value_outliers_fixed(probs, codes, rows, geo, shift, vlut, bits, heads, sz, 
                 c_lane, v_lane = vat(r, geo, V_CHANNELS, shift), vat(r, geo, V_VALUES, shift)
                 for i in range(fixed):
                     c, raw = vindex16(channels, i, c_lane, n), vindex16(values, i, v_lane, n)
+                    named = vbelow(c, n_chan)  # 0.0 for an empty entry (NO_CHANNEL), which then adds p * 0
+                    c = umin(c, n_chan - 1)
                     if code_under >= 0:
                         level = vindex(under_c, 0, c, n)
                     else:
@@ -279,7 +286,7 @@ def value_outliers_fixed(probs, codes, rows, geo, shift, vlut, bits, heads, sz, 
                         level = vlookup(table, vfunnel(vindex(codes_flat, 0, w, n),
                                                        vindex(codes_flat, 0, umin(uadd(w, 1), last_word), n),
                                                        uand(off, 31)))
-                    delta = vsub(vhalf(raw), vadd(vmul(level, s), z))
+                    delta = vmul(vsub(vhalf(raw), vadd(vmul(level, s), z)), named)
                     ia = uadd(vindex(c_acc, 0, c, n), lane)
                     ip = uadd(vindex(c_p, 0, c, n), lane)
                     for g in range(g_size):

@@ -158,6 +158,7 @@ def key_outliers(q_ptr, codes_ptr, offs_ptr, klut_ptr, pos_ptr, cos_hi, sin_hi, 
     b = n - t * B
     ce, xe = _entries(cbase_ptr, xbase_ptr, e, n, emask, FIXED)
     c = tl.load(chan_ptr + ce, mask=emask, other=0).to(tl.int32) & 0xFFFF
+    emask = emask & (c < (HQ // G) * D)  # NO_CHANNEL: an empty entry
     if UNDER >= 0:
         code = tl.zeros_like(c) + UNDER
     else:
@@ -327,6 +328,7 @@ def value_outliers(codes_ptr, offs_ptr, vlut_ptr, sz_ptr, vbase_ptr, szbase_ptr,
     emask = emask & ~_is_sink(sink_slot, b, t, emask, S)
     ce, xe = _entries(cbase_ptr, xbase_ptr, e, n, emask, FIXED)
     c = tl.load(chan_ptr + ce, mask=emask, other=0).to(tl.int32) & 0xFFFF
+    emask = emask & (c < (HQ // G) * D)  # NO_CHANNEL: an empty entry
     if UNDER >= 0:
         code = tl.zeros_like(c) + UNDER
     else:
