@@ -288,11 +288,14 @@ def peers_table(data: dict) -> str:
     return "\n".join(out)
 
 # ---- vLLM, in its own environment ---------------------------------------------------------------------
-def vllm_engine(py: Path, args: list[str], tmp: Path, name: str) -> dict:
-    """One run of `kvsqueeze.serving.vllm_run` in vLLM's environment (`py`), its JSON result; its log in `tmp`."""
+def vllm_engine(py: Path, args: list[str], tmp: Path, name: str, env: dict | None = None) -> dict:
+    """One run of `kvsqueeze.serving.vllm_run` in vLLM's environment (`py`), its JSON result; its log in `tmp`;
+    `env`: variables set for that run."""
     out = tmp / f"{name}.json"
+    extra = env or {}
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    env.update(extra)
     t0 = time.perf_counter()
     run = subprocess.run([str(py), "-m", "kvsqueeze.serving.vllm_run", *args, "--out", str(out)], env=env,
                          capture_output=True, text=True)

@@ -104,6 +104,34 @@ def test_a_page_holds_the_registry_s_bytes_per_token(tiny_recipe, tmp_path, meth
         assert 0 <= layout.page_bytes - data - sink_area < 16 * len(layout.regions)
 
 
+@pytest.mark.parametrize("method, budget", [("nuq3-1%", None), ("nuq@3:chan", 3.0)])
+def test_each_rank_holds_its_heads_of_what_one_rank_holds(tiny_llama, tiny_recipe, tmp_path, method, budget):
+    """Tensor parallelism: given the keys and values of one forward (every head's, as the ranks exchange them),
+    rank r's pages of every layer reconstruct exactly head r's channels of one rank's pages, in pages of one size
+    on both ranks (the larger share's) and smaller than one rank's."""
+    recipe = _mixed(tiny_recipe, budget) if budget else tiny_recipe
+    config = ServingConfig(str(recipe.save(tmp_path / "recipe")), method)
+    ids = torch.randint(0, 256, (1, 45), generator=torch.Generator().manual_seed(4))
+    kv = _captured(tiny_llama, ids, cache_for(tiny_llama, tmp_path / "recipe", config.spec))
+    c, d, bs, n = kv[0][0].shape[1], tiny_llama.config.head_dim, 8, ids.shape[1]
+    table, pos = torch.arange(-(-n // bs), dtype=torch.int32), torch.arange(n)
+    for i, (k, v) in enumerate(kv):
+        one = config.layout(i, c, d, bs)
+        shares = [config.layout(i, c, d, bs, rank, 2) for rank in range(2)]
+        assert shares[0].page_bytes == shares[1].page_bytes < one.page_bytes
+        whole = None
+        for layout in (one, *shares):
+            pages = layout.allocate(len(table)).random_(0, 256)
+            for chunk in pos.split(16):
+                layout.write(pages, chunk, k[chunk], v[chunk], chunk)
+            got = layout.read(pages, table, n)
+            if whole is None:
+                whole = got
+                continue
+            cut = slice(layout.first_channel, layout.first_channel + layout.channels)
+            assert torch.equal(got[0], whole[0][:, cut]) and torch.equal(got[1], whole[1][:, cut]), (i, cut)
+
+
 _PARALLEL_KERNEL = ("import numpy as np\n"
                     "from numba import njit, prange\n"
                     "@njit(parallel=True)\n"

@@ -34,11 +34,13 @@ def _prompts() -> list[list[int]]:
 
 
 def _vllm(tmp_path, model_dir, recipe_dir, prompts, *extra, method: str = METHOD) -> dict:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     pf = tmp_path / "prompts.json"
     pf.write_text(json.dumps(prompts))
     out = tmp_path / "out.json"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
-    env.update(OMP_NUM_THREADS="2", VLLM_CPU_OMP_THREADS_BIND="nobind")
+    ranks = int(extra[extra.index("--tensor-parallel-size") + 1]) if "--tensor-parallel-size" in extra else 1
+    env.update(OMP_NUM_THREADS=str(2 // ranks), VLLM_CPU_OMP_THREADS_BIND="nobind")  # a core per rank
     cmd = [str(VLLM_PYTHON), "-m", "kvsqueeze.serving.vllm_run", "--model", str(model_dir), "--recipe",
            str(recipe_dir), "--method", method, "--prompts", str(pf), "--max-tokens", "12", "--block-size", "16",
            "--max-model-len", "256", "--kv-bytes", str(64 << 20), "--skip-tokenizer-init", "--out", str(out), *extra]
@@ -249,19 +251,51 @@ def test_vllm_refuses_a_recipe_of_another_model(tiny_model_dir, tmp_path):
     assert "belongs to another model" in run.stdout + run.stderr and "kvsqueeze calibrate" in run.stdout + run.stderr
 
 
-def test_vllm_refuses_tensor_parallelism_naming_why(tiny_model_dir, tiny_recipe_dir, tmp_path):
-    """With --tensor-parallel-size 2 each rank holds one of the tiny model's two KV heads; a token's values are
-    quantized over both at once, so the backend refuses before serving anything, and says what to do."""
+def test_vllm_with_tensor_parallelism_gives_what_one_rank_gives(tiny_model_dir, tiny_recipe, tmp_path):
+    """--tensor-parallel-size 2: each rank holds one of the tiny model's two KV heads, in pages of its share (a
+    per-channel budget's shares differ in width; every rank's pages take the larger), with its own fp16 window.
+    The ranks exchange the new tokens' keys and values and encode whole tokens, so what they hold is what one rank
+    holds: prompt log-probabilities (chunked prefill, then from the prefix cache) and greedy tokens (prefill and
+    decode, four prompts batched) equal those of one rank to float rounding."""
+    from kvsqueeze.serving.settings import ServingConfig
+    from test_budget import _mixed
+
+    recipe_dir = _mixed(tiny_recipe, 3.0).save(tmp_path / "budget")
+    method = "nuq@3:chan:r8"
+    config = ServingConfig(str(recipe_dir), method)
+    whole = [config.page_bytes(layer, 32, 16, 16) for layer in range(2)]
+    shares = [[config.page_bytes(layer, 32, 16, 16, rank, 2) for layer in range(2)] for rank in range(2)]
+    assert shares[0] == shares[1] and all(a < b for a, b in zip(shares[0], whole))
+    window_page = 16 * 2 * 2 * 16 * 2  # a rank's window: its own head's 16 channels
+    prompts = _prompts()
+    runs = {}
+    for tp in (1, 2):
+        args = ("--max-num-batched-tokens", "16", "--tensor-parallel-size", str(tp))
+        runs[tp] = (_vllm(tmp_path / f"score{tp}", tiny_model_dir, recipe_dir, [p for p in prompts if len(p) > 20],
+                          "--score", "--repeat", "2", *args, method=method),
+                    _vllm(tmp_path / f"gen{tp}", tiny_model_dir, recipe_dir, prompts, *args, method=method))
+    assert runs[2][1]["num_blocks"] == (64 << 20) // max(sum(shares[0]), window_page)
+    assert runs[2][1]["num_blocks"] > runs[1][1]["num_blocks"]  # a rank's KV space holds more of its own pages
+    for one, two in zip(runs[1][0]["score_rounds"], runs[2][0]["score_rounds"]):
+        for a, b in zip(one, two):
+            torch.testing.assert_close(torch.tensor(b["logprob"]), torch.tensor(a["logprob"]), rtol=0, atol=1e-4)
+    assert runs[2][1]["runs"][0]["tokens"] == runs[1][1]["runs"][0]["tokens"]
+
+
+def test_vllm_refuses_a_tensor_parallel_size_that_does_not_divide_the_kv_heads(tiny_model_dir, tiny_recipe_dir,
+                                                                                tmp_path):
+    """Four ranks for the tiny model's two KV heads would make vLLM copy a head to two ranks: refused before
+    serving, naming the fix."""
     pf = tmp_path / "p.json"
     pf.write_text(json.dumps([[1, 2, 3]]))
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
     env.update(VLLM_CPU_OMP_THREADS_BIND="nobind")
     run = subprocess.run([str(VLLM_PYTHON), "-m", "kvsqueeze.serving.vllm_run", "--model", str(tiny_model_dir),
                           "--recipe", str(tiny_recipe_dir), "--prompts", str(pf), "--max-model-len", "256",
-                          "--kv-bytes", str(64 << 20), "--skip-tokenizer-init", "--tensor-parallel-size", "2",
+                          "--kv-bytes", str(64 << 20), "--skip-tokenizer-init", "--tensor-parallel-size", "4",
                           "--out", str(tmp_path / "o.json")], env=env, capture_output=True, text=True, timeout=900)
     assert run.returncode != 0
-    assert "--tensor-parallel-size 1" in run.stdout + run.stderr, (run.stdout + run.stderr)[-3000:]
+    assert "divides the KV heads" in run.stdout + run.stderr, (run.stdout + run.stderr)[-3000:]
 
 
 def test_the_plugin_is_registered_for_vllm():

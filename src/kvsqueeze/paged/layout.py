@@ -146,12 +146,15 @@ class PageLayout:
         kernels: "auto" (numba for pages in CPU memory where it loads, else torch), "torch" or "numba".
         heads: (first, count): the KV heads this layout holds of the channels // head_dim the quantizers cover (a
             tensor-parallel rank's share; see the module docstring); None: all of them.
+        min_page_bytes: pages of at least this many bytes (a multiple of 16 and of the block size: the shares of
+            a budget whose channels differ in width differ in size, and every rank's pages must be of one size).
 
     `channels` and `heads` of the layout are then its share's, `full_channels` the method's.
     """
 
     def __init__(self, k_quant: VectorQuantizer, v_quant: VectorQuantizer, channels: int, head_dim: int,
-                 block_size: int, sinks: int = 0, kernels: str = "auto", heads: tuple[int, int] | None = None):
+                 block_size: int, sinks: int = 0, kernels: str = "auto", heads: tuple[int, int] | None = None,
+                 min_page_bytes: int = 0):
         problems = []
         first, count = (0, channels // head_dim if head_dim > 0 else 0) if heads is None else heads
         if head_dim > 0 and not (0 <= first and 0 < count and (first + count) * head_dim <= channels):
@@ -198,7 +201,10 @@ class PageLayout:
         self.regions = regions(self.channels, code_words(self._k_share, self.channels),
                                code_words(self._v_share, self.channels), key_slots, self.value_slots, sinks,
                                block_size)
-        self.page_bytes = page_bytes(self.regions, block_size)
+        self.page_bytes = max(page_bytes(self.regions, block_size), min_page_bytes)
+        if self.page_bytes % math.lcm(ALIGN, block_size):
+            raise ValueError(f"PageLayout: min_page_bytes {min_page_bytes} is not a multiple of 16 bytes and of the "
+                             f"block size {block_size}")
         self.kernels = kernels
         if kernels == "numba":
             from ..kernels.numba import pages  # noqa: F401  asked for by name: its own import error

@@ -145,26 +145,43 @@ class ServingConfig:
             raise ServingError(f"recipe {self.recipe} belongs to another model ({diff}): calibrate one for this model "
                                "with `kvsqueeze calibrate --model ... --out DIR`")
 
-    def layout(self, layer: int, channels: int, head_dim: int, block_size: int) -> PageLayout:
-        """How layer `layer` holds its tokens in pages (each layer its own widths, outliers and page size)."""
-        return _layout(self, layer, channels, head_dim, block_size)
+    def layout(self, layer: int, channels: int, head_dim: int, block_size: int, rank: int = 0,
+               ranks: int = 1) -> PageLayout:
+        """How layer `layer` holds its tokens in pages (each layer its own widths, outliers and page size).
 
-    def page_bytes(self, layer: int, channels: int, block_size: int, head_dim: int) -> int:
-        """Bytes of one page of `block_size` tokens of layer `layer`."""
-        return self.layout(layer, channels, head_dim, block_size).page_bytes
+        `channels` are the model's (every KV head's); with `ranks` > 1 (tensor parallelism), the layout of rank
+        `rank`'s share of the heads (`PageLayout`'s `heads`), its pages as large as the largest share's."""
+        return _layout(self, layer, channels, head_dim, block_size, rank, ranks)
+
+    def page_bytes(self, layer: int, channels: int, block_size: int, head_dim: int, rank: int = 0,
+                   ranks: int = 1) -> int:
+        """Bytes of one page of `block_size` tokens of layer `layer` (of a rank's share: see `layout`)."""
+        return self.layout(layer, channels, head_dim, block_size, rank, ranks).page_bytes
 
 
 @functools.lru_cache(maxsize=256)
-def _layout(config: ServingConfig, layer: int, channels: int, head_dim: int, block_size: int) -> PageLayout:
-    """One layout per layer, shape and block size a process (the engine sizes pages from it, the backend writes
-    them with it); built outside inference mode, so the tables the kernels keep from it carry version counters."""
+def _layout(config: ServingConfig, layer: int, channels: int, head_dim: int, block_size: int, rank: int = 0,
+            ranks: int = 1) -> PageLayout:
+    """One layout per layer, shape, block size and share a process (the engine sizes pages from it, the backend
+    writes them with it); built outside inference mode, so the tables the kernels keep from it carry version
+    counters."""
     import torch
 
     from ..methods import build_quantizers
 
+    heads = channels // head_dim
+    if ranks > 1 and (heads % ranks or not 0 <= rank < ranks):
+        raise ServingError(f"{heads} KV heads cannot be shared equally by {ranks} tensor-parallel ranks (rank "
+                           f"{rank}): serve with a --tensor-parallel-size that divides the model's KV heads")
     with torch.inference_mode(False):
         kq, vq = build_quantizers(config.spec, config._recipe, layer, channels, head_dim)
-        return PageLayout(kq, vq, channels, head_dim, block_size, sinks=config.spec.sinks)
+        if ranks == 1:
+            return PageLayout(kq, vq, channels, head_dim, block_size, sinks=config.spec.sinks)
+        share = heads // ranks
+        sizes = [PageLayout(kq, vq, channels, head_dim, block_size, sinks=config.spec.sinks,
+                            heads=(r * share, share)).page_bytes for r in range(ranks)]
+        return PageLayout(kq, vq, channels, head_dim, block_size, sinks=config.spec.sinks,
+                          heads=(rank * share, share), min_page_bytes=max(sizes))
 
 
 @functools.lru_cache(maxsize=4)

@@ -29,8 +29,14 @@ What the backend does, per layer and step:
   pages (`WindowStore`, a sliding-window KV group vLLM frees as tokens leave the window), and each query reads
   its last N tokens from there, exact, and older ones from the codes.
 
-Refused at start-up with the reason: tensor parallelism (values are quantized per token over all KV heads),
-pipeline parallelism or a disabled hybrid KV cache manager with an fp16 window, the model's own sliding windows,
+Tensor parallelism: each rank holds its share of the KV heads (`PageLayout`'s `heads`). A token's values are
+quantized over all its KV heads (one scale, zero-point and top-k per token) and its exact key elements chosen over all
+its channels, so the ranks exchange the new tokens' pre-RoPE keys and values (one all-gather per layer and step) and
+each encodes whole tokens as one rank would, keeping its heads' share: every rank's pages are bit for bit the
+matching part of what one rank would hold, and attention over them is the same.
+
+Refused at start-up with the reason: a tensor-parallel size that does not divide the model's KV heads, pipeline
+parallelism or a disabled hybrid KV cache manager with an fp16 window, the model's own sliding windows,
 ALiBi, learned attention sinks, encoder attention, KV sharing across layers, interleaved (GPT-J) RoPE, RoPE
 scalings whose frequencies change with the length.
 """
@@ -149,6 +155,15 @@ def _size_pages_per_layer() -> None:
     Attention.get_kv_cache_spec = get_kv_cache_spec
 
 
+def _tensor_parallel() -> tuple[int, int]:
+    """(this process's tensor-parallel rank, the number of ranks); (0, 1) where vLLM's groups are not set up."""
+    from vllm.distributed import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 0, 1
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
 def _layer_index(name: str) -> int:
     m = _LAYER_INDEX.search(name)
     if m is None:
@@ -192,9 +207,10 @@ class KVSqueezeBackend(AttentionBackend):
     def layer_spec(cls, spec: AttentionSpec, layer_name: str) -> AttentionSpec:
         """One page of `block_size` tokens of this layer holds its compressed layout: uint8, the layer's
         `page_bytes / block_size` a token."""
-        channels = spec.num_kv_heads * spec.head_size
+        rank, ranks = _tensor_parallel()
+        channels = spec.num_kv_heads * ranks * spec.head_size  # the model's: a rank's spec counts its own heads
         per_token = ServingConfig.from_env().page_bytes(_layer_index(layer_name), channels, spec.block_size,
-                                                         spec.head_size) // spec.block_size
+                                                         spec.head_size, rank, ranks) // spec.block_size
         return replace(spec, dtype=torch.uint8, num_head_slots=1, state_content_bytes=per_token)
 
     @classmethod
@@ -388,15 +404,19 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             raise ServingError(f"{hf.model_type}: the kvsqueeze backend does not serve {', '.join(refused)}; serve "
                                "this model with vLLM's own backend")
         tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
-        if tp > 1:
-            raise ServingError(f"{hf.model_type}: --tensor-parallel-size {tp} gives each rank {self.num_kv_heads} of "
-                               f"the model's {hf.num_key_value_heads} KV heads, and kvsqueeze quantizes each token's "
-                               "values over all its KV heads at once (one scale, zero-point and top-k outliers per "
-                               "token): a rank cannot store what the method stores. Serve with "
-                               "--tensor-parallel-size 1 (pipeline parallelism splits layers and is not affected)")
+        model_heads = int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
+        if model_heads % tp or self.num_kv_heads * tp != model_heads:
+            raise ServingError(f"{hf.model_type}: --tensor-parallel-size {tp} does not share the model's "
+                               f"{model_heads} KV heads equally (vLLM would copy heads to every rank); serve with a "
+                               "--tensor-parallel-size that divides the KV heads")
+        self.rank, self.ranks = _tensor_parallel() if tp > 1 else (0, 1)
+        if self.ranks != tp:
+            raise ServingError(f"--tensor-parallel-size {tp}, but this process sees {self.ranks} tensor-parallel "
+                               "ranks: the kvsqueeze backend runs in vLLM's workers")
+        self.channels = model_heads * head_size  # every KV head's: what a token's keys and values are encoded over
         self.config = ServingConfig.from_env()
         _ = self.config.spec  # a bad method fails here, before any weight is loaded
-        self.config.check_model(int(hf.num_hidden_layers), self.num_kv_heads, head_size)
+        self.config.check_model(int(hf.num_hidden_layers), model_heads, head_size)
         self.rope = _rope(hf, head_size)
         self.block_size = vllm_config.cache_config.block_size
         self.layout = None
@@ -426,8 +446,8 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         if self.layout is None:
             name = getattr(layer, "layer_name", "")
             self.layer = _layer_index(name)
-            layout = self.config.layout(self.layer, self.num_kv_heads * self.head_size, self.head_size,
-                                        self.block_size)
+            layout = self.config.layout(self.layer, self.channels, self.head_size, self.block_size, self.rank,
+                                        self.ranks)
             if kv_cache[0].numel() != layout.page_bytes:
                 raise ServingError(f"attention {name!r}: the engine gave it pages of {kv_cache[0].numel()} bytes, its "
                                    f"layout takes {layout.page_bytes} ({self.config.spec.name})")
@@ -452,7 +472,7 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         v = value[:n].view(n, h * d).float()
         pos = md.positions.to(k.device)
         k_pre = self._pre_rope(k, pos, torch.finfo(key.dtype).eps).reshape(n, h * d)
-        self.overflow += layout.write(pages, md.slot_mapping, k_pre, v, pos)
+        self.overflow += layout.write(pages, md.slot_mapping, *self._every_head(k_pre, v), pos)
         window = self._write_window(k_pre, v, n, md.memo) if self.window else None
         out = output[:n].view(n, hq, d)
         qsl, lens = md.query_start_loc_cpu, md.seq_lens_cpu
@@ -475,6 +495,16 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             win = None if window is None else (window[0], window[1][r])
             out[a:b] = self._prefill(layout, pages, md.block_table[r:r + 1], int(lens[r]), qr, win).to(out.dtype)
         return output
+
+    def _every_head(self, k_pre: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's pre-RoPE keys and values [N, C] of every KV head: this rank's [N, H * D] gathered from every
+        tensor-parallel rank (rank r holds heads r * H .. (r + 1) * H - 1), or as they are with one rank."""
+        if self.ranks == 1:
+            return k_pre, v
+        from vllm.distributed import tensor_model_parallel_all_gather
+
+        both = tensor_model_parallel_all_gather(torch.stack([k_pre, v]).contiguous(), dim=-1)  # [2, N, C]
+        return both[0], both[1]
 
     def _write_window(self, k_pre: torch.Tensor, v: torch.Tensor, n: int,
                       memo: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -523,13 +553,14 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         if KVSqueezeImpl._warm:
             return
         KVSqueezeImpl._warm = True
-        layout = self.config.layout(0, self.num_kv_heads * self.head_size, self.head_size, self.block_size)
-        h, hq, d = self.num_kv_heads, self.num_heads, self.head_size
+        layout = self.config.layout(0, self.channels, self.head_size, self.block_size, self.rank, self.ranks)
+        hq, d = self.num_heads, self.head_size
         pages = layout.allocate(2)
         n = min(3, layout.block_size * 2)
         g = torch.Generator().manual_seed(0)
         f32 = torch.float32  # explicitly: the engine builds the model under its own default dtype
-        k, v = torch.randn(n, h * d, generator=g, dtype=f32), torch.randn(n, h * d, generator=g, dtype=f32)
+        k = torch.randn(n, self.channels, generator=g, dtype=f32)  # every head's, as `_every_head` gives them
+        v = torch.randn(n, self.channels, generator=g, dtype=f32)
         layout.write(pages, torch.arange(n), k, v, torch.arange(n))
         table = torch.arange(2, dtype=torch.int32).view(1, 2)
         layout.read(pages, table[0], n)
