@@ -17,7 +17,9 @@ also run through the compressed cache (`cache_for`, the store `generate` uses) a
 with the simulated path's (`cache_check`).
 
 Each (length, window, method) is one forward of up to 32K tokens (about 10-15 minutes for the 0.5B model on 2
-cores), appended to `<json stem>_windows.jsonl` as it finishes; a run resumes from there.
+cores), appended to `<json stem>_windows.jsonl` as it finishes; a run resumes from there. The fp16 reference of
+the window in progress (its final hidden states, one more such forward) is kept in `--reference-store` until
+every method has been scored on that window, so a run stopped in between does not compute it again.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check-length", type=int, default=8192)
     ap.add_argument("--check-methods", default="nuq3-1%,q3.5")
     ap.add_argument("--json", default="benchmarks/results/ppl_by_length.json")
+    ap.add_argument("--reference-store", default="out/ppl-by-length-references",
+                    help="folder for the fp16 reference of the window in progress ('' : keep none)")
     args = ap.parse_args(argv)
 
     from kvsqueeze.methods import preset_for
@@ -142,11 +146,16 @@ def main(argv: list[str] | None = None) -> int:
             need_check = length == args.check_length and w == 0 and not result.get("cache_check")
             if not todo and not need_check:
                 continue
-            t0 = time.perf_counter()
             ref_sim = SimulatedQuantization(model, fp16, recipe)
-            with ref_sim as sim:
-                reference = hidden_states(model, ids, sim.new_cache())
-            ref_s = time.perf_counter() - t0
+            stored = (Path(args.reference_store) / f"{args.model}.{args.text}.{length}.{w}.safetensors"
+                      if args.reference_store else None)
+            reference, ref_s = stored_reference(stored, ids)
+            if reference is None:
+                t0 = time.perf_counter()
+                with ref_sim as sim:
+                    reference = hidden_states(model, ids, sim.new_cache())
+                ref_s = time.perf_counter() - t0
+                keep_reference(stored, ids, reference, ref_s)
             for method in todo:
                 spec = preset_for(method, length)
                 t1 = time.perf_counter()
@@ -186,8 +195,42 @@ def main(argv: list[str] | None = None) -> int:
                     print("cache check:", checks_out[-1], flush=True)
                 result["cache_check"] = checks_out
                 write()
+            if stored is not None:
+                stored.unlink(missing_ok=True)  # every method of this run has been scored on this window
     write()
     return 0
+
+
+def stored_reference(path: Path | None, ids) -> tuple:
+    """(the reference hidden states `keep_reference` kept for these ids, the seconds they took), or (None, 0.0)
+    where none are kept (or what is kept belongs to other tokens: then it is deleted)."""
+    import torch
+    from safetensors.torch import load_file
+
+    if path is None or not path.is_file():
+        return None, 0.0
+    try:
+        named = load_file(str(path))
+        if torch.equal(named["ids"], ids.cpu()):
+            return named["hidden"], float(named["seconds"])
+    except Exception:  # noqa: BLE001 - unreadable or another run's: computed again
+        pass
+    path.unlink()
+    return None, 0.0
+
+
+def keep_reference(path: Path | None, ids, hidden, seconds: float) -> None:
+    """Write the window's reference through a temporary name (never half-written)."""
+    import torch
+    from safetensors.torch import save_file
+
+    if path is None:
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    save_file({"ids": ids.cpu().contiguous(), "hidden": hidden.detach().cpu().contiguous(),
+               "seconds": torch.tensor(seconds, dtype=torch.float64)}, str(tmp))
+    tmp.replace(path)
 
 
 if __name__ == "__main__":
