@@ -399,6 +399,13 @@ def faster_vllm(rate: dict) -> str:
     return max(("vllm", "vllm_same_chunk"), key=rate.get)
 
 
+def write_section(path: str | Path, key: str, result: dict) -> None:
+    """`result` into the JSON at `path` under `key` (the file's other measurements kept), printed, and where."""
+    merge_json(path, **{key: result})
+    print(json.dumps(result, indent=1))
+    print(f"wrote {path}")
+
+
 def merge_json(path: str | Path, **parts) -> dict:
     """Write `parts` into the JSON at `path` as top-level keys, keeping what else it holds; the whole."""
     out = Path(path)

@@ -38,7 +38,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, merge_json, openai_server, serving_arguments, serving_setup  # noqa: E402
+from common import machine, openai_server, serving_arguments, serving_setup, write_section  # noqa: E402
 
 TIMEOUT = 900  # seconds a request may take (queued behind the others included)
 
@@ -206,9 +206,7 @@ def main(argv: list[str] | None = None) -> int:
                "to the idle server; subset_differences: each one's first differing token and the gap between the two "
                "choices' log-probabilities given the same prefix on the idle server",
     }
-    merge_json(args.json, load_test=result)
-    print(json.dumps(result, indent=1))
-    print(f"wrote {args.json}")
+    write_section(args.json, "load_test", result)
     return 0 if not errors and result["pages_freed"] else 1
 
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, merge_json, serving_arguments, serving_setup, vllm_engine  # noqa: E402
+from common import machine, serving_arguments, serving_setup, vllm_engine, write_section  # noqa: E402
 
 
 def smallest_split(kv_heads: int, heads: int) -> int:
@@ -132,9 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                "one rank's paired 95% interval over windows; paired_ci95_against_one_rank: the several ranks' PPL "
                "change from one rank's, window by window",
     }
-    merge_json(args.json, tensor_parallel=result)
-    print(json.dumps(result, indent=1))
-    print(f"wrote {args.json}")
+    write_section(args.json, "tensor_parallel", result)
     return 0
 
 
