@@ -1,7 +1,8 @@
 """Tensor parallelism through vLLM's engine: the served method's perplexity on one rank and on several, same tokens.
 
     python benchmarks/vllm_tp.py [--model smollm2-135m] [--recipe out/recipe] [--method q3.5] [--ranks 3]
-        [--text bbc] [--windows 8] [--length 2048] [--block-size 128] [--json benchmarks/results/vllm.json]
+        [--text bbc] [--windows 8] [--length 2048] [--block-size 128] [--max-num-batched-tokens N]
+        [--json benchmarks/results/vllm.json]
 
 Windows of `--length` tokens of the evaluation text are scored teacher-forced (`vllm_run --score`, float32) by vLLM's
 engine with the kvsqueeze backend twice: with one rank, and with `--ranks` tensor-parallel ranks (vLLM's CPU engine
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--windows", type=int, default=8)
     ap.add_argument("--length", type=int, default=2048)
     ap.add_argument("--block-size", type=int, default=128)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="tokens a step (vLLM's default if not given): fewer hold fewer logits at once")
     args = ap.parse_args(argv)
 
     from transformers import DynamicCache
@@ -79,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
                   str(args.length + 16), "--kv-bytes", str(1 << 30), "--block-size", str(args.block_size),
                   "--prompts", str(tmp / "windows.json"), "--skip-tokenizer-init", "--score", "--backend",
                   "kvsqueeze", "--recipe", recipe, "--method", served]
+        if args.max_num_batched_tokens:
+            common += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         for r in (1, ranks):
             t0 = time.perf_counter()
             runs[r] = vllm_engine(py, [*common, "--tensor-parallel-size", str(r)], tmp, f"tp{r}",
@@ -114,6 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine(), "model": args.model, "recipe": args.recipe, "method": args.method,
         "served_method": served, "text": f"{args.text}, evaluation part", "windows": len(windows),
         "window_tokens": args.length, "tokens_scored": int(count), "block_size": args.block_size, "dtype": "float32",
+        "max_num_batched_tokens": args.max_num_batched_tokens or "vLLM's default",
         "ranks": ranks, "kv_heads": shape.kv_heads, "heads_per_rank": shape.kv_heads // ranks,
         "ppl_fp16_hf": round(math.exp(sum(fp16) / count), 4),
         "one_rank": {"ppl": round(math.exp(sum(nll[1]) / count), 4), "delta_pct": round(change(nll[1], fp16), 3),
