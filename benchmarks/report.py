@@ -370,6 +370,27 @@ def vllm(data: dict) -> str:
     return "\n".join(rows)
 
 
+def tensor_parallel(data: dict) -> str:
+    """One rank against several through vLLM's engine (`benchmarks/vllm_tp.py`): PPL and its change from fp16,
+    page bytes and token slots a rank."""
+    tp = data["tensor_parallel"]
+    one, many = tp["one_rank"], tp["ranks_run"]
+    ci = "" if one["ci95"] is None else f" ({one['ci95'][0]:+.3f} … {one['ci95'][1]:+.3f})"
+    return "\n".join([
+        f"{tp['model']}, `{tp['method']}` served as `{tp['served_method']}`, {tp['windows']} windows of "
+        f"{tp['window_tokens']:,} tokens ({tp['text']}), {tp['dtype']} ({tp['machine']})", "",
+        "| ranks | PPL | change from fp16 (HF path) | page bytes per token, a rank | token slots in 1 GiB, a rank |",
+        "|---:|---:|---|---:|---:|",
+        f"| 1 | {one['ppl']:.4f} | {one['delta_pct']:+.3f}%{ci} | {one['page_bytes_per_token']:,.0f} | "
+        f"{one['kv_tokens']:,} |",
+        f"| {tp['ranks']} | {many['ppl']:.4f} | {many['delta_pct']:+.3f}% | "
+        f"{max(many['page_bytes_per_token_per_rank']):,.0f} | {many['kv_tokens_per_rank']:,} |",
+        "", f"Inside one rank's interval: {'yes' if tp['ppl_inside_one_rank_interval'] else 'no'}; paired against "
+        f"one rank "
+        f"{tp['paired_ci95_against_one_rank'][0]:+.3f} … {tp['paired_ci95_against_one_rank'][1]:+.3f}%; first "
+        f"choices agree at {100 * tp['top1_agreement']:.1f}% of {tp['tokens_scored']:,} positions."])
+
+
 def transfer(data: dict, methods: tuple[str, ...] | None = None) -> str:
     """Each recipe's PPL change against fp16 on every text, with its paired interval; in-domain cells in bold."""
     rows = data["rows"]
@@ -429,6 +450,8 @@ def ppl_by_length(data: dict) -> str:
 # block name -> (JSON file, renderer)
 BLOCKS = {
     "vllm": ("vllm.json", vllm),
+    "tensor-parallel": ("vllm.json", tensor_parallel),
+    "tensor-parallel-qwen": ("vllm_tp_qwen.json", tensor_parallel),
     "transfer": ("transfer.json", transfer),
     "transfer-q3.5": ("transfer.json", lambda d: transfer(d, ("nuq3-1%", "q3.5"))),
     "ppl-by-length": ("ppl_by_length.json", ppl_by_length),
