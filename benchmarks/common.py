@@ -300,8 +300,11 @@ def vllm_engine(py: Path, args: list[str], tmp: Path, name: str, env: dict | Non
     run = subprocess.run([str(py), "-m", "kvsqueeze.serving.vllm_run", *args, "--out", str(out)], env=env,
                          capture_output=True, text=True)
     (tmp / f"{name}.log").write_text(run.stdout + run.stderr)
-    if run.returncode:
-        raise SystemExit(f"vLLM run {name!r} failed (log {tmp / name}.log):\n{run.stderr[-4000:]}")
+    if run.returncode:  # the log outlives the temporary folder: a worker's own error is in it, not in the tail
+        kept = ROOT / "out" / "logs" / f"vllm-{name}-{time.strftime('%Y%m%d-%H%M%S')}.log"
+        kept.parent.mkdir(parents=True, exist_ok=True)
+        kept.write_text(run.stdout + run.stderr)
+        raise SystemExit(f"vLLM run {name!r} failed (log {kept}):\n{run.stderr[-4000:]}")
     result = json.loads(out.read_text())
     result["process_seconds"] = round(time.perf_counter() - t0, 1)
     print(f"{name}: {json.dumps({k: v for k, v in result.items() if k not in ('runs', 'scores', 'predicted')})}",
