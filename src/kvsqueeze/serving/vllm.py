@@ -148,7 +148,7 @@ def _size_pages_per_layer() -> None:
         spec = original(self, vllm_config)
         backend = getattr(self, "attn_backend", None)
         if isinstance(spec, AttentionSpec) and isinstance(backend, type) and issubclass(backend, KVSqueezeBackend):
-            spec = KVSqueezeBackend.layer_spec(spec, self.layer_name)
+            spec = KVSqueezeBackend.layer_spec(spec, self.layer_name, vllm_config)
         return spec
 
     get_kv_cache_spec._kvsqueeze = True
@@ -204,10 +204,14 @@ class KVSqueezeBackend(AttentionBackend):
         return attn_type == AttentionType.DECODER
 
     @classmethod
-    def layer_spec(cls, spec: AttentionSpec, layer_name: str) -> AttentionSpec:
+    def layer_spec(cls, spec: AttentionSpec, layer_name: str, vllm_config=None) -> AttentionSpec:
         """One page of `block_size` tokens of this layer holds its compressed layout: uint8, the layer's
         `page_bytes / block_size` a token."""
         rank, ranks = _tensor_parallel()
+        tp = int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", ranks) or 1)
+        if ranks != tp:
+            raise ServingError(f"--tensor-parallel-size {tp}, but the process sizing {layer_name}'s pages sees {ranks} "
+                               "tensor-parallel ranks: the kvsqueeze backend sizes a rank's pages in vLLM's workers")
         channels = spec.num_kv_heads * ranks * spec.head_size  # the model's: a rank's spec counts its own heads
         per_token = ServingConfig.from_env().page_bytes(_layer_index(layer_name), channels, spec.block_size,
                                                          spec.head_size, rank, ranks) // spec.block_size
