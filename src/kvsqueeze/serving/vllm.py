@@ -155,13 +155,20 @@ def _size_pages_per_layer() -> None:
     Attention.get_kv_cache_spec = get_kv_cache_spec
 
 
-def _tensor_parallel() -> tuple[int, int]:
-    """(this process's tensor-parallel rank, the number of ranks); (0, 1) where vLLM's groups are not set up."""
+def _tensor_parallel(vllm_config, what: str) -> tuple[int, int]:
+    """(this process's tensor-parallel rank, the number of ranks), refused unless the number is the engine's
+    --tensor-parallel-size (a process where vLLM's groups are not set up sees one rank)."""
     from vllm.distributed import parallel_state
 
-    if not parallel_state.model_parallel_is_initialized():
-        return 0, 1
-    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+    rank, ranks = 0, 1
+    if parallel_state.model_parallel_is_initialized():
+        rank, ranks = (parallel_state.get_tensor_model_parallel_rank(),
+                       parallel_state.get_tensor_model_parallel_world_size())
+    tp = int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", ranks) or 1)
+    if ranks != tp:
+        raise ServingError(f"--tensor-parallel-size {tp}, but the process {what} sees {ranks} tensor-parallel "
+                           "ranks: the kvsqueeze backend runs in vLLM's workers")
+    return rank, ranks
 
 
 def _layer_index(name: str) -> int:
@@ -207,11 +214,7 @@ class KVSqueezeBackend(AttentionBackend):
     def layer_spec(cls, spec: AttentionSpec, layer_name: str, vllm_config=None) -> AttentionSpec:
         """One page of `block_size` tokens of this layer holds its compressed layout: uint8, the layer's
         `page_bytes / block_size` a token."""
-        rank, ranks = _tensor_parallel()
-        tp = int(getattr(getattr(vllm_config, "parallel_config", None), "tensor_parallel_size", ranks) or 1)
-        if ranks != tp:
-            raise ServingError(f"--tensor-parallel-size {tp}, but the process sizing {layer_name}'s pages sees {ranks} "
-                               "tensor-parallel ranks: the kvsqueeze backend sizes a rank's pages in vLLM's workers")
+        rank, ranks = _tensor_parallel(vllm_config, f"sizing {layer_name}'s pages")
         channels = spec.num_kv_heads * ranks * spec.head_size  # the model's: a rank's spec counts its own heads
         per_token = ServingConfig.from_env().page_bytes(_layer_index(layer_name), channels, spec.block_size,
                                                          spec.head_size, rank, ranks) // spec.block_size
@@ -413,10 +416,7 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             raise ServingError(f"{hf.model_type}: --tensor-parallel-size {tp} does not share the model's "
                                f"{model_heads} KV heads equally (vLLM would copy heads to every rank); serve with a "
                                "--tensor-parallel-size that divides the KV heads")
-        self.rank, self.ranks = _tensor_parallel() if tp > 1 else (0, 1)
-        if self.ranks != tp:
-            raise ServingError(f"--tensor-parallel-size {tp}, but this process sees {self.ranks} tensor-parallel "
-                               "ranks: the kvsqueeze backend runs in vLLM's workers")
+        self.rank, self.ranks = _tensor_parallel(vllm_config, "building the attention")
         self.channels = model_heads * head_size  # every KV head's: what a token's keys and values are encoded over
         self.config = ServingConfig.from_env()
         _ = self.config.spec  # a bad method fails here, before any weight is loaded
