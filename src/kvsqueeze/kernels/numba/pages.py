@@ -28,12 +28,13 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ..view import NO_CHANNEL
 from .common import code_at
 from .simd import f16, half_bits
 
 _HALF = np.float32(0.5)
 _ONE = np.float32(1.0)
-_NO_CHANNEL = np.uint16(0xFFFF)  # `kernels.view.NO_CHANNEL`
+_NO_CHANNEL = np.uint16(NO_CHANNEL)
 _MIN_SCALE = np.float32(1e-6)  # affine._MIN_SCALE, as torch compares it: a float32
 
 
