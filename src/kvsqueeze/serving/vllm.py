@@ -551,26 +551,38 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
     _warm = False
 
     def _warm_up(self) -> None:
-        """Once per process, as the model is built: write, read and attend a few tokens of scratch pages (the first
-        layer's layout) as `forward` does, so the compiled kernels are loaded, or compiled, before the first
-        request, not in it."""
+        """Once per process, as the model is built: write, read and attend a few tokens of scratch pages as
+        `forward` does, so the compiled kernels are loaded, or compiled, before the first request, not in it.
+
+        Every layer whose pages differ in which regions are empty is written and read: numba types an empty region
+        as contiguous and a filled one as strided, so each such pattern is a variant of its own (a layer without
+        key outlier slots, say), which the first request would otherwise compile (about a minute on 2 cores, in a
+        fresh environment)."""
         if KVSqueezeImpl._warm:
             return
         KVSqueezeImpl._warm = True
-        layout = self.config.layout(0, self.channels, self.head_size, self.block_size, self.rank, self.ranks)
         hq, d = self.num_heads, self.head_size
-        pages = layout.allocate(2)
-        n = min(3, layout.block_size * 2)
         g = torch.Generator().manual_seed(0)
         f32 = torch.float32  # explicitly: the engine builds the model under its own default dtype
-        k = torch.randn(n, self.channels, generator=g, dtype=f32)  # every head's, as `_every_head` gives them
-        v = torch.randn(n, self.channels, generator=g, dtype=f32)
-        layout.write(pages, torch.arange(n), k, v, torch.arange(n))
         table = torch.arange(2, dtype=torch.int32).view(1, 2)
-        layout.read(pages, table[0], n)
-        view, mask = layout.view(pages, table, torch.tensor([n]), in_place=True)
-        decode_attention(torch.randn(1, hq, d, generator=g, dtype=f32), view, self.rope, self.scale, key_mask=mask,
-                         backend=self.config.decode, softcap=self.softcap)
+        layers = int(get_current_vllm_config().model_config.hf_text_config.num_hidden_layers)
+        seen = set()
+        for index in range(layers):
+            layout = self.config.layout(index, self.channels, self.head_size, self.block_size, self.rank, self.ranks)
+            empty = tuple(r.nbytes == 0 for r in layout.regions.values())
+            if empty in seen:
+                continue
+            pages = layout.allocate(2)
+            n = min(3, layout.block_size * 2)
+            k = torch.randn(n, self.channels, generator=g, dtype=f32)  # every head's, as `_every_head` gives them
+            v = torch.randn(n, self.channels, generator=g, dtype=f32)
+            layout.write(pages, torch.arange(n), k, v, torch.arange(n))
+            layout.read(pages, table[0], n)
+            view, mask = layout.view(pages, table, torch.tensor([n]), in_place=True)
+            if not seen:
+                decode_attention(torch.randn(1, hq, d, generator=g, dtype=f32), view, self.rope, self.scale,
+                                 key_mask=mask, backend=self.config.decode, softcap=self.softcap)
+            seen.add(empty)
 
     def _pre_rope(self, k: torch.Tensor, pos: torch.Tensor, eps: float) -> torch.Tensor:
         """This step's keys [N, H, D] before RoPE: as the rotary step was given them where they are this layer's,

@@ -48,6 +48,21 @@ def _numba_layer() -> str | None:
         return None
 
 
+def kernel_variants() -> dict[str, int]:
+    """How many typed variants each of kvsqueeze's numba kernels has in this process (compiled or loaded from
+    numba's cache): a variant first needed inside a request is compiled there, on a fresh install."""
+    numba = sys.modules.get("numba")
+    if numba is None:
+        return {}
+    out = {}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("kvsqueeze.kernels.numba.") and module is not None:
+            for attr, value in vars(module).items():
+                if isinstance(value, numba.core.registry.CPUDispatcher) and value.signatures:
+                    out[f"{name.rsplit('.', 1)[1]}.{attr}"] = len(value.signatures)
+    return out
+
+
 def record_prompt_logits(llm) -> None:
     """Keep the whole log-softmax of every prompt position the engine scores (the logits `prompt_logprobs` are
     taken from, float32 [positions, vocab]), in the worker of this process, until `take_prompt_logits`: vLLM
@@ -206,6 +221,7 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
     started = time.perf_counter() - t0
+    built = kernel_variants()  # what the backend's warm-up loaded as the model was built
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     runs = []
     if args.predict:
@@ -245,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
         "method": os.environ.get("KVSQUEEZE_METHOD") if args.backend == "kvsqueeze" else None,
         **kv_space(llm), "kv_bytes": args.kv_bytes,
         "start_seconds": round(started, 1), "runs": runs, "numba_threading_layer": _numba_layer(),
+        "kernel_variants_in_requests": {k: n - built.get(k, 0) for k, n in kernel_variants().items()
+                                        if n > built.get(k, 0)},
     }
     if args.backend == "kvsqueeze":
         from .settings import ServingConfig
