@@ -29,7 +29,11 @@ to `--answers` as it is made: stopped anywhere, it resumes there, and what it ha
 A context's prefill waits in `--prefills` until every method has answered it, so a run stopped in between
 (a 32K prefill of the 0.5B model takes about 15 minutes) starts from it. `--summarize-only` rebuilds the JSON
 and the plot from the answers file. Each (model, length, sample)'s wall
-time is kept beside the answers (`<answers>_timing.jsonl`) and summed in the JSON (`cost`).
+time is kept beside the answers (`<answers>_timing.jsonl`) and summed in the JSON (`cost`), with the content
+digest of the recipe its quantized answers came from (`tensors_sha256`): a run whose recipe is another than
+the one the model's earlier records name stops before any work, since its answers would join answers of another
+recipe under the same method names (`experiments/ruler_recipe_check.py` tells whether a recipe calibrated again
+answers as the logged one did).
 
 Per (model, method, length) the JSON's `paired` rows give: the questions answered by both the method and fp16,
 the mean difference in points with its 95% bootstrap interval over questions, the share of fp16's mean score,
@@ -90,6 +94,23 @@ def ratios(scores) -> dict:
     return out
 
 
+def _records(path: Path) -> list[dict]:
+    """The timing records beside the answers (one JSON object a line), none where the file is missing."""
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def _same_recipe(model: str, recipe_dir: str, digest: str | None, records: list[dict], path: Path) -> None:
+    """Refuse a recipe other than the one the model's earlier timing records name (records made before they
+    named one say nothing)."""
+    named = {r["recipe_sha256"] for r in records if r.get("model") == model and r.get("recipe_sha256")}
+    if named and digest not in named:
+        raise SystemExit(f"{model}: the recipe in {recipe_dir} (tensors_sha256 {str(digest)[:16]}…) is not the one "
+                         f"the answers in {path.parent} were made with ({', '.join(sorted(d[:16] + '…' for d in named))}"
+                         f"; {path.name}): its answers would join theirs under the same method names. Run with that "
+                         "recipe, or with --answers of a new file for this one (experiments/ruler_recipe_check.py "
+                         "tells whether a recipe calibrated again answers as the logged one did)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", action="append", help="MODEL:RECIPE_DIR:LENGTHS (repeatable; default: both models)")
@@ -131,12 +152,17 @@ def main() -> None:
         from kvsqueeze.recipe import Recipe
 
         haystack = load_text("bbc").evaluation
+        earlier = _records(timing_path)
+        recipes = {}
+        for model_name, recipe_dir, _, _ in runs:  # every recipe checked before any model is loaded
+            recipes[model_name] = Recipe.load(recipe_dir)
+            _same_recipe(model_name, recipe_dir, recipes[model_name].meta.get("tensors_sha256"), earlier, timing_path)
         loaded = {}
         for model_name, recipe_dir, lengths, layout in runs:
             model, tok = load_model(model_name, args.dtype, args.device)
             contexts = {n: build_contexts(tok, haystack, n, args.samples, seed=args.seed, tasks=tasks, layout=layout)
                         for n in lengths}
-            loaded[model_name] = (model, tok, Recipe.load(recipe_dir), contexts)
+            loaded[model_name] = (model, tok, recipes[model_name], contexts)
         for sample in range(args.samples):
             for model_name, _, lengths, _ in runs:
                 model, tok, recipe, contexts = loaded[model_name]
@@ -153,7 +179,8 @@ def main() -> None:
                             f.write(json.dumps({"model": model_name, "length": n, "sample": sample,
                                                 "answers": len(log.answers) - before,
                                                 "seconds": round(time.perf_counter() - t0, 1),
-                                                "machine": here}) + "\n")
+                                                "machine": here,
+                                                "recipe_sha256": recipe.meta.get("tensors_sha256")}) + "\n")
                     print(format_ruler_table(summarize([a for a in log.answers if a.model == model_name])),
                           flush=True)
 
@@ -163,7 +190,7 @@ def main() -> None:
     covered: dict = {}
     for key in {(a.model, a.method, a.length) for a in kept}:
         covered[key] = len({a.task for a in kept if (a.model, a.method, a.length) == key})
-    timing = [json.loads(line) for line in timing_path.read_text().splitlines()] if timing_path.exists() else []
+    timing = _records(timing_path)
     cost: dict = {}
     for t in timing:
         c = cost.setdefault(t["model"], {}).setdefault(str(t["length"]), {"seconds": 0.0, "answers": 0})

@@ -36,3 +36,31 @@ def test_summary_pairs_questions_and_splits_them_by_what_they_ask(tmp_path, monk
     several = groups["several"]
     assert several["questions"] == 4 and several["diff"] == pytest.approx(-62.5)
     assert several["ci95"][0] <= -62.5 <= several["ci95"][1] and several["on_fp16_right"] == pytest.approx(37.5)
+
+
+def test_a_run_refuses_a_recipe_other_than_the_one_its_earlier_answers_came_from(tiny_recipe, tmp_path, monkeypatch):
+    """The timing records name the recipe each model's answers came from; a run given another recipe for that
+    model stops before loading any model (its answers would join the others under the same method names), and
+    the same recipe, or a model no record names, goes on to the model (here: an unknown one, refused there)."""
+    ruler = load_benchmark("ruler")
+    recipe_dir = tiny_recipe.save(tmp_path / "recipe")
+    digest = json.loads((recipe_dir / "recipe.json").read_text())["tensors_sha256"]
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("")
+    timing = tmp_path / "answers_timing.jsonl"
+
+    def run(model: str):
+        monkeypatch.setattr(sys, "argv", ["ruler.py", "--run", f"{model}:{recipe_dir}:4096:many", "--methods",
+                                          "fp16,q3.5", "--answers", str(answers), "--json", str(tmp_path / "r.json"),
+                                          "--plot", str(tmp_path / "r.png"), "--prefills", ""])
+        ruler.main()
+
+    timing.write_text(json.dumps({"model": "no-such-model", "length": 4096, "sample": 0, "answers": 1,
+                                  "seconds": 1.0, "recipe_sha256": "0" * 64}) + "\n")
+    with pytest.raises(SystemExit, match="not the one the answers"):
+        run("no-such-model")
+    timing.write_text(json.dumps({"model": "no-such-model", "length": 4096, "sample": 0, "answers": 1,
+                                  "seconds": 1.0, "recipe_sha256": digest}) + "\n")
+    with pytest.raises(Exception) as same:  # past the check: the model itself is unknown
+        run("no-such-model")
+    assert "not the one the answers" not in str(same.value)
