@@ -88,3 +88,23 @@ def test_a_stopped_cell_resumes_from_its_checkpoint(tiny_llama, tiny_recipe, tmp
     resumed, cell = transfer.evaluate_cell(tiny_llama, tok, tiny_recipe, text, methods, 3, 64, ckpt)
     assert cell["resumed_after"] == 1 and cell["windows"] == 3
     assert resumed == whole
+
+
+def test_a_recipe_other_than_the_one_of_a_model_s_cells_is_refused_before_loading(tiny_recipe, tmp_path):
+    """The JSON names each recipe's content digest; a run whose recipe for a model and calibration text has another
+    digest than the one its cells were measured with stops before loading the model (its cells would mix two
+    recipes under one name)."""
+    tr = _load()
+    recipe_dir = tiny_recipe.save(tr.recipe_dir(tmp_path / "recipes", "no-such-model", "bbc"))
+    digest = json.loads((recipe_dir / "recipe.json").read_text())["tensors_sha256"]
+    settings = {"windows": 8, "seqlen": 2048, "methods": ["fp16", "q3.5"]}
+    measured = _row("bbc", "bbc", "q3.5", 1.0) | {"model": "no-such-model"}
+    out = tmp_path / "t.json"
+    argv = ["--models", "no-such-model", "--calib", "bbc", "--eval", "bbc,code", "--methods", "fp16,q3.5",
+            "--recipes", str(tmp_path / "recipes"), "--json", str(out)]
+    for named, refused in (("0" * 64, True), (digest, False)):
+        out.write_text(json.dumps({"settings": settings, "rows": [measured],
+                                   "recipes": {"no-such-model/bbc": {"tensors_sha256": named}}}))
+        with pytest.raises(BaseException) as stopped:  # the same recipe goes on, to the unknown model
+            tr.main(argv)
+        assert ("not the one the JSON's cells" in str(stopped.value)) == refused, stopped.value
