@@ -19,7 +19,9 @@ with the simulated path's (`cache_check`).
 Each (length, window, method) is one forward of up to 32K tokens (about 10-15 minutes for the 0.5B model on 2
 cores), appended to `<json stem>_windows.jsonl` as it finishes; a run resumes from there. The fp16 reference of
 the window in progress (its final hidden states, one more such forward) is kept in `--reference-store` until
-every method has been scored on that window, so a run stopped in between does not compute it again.
+every method has been scored on that window, so a run stopped in between does not compute it again. Each record
+names the recipe's content digest (`recipe_sha256`); a run given a recipe other than the one the records name stops
+before the model loads.
 """
 
 from __future__ import annotations
@@ -111,8 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     log = out.with_name(out.stem + "_windows.jsonl")
     records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
     done = {(r["length"], r["window"], r["method"]) for r in records}
-    model, tok = load_model(args.model)
     recipe = Recipe.load(args.recipe)
+    digest = recipe.meta.get("tensors_sha256")
+    named = {r["recipe_sha256"] for r in records if r.get("recipe_sha256")}
+    if named and digest not in named:  # refused before the model loads: windows of two recipes would be averaged
+        raise SystemExit(f"the recipe in {args.recipe} (tensors_sha256 {str(digest)[:16]}…) is not the one the "
+                         f"windows in {log} were scored with ({', '.join(sorted(d[:16] + '…' for d in named))}); run "
+                         "with that recipe, or with another --json for this one")
+    model, tok = load_model(args.model)
     text = load_text(args.text)
     fp16 = preset_for("fp16", 2)
     check_head(model, torch.arange(100, 164).view(1, -1), lambda: SimulatedQuantization(model, fp16, recipe).new_cache())
@@ -169,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
                 score.held_bits, score.elements = held, 2 * length * shape.channels * shape.layers
                 seconds = (time.perf_counter() - t1) + (ref_s if method == "fp16" else 0.0)
                 rec = {"length": length, "window": w, "method": method, "resolved": spec.name,
-                       "seconds": round(seconds, 1), **score.as_dict()}
+                       "seconds": round(seconds, 1), "recipe_sha256": digest, **score.as_dict()}
                 records.append(rec)
                 done.add((length, w, method))
                 with log.open("a") as f:

@@ -41,3 +41,21 @@ def test_bad_arguments_are_refused_before_loading():
         pbl.main(["--lengths", "2048,32768", "--tokens", "4096", "--model", "no-such-model"])
     with pytest.raises(ValueError, match="nuq9"):
         pbl.main(["--methods", "fp16,nuq9-1%", "--model", "no-such-model"])
+
+
+def test_a_recipe_other_than_the_one_of_the_logged_windows_is_refused_before_loading(tiny_recipe, tmp_path):
+    """Window records name the recipe they were scored with; a run given another recipe stops before the model
+    loads (its windows would be averaged with theirs), and the same recipe goes on (to the unknown model)."""
+    import json
+
+    pbl = _load()
+    recipe_dir = tiny_recipe.save(tmp_path / "recipe")
+    digest = json.loads((recipe_dir / "recipe.json").read_text())["tensors_sha256"]
+    out = tmp_path / "p.json"
+    argv = ["--model", "no-such-model", "--recipe", str(recipe_dir), "--lengths", "64", "--tokens", "64",
+            "--json", str(out)]
+    for named, refused in (("0" * 64, True), (digest, False)):
+        (tmp_path / "p_windows.jsonl").write_text(json.dumps({**_rec("fp16", 0, [2.0]), "recipe_sha256": named}) + "\n")
+        with pytest.raises(BaseException) as stopped:
+            pbl.main(argv)
+        assert ("not the one the windows" in str(stopped.value)) == refused, stopped.value
