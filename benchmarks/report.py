@@ -295,6 +295,33 @@ def ruler_questions(data: dict) -> str:
     return "\n".join(out).rstrip()
 
 
+def ruler_pooled(data: dict) -> str:
+    """`ruler.json`: each method against fp16 on every length's questions pooled, and against the default method
+    (`nuq3-1%`) on the same questions, per length and pooled (points, 95% bootstrap interval over questions)."""
+    cfg = data["config"]
+    pooled = {(r["model"], r["method"]): r for r in data.get("paired_all_lengths", [])}
+    head = {(r["model"], r["method"], r["length"]): r for r in data.get("against_default", [])}
+    cell = lambda r: "–" if r is None else f"{r['diff']:+.1f} ({r['ci95'][0]:+.1f} … {r['ci95'][1]:+.1f})"  # noqa: E731
+    out = []
+    for run in cfg["runs"]:
+        lengths = sorted({n for m, _, n in head if m == run["model"] and n != "all"})
+        if not lengths:
+            continue
+        out += [f"`{run['model']}`, every length pooled against fp16, and against `nuq3-1%` on the same questions:\n",
+                "| method | questions | vs fp16, all lengths | " + " | ".join(f"vs `nuq3-1%` {n // 1024}K" for n in lengths)
+                + " | vs `nuq3-1%`, all |", "|---|---:|---:|" + "---:|" * (len(lengths) + 1)]
+        for meth in cfg["methods"]:
+            r = pooled.get((run["model"], meth))
+            if r is None:
+                continue
+            row = [cell(head.get((run["model"], meth, n))) for n in lengths] + [cell(head.get((run["model"], meth, "all")))]
+            if meth == "nuq3-1%":
+                row = ["–"] * len(row)
+            out.append(f"| `{meth}` | {r['questions']} | {cell(r)} | " + " | ".join(row) + " |")
+        out.append("")
+    return "\n".join(out).rstrip()
+
+
 def ruler_compact(data: dict) -> str:
     """One table for the README: the average score of each method at every (model, length), share of fp16's."""
     cfg = data["config"]
@@ -456,6 +483,7 @@ BLOCKS = {
     "transfer-q3.5": ("transfer.json", lambda d: transfer(d, ("nuq3-1%", "q3.5"))),
     "ppl-by-length": ("ppl_by_length.json", ppl_by_length),
     "ruler-questions": ("ruler.json", ruler_questions),
+    "ruler-pooled": ("ruler.json", ruler_pooled),
     "ruler-compact": ("ruler_one_sample.json", ruler_compact),
     "ruler-paired": ("ruler_one_sample.json", ruler_paired),
     "ruler": ("ruler_one_sample.json", ruler),

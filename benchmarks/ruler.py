@@ -55,6 +55,7 @@ import sys
 import time
 from pathlib import Path
 
+from kvsqueeze.config import DEFAULT_METHOD
 from kvsqueeze.eval.plots import plot_ruler
 from kvsqueeze.eval.ruler import LAYOUTS, TASKS, build_contexts
 from kvsqueeze.eval.ruler_eval import AnswerLog, format_ruler_table, paired, ruler_eval, summarize
@@ -92,6 +93,12 @@ def ratios(scores) -> dict:
         if method != "fp16" and ref:
             out.setdefault(model, {}).setdefault(method, {})[str(length)] = round(score / ref, 3)
     return out
+
+
+def _paired_row(p) -> dict:
+    """A `Paired` as the JSON gives it (length 0: every length pooled)."""
+    return {"model": p.model, "method": p.method, "length": p.length or "all", "questions": p.questions,
+            "score": p.score, "reference_score": p.reference_score, "diff": p.diff, "ci95": list(p.ci95)}
 
 
 def _records(path: Path) -> list[dict]:
@@ -232,6 +239,11 @@ def main() -> None:
                                "fp16_right": p.reference_right}
                               for group, members in ANSWER_GROUPS.items()
                               for p in paired([a for a in kept if a.task in members])],
+        # every length's questions pooled, against fp16; and each method against the default (`nuq3-1%`) on the
+        # same questions, per length and pooled: the comparison that decides the default
+        "paired_all_lengths": [_paired_row(p) for p in paired(kept, by_length=False)],
+        "against_default": [_paired_row(p) for p in paired([a for a in kept if a.method != "fp16"], DEFAULT_METHOD)
+                            + paired([a for a in kept if a.method != "fp16"], DEFAULT_METHOD, by_length=False)],
         "cost": cost,
         "answers": str(answers_path),
     }

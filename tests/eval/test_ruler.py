@@ -1,5 +1,6 @@
 """The RULER-style suite: seeded contexts that fit, scorers, and the engines' equivalences on tiny models."""
 
+import dataclasses
 import re
 
 import pytest
@@ -382,6 +383,22 @@ def test_paired_differences_match_questions_one_to_one():
     assert p.ci95[0] <= -25.0 <= p.ci95[1] and p.ci95[1] <= 0.0 and p.share == pytest.approx(1.5 / 2.5, abs=1e-3)
     assert (p.score, p.reference_score) == (37.5, 62.5)
     assert p.reference_right == 2 and p.on_reference_right == 50.0  # fp16 fully right on two; the method on one
+
+
+def test_pooled_pairs_keep_each_length_s_questions_apart():
+    from kvsqueeze.eval.ruler_eval import Answer, paired
+
+    # the same task, sample and item at two lengths are two questions: the method loses one at 4K, none at 8K
+    rows = [Answer("m", meth, "e", "vt", n, 0, 7, 100, sc, "", ("x",))
+            for n, scores in ((4096, (1, 0)), (8192, (1, 1))) for meth, sc in zip(("fp16", "q3.5"), scores)]
+    by_length = {p.length: p for p in paired(rows)}
+    assert by_length[4096].diff == -100.0 and by_length[8192].diff == 0.0
+    (pooled,) = paired(rows, by_length=False)
+    assert pooled.length == 0 and pooled.questions == 2 and pooled.diff == -50.0
+    assert pooled.ci95[0] <= -50.0 <= pooled.ci95[1]
+    default = [dataclasses.replace(a, method="nuq3-1%") for a in rows if a.method == "fp16"]
+    (head,) = paired([a for a in rows if a.method == "q3.5"] + default, reference="nuq3-1%", by_length=False)
+    assert head.method == "q3.5" and head.diff == -50.0  # against another method, as against fp16
 
 
 def test_paired_questions_are_told_apart_by_item():

@@ -425,8 +425,10 @@ class Paired:
     reference_right: int = 0  # how many such questions
 
 
-def paired(answers: Sequence[Answer], reference: str = "fp16", reps: int = 2000, seed: int = 0) -> list[Paired]:
-    """Each method's answers against the reference's to the same questions, per (model, engine, length)."""
+def paired(answers: Sequence[Answer], reference: str = "fp16", reps: int = 2000, seed: int = 0,
+           by_length: bool = True) -> list[Paired]:
+    """Each method's answers against the reference's to the same questions, per (model, engine, length); with
+    `by_length` False, the questions of every length pooled (their rows' `length` is 0)."""
     import random
 
     ref = {a.question: a.score for a in answers if a.method == reference}
@@ -434,7 +436,7 @@ def paired(answers: Sequence[Answer], reference: str = "fp16", reps: int = 2000,
     for a in answers:
         r = ref.get(a.question)
         if a.method != reference and r is not None:
-            groups.setdefault((a.model, a.method, a.engine, a.length), []).append((a.score, r))
+            groups.setdefault((a.model, a.method, a.engine, a.length if by_length else 0), []).append((a.score, r))
     out = []
     rng = random.Random(seed)
     for (model, method, engine, length), pairs in groups.items():
