@@ -301,20 +301,24 @@ def ruler_pooled(data: dict) -> str:
     cfg = data["config"]
     pooled = {(r["model"], r["method"]): r for r in data.get("paired_all_lengths", [])}
     head = {(r["model"], r["method"], r["length"]): r for r in data.get("against_default", [])}
-    cell = lambda r: "–" if r is None else f"{r['diff']:+.1f} ({r['ci95'][0]:+.1f} … {r['ci95'][1]:+.1f})"  # noqa: E731
+
+    def cell(r: dict | None) -> str:
+        return "–" if r is None else f"{r['diff']:+.1f} ({r['ci95'][0]:+.1f} … {r['ci95'][1]:+.1f})"
+
     out = []
     for run in cfg["runs"]:
         lengths = sorted({n for m, _, n in head if m == run["model"] and n != "all"})
         if not lengths:
             continue
         out += [f"`{run['model']}`, every length pooled against fp16, and against `nuq3-1%` on the same questions:\n",
-                "| method | questions | vs fp16, all lengths | " + " | ".join(f"vs `nuq3-1%` {n // 1024}K" for n in lengths)
-                + " | vs `nuq3-1%`, all |", "|---|---:|---:|" + "---:|" * (len(lengths) + 1)]
+                "| method | questions | vs fp16, all lengths | "
+                + " | ".join(f"vs `nuq3-1%` {n // 1024}K" for n in lengths) + " | vs `nuq3-1%`, all |",
+                "|---|---:|---:|" + "---:|" * (len(lengths) + 1)]
         for meth in cfg["methods"]:
             r = pooled.get((run["model"], meth))
             if r is None:
                 continue
-            row = [cell(head.get((run["model"], meth, n))) for n in lengths] + [cell(head.get((run["model"], meth, "all")))]
+            row = [cell(head.get((run["model"], meth, n))) for n in [*lengths, "all"]]
             if meth == "nuq3-1%":
                 row = ["–"] * len(row)
             out.append(f"| `{meth}` | {r['questions']} | {cell(r)} | " + " | ".join(row) + " |")

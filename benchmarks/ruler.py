@@ -111,11 +111,12 @@ def _same_recipe(model: str, recipe_dir: str, digest: str | None, records: list[
     named one say nothing)."""
     named = {r["recipe_sha256"] for r in records if r.get("model") == model and r.get("recipe_sha256")}
     if named and digest not in named:
+        earlier = ", ".join(sorted(d[:16] + "…" for d in named))
         raise SystemExit(f"{model}: the recipe in {recipe_dir} (tensors_sha256 {str(digest)[:16]}…) is not the one "
-                         f"the answers in {path.parent} were made with ({', '.join(sorted(d[:16] + '…' for d in named))}"
-                         f"; {path.name}): its answers would join theirs under the same method names. Run with that "
-                         "recipe, or with --answers of a new file for this one (experiments/ruler_recipe_check.py "
-                         "tells whether a recipe calibrated again answers as the logged one did)")
+                         f"the answers in {path.parent} were made with ({earlier}; {path.name}): its answers would "
+                         "join theirs under the same method names. Run with that recipe, or with --answers of a new "
+                         "file for this one (experiments/ruler_recipe_check.py tells whether a recipe calibrated again "
+                         "answers as the logged one did)")
 
 
 def main() -> None:

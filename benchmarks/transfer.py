@@ -7,9 +7,9 @@
 For each model and calibration text, `kvsqueeze calibrate --model M --text T` with its default settings writes a
 recipe into `--recipes/M/T` (kept, and reused when it is there: delete it to calibrate again; the JSON names its
 content digest, and a recipe with another digest than the one a model's cells were measured with is refused); each
-method is then evaluated on `--windows` windows of `--seqlen` tokens spread over the evaluation part of every `--eval` text,
-against fp16 on the same windows: perplexity, its change with a paired 95% interval, KL divergence, top-1, and
-the average bits the cache holds at `--seqlen` tokens, every table counted (presets resolve for `--seqlen`).
+method is then evaluated on `--windows` windows of `--seqlen` tokens spread over the evaluation part of every
+`--eval` text, against fp16 on the same windows: perplexity, its change with a paired 95% interval, KL divergence,
+top-1, and the average bits the cache holds at `--seqlen` tokens, every table counted (presets resolve for `--seqlen`).
 `plays` is in no calibration text, so every recipe meets one kind of text it never saw.
 
 One cell (model, calibration text, evaluation text) at a time, written into the JSON as it finishes; a run that
@@ -215,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
             info = result["recipes"].setdefault(f"{model_name}/{calib}", {})
             digest = recipe.meta.get("tensors_sha256")
             if info.get("tensors_sha256") not in (None, digest):  # its cells came from another recipe
-                raise SystemExit(f"{model_name}/{calib}: the recipe in {rdir} (tensors_sha256 {str(digest)[:16]}…) is "
-                                 f"not the one the JSON's cells of it were measured with "
+                raise SystemExit(f"{model_name}/{calib}: the recipe in {rdir} (tensors_sha256 {str(digest)[:16]}…) "
+                                 f"is not the one the JSON's cells of it were measured with "
                                  f"({info['tensors_sha256'][:16]}…); calibrate that one again with the same code, "
                                  "or write to another --json")
             info.update({"path": str(rdir), "settings": recipe.meta.get("settings"), "tensors_sha256": digest,
