@@ -222,6 +222,18 @@ def decode_step(method: str, recipe, q, k1, v1, rope: Rope, scaling: float, toke
 
 
 # ---- memory ------------------------------------------------------------------------------------------
+def same_recipe(recipe_dir, digest: str | None, named, measured: str, fix: str, who: str = "") -> None:
+    """Refuse, before any model loads, a recipe whose content digest (`tensors_sha256`) is not among those the
+    run's earlier results name (`named`; results made before they named one say nothing): its results would join
+    theirs under the same method names. `measured`: what those results are ("the windows in X were scored
+    with"); `fix`: what to do instead; `who`: the model, where a run has several."""
+    named = {d for d in named if d}
+    if named and digest not in named:
+        earlier = ", ".join(sorted(d[:16] + "…" for d in named))
+        raise SystemExit(f"{who}the recipe in {recipe_dir} (tensors_sha256 {str(digest)[:16]}…) is not the one "
+                         f"{measured} ({earlier}): its results would join theirs under the same method names. {fix}")
+
+
 def tensor_bytes(x) -> int:
     """Bytes of a tensor, of a quantized tensor subclass (its inner tensors) or of containers of them."""
     import torch

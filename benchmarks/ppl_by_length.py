@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine  # noqa: E402
+from common import machine, same_recipe  # noqa: E402
 
 METHODS = "fp16,nuq3-1%,q4.5,q3.5,q2.5,kivi2"
 
@@ -115,11 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     done = {(r["length"], r["window"], r["method"]) for r in records}
     recipe = Recipe.load(args.recipe)
     digest = recipe.meta.get("tensors_sha256")
-    named = {r["recipe_sha256"] for r in records if r.get("recipe_sha256")}
-    if named and digest not in named:  # refused before the model loads: windows of two recipes would be averaged
-        raise SystemExit(f"the recipe in {args.recipe} (tensors_sha256 {str(digest)[:16]}…) is not the one the "
-                         f"windows in {log} were scored with ({', '.join(sorted(d[:16] + '…' for d in named))}); run "
-                         "with that recipe, or with another --json for this one")
+    same_recipe(args.recipe, digest, (r.get("recipe_sha256") for r in records),
+                f"the windows in {log} were scored with", "Run with that recipe, or with another --json for this one")
     model, tok = load_model(args.model)
     text = load_text(args.text)
     fp16 = preset_for("fp16", 2)

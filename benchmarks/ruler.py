@@ -63,7 +63,7 @@ from kvsqueeze.eval.texts import load_text
 from kvsqueeze.methods import PRESETS, parse_methods, preset_for
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine  # noqa: E402
+from common import machine, same_recipe  # noqa: E402
 
 METHODS = "fp16,nuq3-1%,q4.5,q3.5,q2.5,kivi2,turbo3:split,int4"
 # tasks by what their questions ask for
@@ -104,19 +104,6 @@ def _paired_row(p) -> dict:
 def _records(path: Path) -> list[dict]:
     """The timing records beside the answers (one JSON object a line), none where the file is missing."""
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def _same_recipe(model: str, recipe_dir: str, digest: str | None, records: list[dict], path: Path) -> None:
-    """Refuse a recipe other than the one the model's earlier timing records name (records made before they
-    named one say nothing)."""
-    named = {r["recipe_sha256"] for r in records if r.get("model") == model and r.get("recipe_sha256")}
-    if named and digest not in named:
-        earlier = ", ".join(sorted(d[:16] + "…" for d in named))
-        raise SystemExit(f"{model}: the recipe in {recipe_dir} (tensors_sha256 {str(digest)[:16]}…) is not the one "
-                         f"the answers in {path.parent} were made with ({earlier}; {path.name}): its answers would "
-                         "join theirs under the same method names. Run with that recipe, or with --answers of a new "
-                         "file for this one (experiments/ruler_recipe_check.py tells whether a recipe calibrated again "
-                         "answers as the logged one did)")
 
 
 def main() -> None:
@@ -164,7 +151,12 @@ def main() -> None:
         recipes = {}
         for model_name, recipe_dir, _, _ in runs:  # every recipe checked before any model is loaded
             recipes[model_name] = Recipe.load(recipe_dir)
-            _same_recipe(model_name, recipe_dir, recipes[model_name].meta.get("tensors_sha256"), earlier, timing_path)
+            same_recipe(recipe_dir, recipes[model_name].meta.get("tensors_sha256"),
+                        (r.get("recipe_sha256") for r in earlier if r.get("model") == model_name),
+                        f"the answers in {timing_path.parent} were made with (named in {timing_path.name})",
+                        "Run with that recipe, or with --answers of a new file for this one "
+                        "(experiments/ruler_recipe_check.py tells whether a recipe calibrated again answers as the "
+                        "logged one did)", f"{model_name}: ")
         loaded = {}
         for model_name, recipe_dir, lengths, layout in runs:
             model, tok = load_model(model_name, args.dtype, args.device)

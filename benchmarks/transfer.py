@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine  # noqa: E402
+from common import machine, same_recipe  # noqa: E402
 
 MODELS = "smollm2-135m,gemma3-270m,qwen2.5-coder-0.5b"
 CALIB = "bbc,mix"
@@ -214,11 +214,9 @@ def main(argv: list[str] | None = None) -> int:
             recipe = Recipe.load(rdir)
             info = result["recipes"].setdefault(f"{model_name}/{calib}", {})
             digest = recipe.meta.get("tensors_sha256")
-            if info.get("tensors_sha256") not in (None, digest):  # its cells came from another recipe
-                raise SystemExit(f"{model_name}/{calib}: the recipe in {rdir} (tensors_sha256 {str(digest)[:16]}…) "
-                                 f"is not the one the JSON's cells of it were measured with "
-                                 f"({info['tensors_sha256'][:16]}…); calibrate that one again with the same code, "
-                                 "or write to another --json")
+            same_recipe(rdir, digest, [info.get("tensors_sha256")], "the JSON's cells of it were measured with",
+                        "Calibrate that one again with the same code, or write to another --json",
+                        f"{model_name}/{calib}: ")
             info.update({"path": str(rdir), "settings": recipe.meta.get("settings"), "tensors_sha256": digest,
                          "timings_s": recipe.meta.get("timings_s"), "text": recipe.meta.get("text")})
             if seconds is not None:
