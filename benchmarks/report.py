@@ -318,9 +318,7 @@ def ruler_pooled(data: dict) -> str:
             r = pooled.get((run["model"], meth))
             if r is None:
                 continue
-            row = [cell(head.get((run["model"], meth, n))) for n in [*lengths, "all"]]
-            if meth == "nuq3-1%":
-                row = ["–"] * len(row)
+            row = [cell(head.get((run["model"], meth, n))) for n in [*lengths, "all"]]  # none for nuq3-1% itself
             out.append(f"| `{meth}` | {r['questions']} | {cell(r)} | " + " | ".join(row) + " |")
         out.append("")
     return "\n".join(out).rstrip()
