@@ -16,7 +16,7 @@ A part whose swap moves the BBC recipe's loss most of the way to the mix recipe'
 The run is resumable: each (window, variant, method) result is kept in `--json` as it comes.
 
     python experiments/transfer_parts.py [--model gemma3-270m] [--recipes out/transfer] [--text bbc]
-        [--windows 4] [--extra NAME=DIR ...] [--json experiments/results/transfer_parts.json]
+        [--windows 4] [--extra NAME=DIR ...] [--only NAME,...] [--json experiments/results/transfer_parts.json]
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ def main() -> None:
     ap.add_argument("--text", default="bbc")
     ap.add_argument("--windows", type=int, default=4)
     ap.add_argument("--json", default="experiments/results/transfer_parts.json")
+    ap.add_argument("--only", default="", help="score only these variants (comma-separated names)")
     ap.add_argument("--extra", action="append", default=[], metavar="NAME=DIR",
                     help="another recipe to score beside the variants (e.g. `balanced_fisher.py`'s)")
     args = ap.parse_args()
@@ -131,6 +132,12 @@ def main() -> None:
             raise SystemExit(f"{out} scored another recipe as {name!r} ({held['path']}): give this one another name")
         result["extra"][name] = {"path": path, "tensors_sha256": digest, "settings": variants[name].meta["settings"]}
     result["differences"] = differences(recipes["bbc"], recipes["mix"])
+    if args.only:
+        keep = args.only.split(",")
+        unknown = [v for v in keep if v not in variants]
+        if unknown:
+            raise SystemExit(f"--only {', '.join(unknown)}: no such variant ({', '.join(variants)})")
+        variants = {v: variants[v] for v in keep}
     model, tok = load_model(args.model)
     ids = evaluation_windows(tok, load_text(args.text), 2048, 8).ids[:args.windows]
     done = result.setdefault("done", {})
