@@ -25,15 +25,16 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from common import machine  # noqa: E402
 
 from kvsqueeze.calibrate.collect import collect  # noqa: E402
-from kvsqueeze.eval.texts import calibration_windows, load_text  # noqa: E402
+from kvsqueeze.config import CalibrationConfig  # noqa: E402
+from kvsqueeze.eval.texts import calibration_windows, load_text, mix_shares  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="gemma3-270m")
     ap.add_argument("--text", default="mix")
-    ap.add_argument("--samples", type=int, default=8)
-    ap.add_argument("--seqlen", type=int, default=2048)
+    ap.add_argument("--samples", type=int, default=CalibrationConfig.samples)
+    ap.add_argument("--seqlen", type=int, default=CalibrationConfig.seqlen)
     ap.add_argument("--json", default="experiments/results/fisher_shares.json")
     args = ap.parse_args()
 
@@ -41,14 +42,14 @@ def main() -> None:
 
     model, tok = load_model(args.model)
     text = load_text(args.text)
-    parts = [p.name for p in text.parts] or [text.name]
-    share, extra = divmod(args.samples, len(parts))
-    names = [name for i, name in enumerate(parts) for _ in range(share + (i < extra))]
+    split = mix_shares(text, args.samples) if text.parts else [(text, args.samples)]
+    parts = [part.name for part, _ in split]
+    names = [part.name for part, n in split for _ in range(n)]  # each window's text, as calibrate takes them
     windows = calibration_windows(tok, text, args.samples, args.seqlen)
     rows = []
     t0 = time.perf_counter()
     for j, name in enumerate(names):
-        acts = collect(model, windows[j:j + 1], progress=False)
+        acts = collect(model, windows[j:j + 1], sinks=CalibrationConfig.sinks, progress=False)
         rows.append({"window": j, "text": name, "loss": round(acts.loss, 4),
                      "key_fisher": [float(f.float().sum()) for f in acts.key_fisher],
                      "value_fisher": [float(f.float().sum()) for f in acts.value_fisher]})
@@ -63,9 +64,9 @@ def main() -> None:
     out = {"model": args.model, "text": args.text, "samples": args.samples, "seqlen": args.seqlen,
            "machine": machine(), "seconds": round(time.perf_counter() - t0, 1), "windows": rows,
            "shares_by_layer": shares,
-           "shares_all_layers": {kind: {name: round(sum(r[kind][i] for r in rows if r["text"] == name for i in
-                                                         range(layers)) / sum(sum(r[kind]) for r in rows), 4)
-                                        for name in parts} for kind in ("key_fisher", "value_fisher")}}
+           "shares_all_layers": {kind: {name: round(sum(sum(r[kind]) for r in rows if r["text"] == name)
+                                                    / sum(sum(r[kind]) for r in rows), 4) for name in parts}
+                                 for kind in ("key_fisher", "value_fisher")}}
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     print(json.dumps(out["shares_all_layers"]), flush=True)
 

@@ -188,7 +188,7 @@ def main() -> None:
                 change = 100 * math.expm1((nll - done[f"{w}/fp16"]["nll"]) / target.numel())
                 print(f"window {w} {variant} {method}: {change:+.2f}% KL {float(kld.mean()):.4f}", flush=True)
                 write()
-        write()
+    write()  # the rows of the variants asked for, also when every window was done before
     for row in result["rows"]:
         print(row, flush=True)
 

@@ -338,6 +338,16 @@ def evaluation_windows(tokenizer, text: Text, seqlen: int, max_windows: int | No
     return EvalWindows(rows, tuple(sources), n)
 
 
+def mix_shares(text: Text, samples: int) -> list[tuple[Text, int]]:
+    """How many of `samples` calibration windows each text of a mix gives, in the order `calibration_windows`
+    takes them: an equal share, the first texts one more when `samples` does not divide."""
+    if samples < len(text.parts):
+        raise TextError(f"{text.name} mixes {len(text.parts)} texts ({', '.join(p.name for p in text.parts)}): "
+                        f"calibrate on at least {len(text.parts)} windows, got --samples {samples}")
+    share, extra = divmod(samples, len(text.parts))
+    return [(part, share + (i < extra)) for i, part in enumerate(text.parts)]
+
+
 def calibration_windows(tokenizer, text: str | Text, samples: int, seqlen: int) -> torch.Tensor:
     """`samples` windows of `seqlen` tokens spread evenly over the calibration text, [samples, seqlen]; for a mix
     (`Text.parts`), an equal share from each part's calibration text (the first parts take one more when
@@ -347,12 +357,8 @@ def calibration_windows(tokenizer, text: str | Text, samples: int, seqlen: int) 
     if isinstance(text, Text):
         if not text.parts:
             return calibration_windows(tokenizer, text.calibration, samples, seqlen)
-        if samples < len(text.parts):
-            raise TextError(f"{text.name} mixes {len(text.parts)} texts ({', '.join(p.name for p in text.parts)}): "
-                            f"calibrate on at least {len(text.parts)} windows, got --samples {samples}")
-        share, extra = divmod(samples, len(text.parts))
-        return torch.cat([calibration_windows(tokenizer, part.calibration, share + (i < extra), seqlen)
-                          for i, part in enumerate(text.parts)])
+        return torch.cat([calibration_windows(tokenizer, part.calibration, n, seqlen)
+                          for part, n in mix_shares(text, samples)])
     all_windows = token_windows(tokenizer, text, seqlen)
     if all_windows.shape[0] < samples:
         raise TextError(
