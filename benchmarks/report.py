@@ -296,11 +296,11 @@ def ruler_questions(data: dict) -> str:
 
 
 def ruler_pooled(data: dict) -> str:
-    """`ruler.json`: each method against fp16 on every length's questions pooled, and against the default method
-    (`nuq3-1%`) on the same questions, per length and pooled (points, 95% bootstrap interval over questions)."""
+    """`ruler.json`: each method against fp16 on every length's questions pooled, and against KVQuant's
+    `nuq3-1%` on the same questions, per length and pooled (points, 95% bootstrap interval over questions)."""
     cfg = data["config"]
     pooled = {(r["model"], r["method"]): r for r in data.get("paired_all_lengths", [])}
-    head = {(r["model"], r["method"], r["length"]): r for r in data.get("against_default", [])}
+    head = {(r["model"], r["method"], r["length"]): r for r in data.get("against_kvquant", [])}
 
     def cell(r: dict | None) -> str:
         return "–" if r is None else f"{r['diff']:+.1f} ({r['ci95'][0]:+.1f} … {r['ci95'][1]:+.1f})"

@@ -106,7 +106,7 @@ def test_dtype_reaches_the_model_and_float16_calibration_runs_in_float32(tiny_mo
     # a recipe calibrated in float32 serves the model loaded in bfloat16
     assert main(["generate", "--model", str(tiny_model_dir), "--recipe", str(tiny_recipe_dir), "--dtype", "bfloat16",
                  "--prompt", "the cache key", "--max-new-tokens", "6"]) == 0
-    assert "KV cache nuq3-1%" in capsys.readouterr().out  # the default method
+    assert "KV cache nuq@3.5:r32:chan:" in capsys.readouterr().out  # the default method, the 3.5-bit preset q3.5
     # float16: Fisher information in float32 (float16 gradients would underflow to zero weights)
     args = ["calibrate", "--model", str(tiny_model_dir), "--text", str(text_file), "--samples", "2", "--seqlen", "64",
             "--bits", "3", "--outliers", "1"]

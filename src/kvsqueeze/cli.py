@@ -628,7 +628,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=DEFAULT_MODEL)
     _add_loading(g)
     g.add_argument("--recipe", help="recipe directory (needed by nuq and per-channel int/nf methods)")
-    g.add_argument("--method", default=_GEN.method, help="fp16 or a KVQuant-style method, e.g. nuq3-1%%")
+    g.add_argument("--method", default=_GEN.method, help="fp16, a preset (q4.5, q3.5, q2.5) or a KVQuant-style method, e.g. nuq3-1%%")
     g.add_argument("--prompt", required=True, help="text to continue")
     g.add_argument("--max-new-tokens", type=_bounded(0, MAX_TOKENS), default=_GEN.max_new_tokens)
     g.add_argument("--decode", choices=("auto", "numba", "reference", "dense"), default=_GEN.decode,

@@ -401,6 +401,19 @@ def test_pooled_pairs_keep_each_length_s_questions_apart():
     assert head.method == "q3.5" and head.diff == -50.0  # against another method, as against fp16
 
 
+def test_a_cell_s_interval_does_not_move_when_other_cells_gain_answers():
+    from kvsqueeze.eval.ruler_eval import Answer, paired
+
+    scores = {"fp16": (1, 1, 0, 1, 1, 0, 1, 1), "q3.5": (1, 0, 0, 1, 0, 1, 1, 0), "kivi2": (0, 0, 0, 1, 0, 0, 1, 0)}
+    rows = [Answer("m", meth, "e", "vt", 4096, 0, 7, 100, sc, "", ("x",), item)
+            for meth, row in scores.items() for item, sc in enumerate(row)]
+    alone = {p.method: p for p in paired([a for a in rows if a.method != "kivi2"])}
+    both = {p.method: p for p in paired(rows)}
+    assert alone["q3.5"] == both["q3.5"] and alone["q3.5"].ci95[0] < alone["q3.5"].ci95[1]
+    # and the same cell listed after another one draws the same resamples
+    assert {p.method: p for p in paired(rows[::-1])}["q3.5"] == both["q3.5"]
+
+
 def test_paired_questions_are_told_apart_by_item():
     from kvsqueeze.eval.ruler_eval import Answer, paired
 

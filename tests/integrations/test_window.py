@@ -338,3 +338,24 @@ def test_serving_takes_a_window_with_its_key_slots():
 
     spec = ServingConfig(recipe="unused", method="nuq3-1%:r16").spec
     assert spec.window == 16 and spec.key_slots == DEFAULT_KEY_SLOTS
+
+
+def test_every_entry_point_defaults_to_the_3_5_bit_preset(tiny_recipe_dir, monkeypatch):
+    """`generate` and `cache_for` (GenerateConfig), the lm-eval adapter and the vLLM plugin (with no
+    KVSQUEEZE_METHOD) all start from the 3.5-bit preset: a per-channel budget with its 32-token fp16 window, which
+    the paged cache accepts."""
+    import inspect
+
+    from kvsqueeze.config import GenerateConfig
+    from kvsqueeze.integrations.cache import cache_for
+    from kvsqueeze.integrations.harness import KVSqueezeLM
+    from kvsqueeze.serving.settings import ServingConfig
+
+    defaults = {GenerateConfig().method, inspect.signature(cache_for).parameters["method"].default,
+                inspect.signature(KVSqueezeLM.__init__).parameters["method"].default}
+    monkeypatch.setenv("KVSQUEEZE_RECIPE", str(tiny_recipe_dir))
+    monkeypatch.delenv("KVSQUEEZE_METHOD", raising=False)
+    served = ServingConfig.from_env()
+    assert defaults == {served.method} == {"q3.5"}
+    spec = served.spec
+    assert (spec.budget, spec.budget_unit, spec.window, spec.context) == (3.5, "channel", 32, 2048)

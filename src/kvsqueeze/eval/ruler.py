@@ -129,7 +129,8 @@ def word_pool(text: str, minimum: int = 400) -> list[str]:
     return pool
 
 
-def _derive_seed(seed: int, *parts) -> int:
+def derive_seed(seed: int, *parts) -> int:
+    """A 64-bit seed from `seed` and the parts (a context's kind, length, sample; a cell's method ...)."""
     digest = hashlib.sha256(":".join(map(str, (seed, *parts))).encode()).digest()
     return int.from_bytes(digest[:8], "big")
 
@@ -356,7 +357,7 @@ def build_contexts(tokenizer, haystack: str, length: int, samples: int, seed: in
     out = []
     for sample in range(samples):
         for kind, group in needle_groups:
-            s = _derive_seed(seed, kind if layout != "many" else "many", length, sample)
+            s = derive_seed(seed, kind if layout != "many" else "many", length, sample)
             rng = random.Random(s)
             plan, questions = (_many_plan if layout == "many" else _needles_plan)(rng, pool, group)
             start = rng.randrange(len(sentences))
@@ -370,7 +371,7 @@ def build_contexts(tokenizer, haystack: str, length: int, samples: int, seed: in
             _, text, n_tok = _fit(needles, count, length, reserve(questions), kind)
             out.append(Context(kind, length, sample, s, text, n_tok, tuple(questions)))
         if wanted & set(WORD_TASKS):
-            s = _derive_seed(seed, "words", length, sample)
+            s = derive_seed(seed, "words", length, sample)
             rng = random.Random(s)
             probe = " ".join(f"{i + 1000}. {w}" for i, w in enumerate(pool[:64]))  # tokens of one list item
             items = length / max(1e-9, count(probe) / 64)

@@ -48,7 +48,7 @@ from ..integrations.prefill import DensePrefill, check_full_attention, compresse
 from ..integrations.simulate import SimulatedQuantization
 from ..methods import MethodSpec
 from ..recipe import Recipe
-from .ruler import TASKS, Context, Question, score_answer
+from .ruler import TASKS, Context, Question, derive_seed, score_answer
 from .skinny import skinny_linears
 from .tables import text_table
 
@@ -428,18 +428,23 @@ class Paired:
 def paired(answers: Sequence[Answer], reference: str = "fp16", reps: int = 2000, seed: int = 0,
            by_length: bool = True) -> list[Paired]:
     """Each method's answers against the reference's to the same questions, per (model, engine, length); with
-    `by_length` False, the questions of every length pooled (their rows' `length` is 0)."""
+    `by_length` False, the questions of every length pooled (their rows' `length` is 0).
+
+    Each cell's bootstrap draws from a generator of its own, seeded by `seed` and the cell, over its questions in
+    order: its interval depends on its own pairs alone, not on other cells or the order answers were written in."""
     import random
 
     ref = {a.question: a.score for a in answers if a.method == reference}
-    groups: dict[tuple, list[tuple[float, float]]] = {}
+    groups: dict[tuple, list[tuple[tuple, float, float]]] = {}
     for a in answers:
         r = ref.get(a.question)
         if a.method != reference and r is not None:
-            groups.setdefault((a.model, a.method, a.engine, a.length if by_length else 0), []).append((a.score, r))
+            groups.setdefault((a.model, a.method, a.engine, a.length if by_length else 0), []).append(
+                (a.question, a.score, r))
     out = []
-    rng = random.Random(seed)
-    for (model, method, engine, length), pairs in groups.items():
+    for (model, method, engine, length), questions in groups.items():
+        pairs = [(x, y) for _, x, y in sorted(questions)]  # in the questions' order, not the answers file's
+        rng = random.Random(derive_seed(seed, model, method, engine, length, reference))
         n = len(pairs)
         diffs = [100 * (x - y) for x, y in pairs]
         means = sorted(sum(rng.choice(diffs) for _ in range(n)) / n for _ in range(reps))

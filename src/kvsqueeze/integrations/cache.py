@@ -172,9 +172,8 @@ def cache_for(model, recipe: Recipe | str | Path | None = None,
         model: a LLaMA-style transformers decoder (LLaMA, Mistral, Qwen2, SmolLM, ...).
         recipe: the model's calibration recipe (a `Recipe` or its directory);
             required by nuq and by per-channel int/nf keys.
-        method: a method name (see `kvsqueeze.methods`) or a parsed `MethodSpec`; by default `nuq3-1%`. The
-            3.5-bit preset `q3.5` (chosen for 2,048 tokens; `q3.5:ctx32k` spends its bits at 32K) loses less
-            perplexity at fewer bits (README, "Which method").
+        method: a method name (see `kvsqueeze.methods`) or a parsed `MethodSpec`; by default the 3.5-bit preset
+            `q3.5`, chosen for 2,048 tokens (`q3.5:ctx32k` spends its bits at 32K; README, "Which method").
 
     A method with an fp16 window of recent tokens (`:rN`) switches `model` to kvsqueeze's attention, which reads
     each query's own window and falls through to the model's own attention for everything else.

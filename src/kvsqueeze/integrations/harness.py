@@ -19,7 +19,7 @@ What each request type measures (the model is lm-eval's `HFLM`, given the model 
   through the simulated cache.
 
 model_args: `pretrained` (a bundled name such as smollm2-135m, a local directory or an offline hub id),
-`recipe` (the calibration directory; required by nuq and per-channel methods), `method` (default nuq3-1%),
+`recipe` (the calibration directory; required by nuq and per-channel methods), `method` (default q3.5),
 `dtype` (default float32), `decode` ("auto": the fused kernel; "dense": dequantize and attend), and HFLM's
 own (`batch_size`, `max_length`, ...). lm-eval's default device "cuda:0" means the CPU on a machine
 without CUDA.

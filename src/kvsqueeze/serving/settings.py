@@ -5,9 +5,10 @@ the recipe, builds the quantizers and lays out pages with kvsqueeze's own numeri
 the environment, so that every process of an engine (front end, engine core, workers) sees the same ones:
 
     KVSQUEEZE_RECIPE   the recipe directory (`kvsqueeze calibrate --out DIR`), required
-    KVSQUEEZE_METHOD   the method (default the library's, nuq3-1%, served as nuq3-1%:kslots6; a method without
-                       ':kslotsN' gets the default slots, a bit budget the slots its layers' key outliers paid
-                       for; the 3.5-bit preset q3.5 is served as nuq@3.5:r32:chan:kslots2)
+    KVSQUEEZE_METHOD   the method (default the library's, the 3.5-bit preset q3.5); a bit budget without
+                       ':kslotsN' gets the slots its layers' key outliers paid for (q3.5 on SmolLM2-135M is
+                       served as nuq@3.5:r32:chan:kslots2), another method with outliers the default slots
+                       (nuq3-1% is served as nuq3-1%:kslots6)
     KVSQUEEZE_DECODE   the decode kernel: auto (numba on CPU, Triton on GPU), numba, triton or reference
 """
 
