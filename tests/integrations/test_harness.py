@@ -22,7 +22,10 @@ MC = [{"question": "What color is the sky?", "choices": ["blue", "green", "red"]
       {"question": "How many legs does a dog have?", "choices": ["two", "four", "six"], "label": 1},
       {"question": "Which is a fruit?", "choices": ["stone", "apple", "chair"], "label": 1}]
 QA = [{"question": "Capital of France?", "answer": "Paris"}, {"question": "Two plus two is", "answer": "four"},
-      {"question": "The cache holds keys and", "answer": "values"}]
+      {"question": "The cache holds keys and", "answer": "values"},
+      # longer than the default method's 32-token window: its answer decodes over codes, not the window alone
+      {"question": "A decoder keeps the keys and values of every token it has read so far; a compressed cache keeps "
+                   "them in a few bits each. What does it keep?", "answer": "keys and values"}]
 PPL = [{"text": "The quick brown fox jumps over the lazy dog. " * 6},
        {"text": "KV cache quantization reduces memory use during long generation. " * 5}]
 
@@ -112,12 +115,15 @@ def test_fp16_scores_as_lm_evals_own_hf_model(setup, fp16_metrics):
             assert a[t][k] == pytest.approx(b[t][k], rel=1e-4, abs=1e-6), (t, k)
 
 
-def test_a_quantized_cache_changes_loglikelihoods_and_generates_as_the_compressed_cache(setup, fp16_metrics):
+@pytest.mark.parametrize("method", ["nuq2", None], ids=["nuq2", "default"])
+def test_a_quantized_cache_changes_loglikelihoods_and_generates_as_the_compressed_cache(setup, fp16_metrics, method):
+    """nuq2, and the default (the 3.5-bit preset, whose fp16 window switches the model to kvsqueeze's attention)."""
     from kvsqueeze import cache_for
     from kvsqueeze.integrations.fused import fused_decode
 
     model_dir, recipe, tasks = setup
-    q = KVSqueezeLM(pretrained=str(model_dir), recipe=str(recipe), method="nuq2", batch_size=1)
+    chosen = {} if method is None else {"method": method}
+    q = KVSqueezeLM(pretrained=str(model_dir), recipe=str(recipe), batch_size=1, **chosen)
     res = _evaluate(q, tasks, ["kvs_ppl", "kvs_gen"])
     ppl_fp = fp16_metrics[1]["kvs_ppl"]["word_perplexity,none"]
     ppl_q = _metrics(res)["kvs_ppl"]["word_perplexity,none"]
@@ -127,7 +133,7 @@ def test_a_quantized_cache_changes_loglikelihoods_and_generates_as_the_compresse
     tok, model = q.tokenizer, q.model
     for doc, text in zip(QA, got):
         ids = tok(f"Q: {doc['question']}\nA:", return_tensors="pt")["input_ids"]
-        with cache_for(model, recipe, "nuq2") as cache, fused_decode(model, cache), torch.no_grad():
+        with cache_for(model, recipe, **chosen) as cache, fused_decode(model, cache), torch.no_grad():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), cache=cache, max_new_tokens=12,
                                  do_sample=False, pad_token_id=tok.pad_token_id)
         own = tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).split("\n")[0]
