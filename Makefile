@@ -29,10 +29,10 @@ demo: setup $(OUT)/recipe/recipe.json
 		$(if $(strip $(METHODS)),--methods "$(METHODS)") --json $(OUT)/eval.json
 
 test: setup
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -rs
 
 test-fast: setup
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -rs -m "not slow"
 
 # the ablation ladder's recipes: the default one with its measured sensitivities (`:kl` rows), and one calibrated
 # with --sinks 0 (the sink0 rows)

@@ -20,6 +20,15 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def pytest_configure(config):
+    # A fast decode backend that cannot load makes backend="auto" fall back to the reference with a RuntimeWarning;
+    # in the tests that is an error, so that every test asking for "auto" exercises the fast kernels it claims to
+    # (the test of the warning itself catches it with pytest.warns), unless this machine is known to lack numba.
+    if os.environ.get("KVSQUEEZE_ALLOW_NO_NUMBA") != "1":
+        config.addinivalue_line("filterwarnings", "error:the .* decode backend cannot be loaded:RuntimeWarning")
+
+
 VOCAB = 256  # the byte-level tokenizer below has exactly 256 tokens
 HIDDEN = 64
 LAYERS = 2

@@ -39,7 +39,7 @@ def test_growable_appends_are_amortized():
         buf.append(torch.full((1, 3), float(i)))
         if buf._data.data_ptr() != last:
             reallocations, last = reallocations + 1, buf._data.data_ptr()
-    assert reallocations <= 11  # 16, 32, ..., 1024: capacity doubles, never one copy per token
+    assert reallocations == 7  # 16, 32, ..., 1024: capacity doubles, never one copy per token
     assert buf.capacity_nbytes < 2 * buf.nbytes + 16 * buf.row_nbytes
     assert torch.equal(buf.view()[:, 0], torch.arange(1000, dtype=torch.float32))
     buf.truncate(10)

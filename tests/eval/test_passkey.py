@@ -158,11 +158,11 @@ def test_key_token_start_ignores_trailing_eos() -> None:
 @pytest.mark.parametrize("tok", TOKENIZERS, ids=TOK_IDS)
 @pytest.mark.parametrize("length", [120, 257, 1000, 2048, 4096])
 def test_length_respected(tok, length: int) -> None:
-    try:
-        p = build_passkey_prompt(tok, length, seed=length, depth=0.4)
-    except ValueError as e:  # the char tokenizer needs more than 120 tokens for the fixed parts
-        assert "too small" in str(e)
+    if length == 120 and not isinstance(tok, WordTokenizer):  # the fixed parts alone: over 120 tokens of 1-2 chars
+        with pytest.raises(ValueError, match="too small"):
+            build_passkey_prompt(tok, length, seed=length, depth=0.4)
         return
+    p = build_passkey_prompt(tok, length, seed=length, depth=0.4)
     assert p.n_tokens == count_tokens(tok, p.text)
     assert p.n_tokens <= length
     assert p.n_tokens >= length - _unit_tokens(tok)
@@ -270,5 +270,7 @@ def test_table_mixed_trial_counts() -> None:
     ]
     table = format_passkey_table(results)
     assert "2048 (n=10)" in table and "4096 (n=4)" in table
-    assert "0.90" in table and "0.50" in table and "-" in table
+    assert "0.90" in table and "0.50" in table
+    row_b = next(line for line in table.splitlines() if line.split()[:1] == ["b"])
+    assert row_b.split()[-1] == "-"  # b has no 4096 trials
 

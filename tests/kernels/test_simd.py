@@ -71,12 +71,21 @@ def test_vexp_underflows_to_zero_and_keeps_nan():
 
 
 def test_the_kernels_compile_for_the_instruction_set_of_the_target():
-    """The host's own, unless the environment names another (the AVX2 run on an AVX-512 host, below)."""
+    """The host's own, unless the environment names another (the AVX2 run on an AVX-512 host, below): the
+    module's choice, and the registers of the machine code a kernel compiled to (zmm: AVX-512; ymm and no zmm:
+    AVX2)."""
     expect = os.environ.get("KVSQUEEZE_EXPECT_ISA")
     if expect is None:
         host = {k for k, on in llvmlite.binding.get_host_cpu_features().items() if on}
         expect = "avx512" if "avx512f" in host else "avx2" if "avx2" in host else "generic"
     assert simd.ISA == expect
+    x = np.zeros(LANES, np.float32)
+    _exp_all(x, np.empty_like(x))
+    asm = "".join(_exp_all.inspect_asm().values())
+    if expect == "avx512":
+        assert "%zmm" in asm
+    elif expect == "avx2":
+        assert "%ymm" in asm and "%zmm" not in asm
 
 
 @pytest.mark.skipif(simd.ISA != "avx512", reason="an AVX2 host runs the AVX2 path in every kernel test already")

@@ -132,7 +132,6 @@ def test_kernel_choice_is_checked():
         layout.read(layout.allocate(1), torch.tensor([0]), 0)
     with pytest.raises(ValueError, match="need 2 pages"):
         layout.read(layout.allocate(1), torch.tensor([0, 5]), 6)
-    assert page_kernels.write_tokens is not None
 
 
 @pytest.mark.parametrize("kernels", ["torch", "numba"])

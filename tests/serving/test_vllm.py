@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[2]
-VLLM_PYTHON = Path(os.environ.get("KVSQUEEZE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+from tests.serving.vllm_env import ROOT, VLLM_PYTHON
+
 METHOD = "nuq3-1%:kslots2"
 
 pytestmark = [pytest.mark.skipif(not VLLM_PYTHON.exists(),
@@ -118,6 +117,7 @@ def test_vllm_scores_tokens_as_the_hf_path_does(tiny_llama, tiny_model_dir, tiny
 
     prompts = [p for p in _prompts() if len(p) > 20]
     ours = _vllm(tmp_path, tiny_model_dir, tiny_recipe_dir, prompts, "--score", "--logits", str(tmp_path / "lp"))
+    assert len(ours["scores"]) == len(prompts) > 0
     for i, (p, q) in enumerate(zip(prompts, ours["scores"])):
         ids = torch.tensor([p])
         with torch.no_grad():
@@ -154,6 +154,7 @@ def test_vllm_scores_a_method_with_an_fp16_window_as_the_hf_path_does(tiny_llama
     ours = _vllm(tmp_path, tiny_model_dir, tiny_recipe_dir, prompts, "--score", "--max-num-batched-tokens",
                  str(chunk), "--repeat", "2", "--logits", str(tmp_path / "lp"), method=WINDOWED)
     assert ":r8" in ours["method"]
+    assert len(ours["score_rounds"]) == 2 and len(ours["scores"]) == len(ours["score_rounds"][1]) == len(prompts) > 0
     for i, (p, q, again) in enumerate(zip(prompts, ours["scores"], ours["score_rounds"][1])):
         ids = torch.tensor([p])
         target = ids[0, 1:].view(-1, 1)
@@ -194,6 +195,7 @@ def test_vllm_serves_a_budget_with_its_window_from_one_pool_of_blocks(tiny_llama
     assert got["num_blocks"] == (64 << 20) // max(pages, window_page)
     assert sorted((g["block_size"], g["layers"]) for g in got["kv_cache_groups"]) == [(16, 1), (16, 2)]
     assert got["block_size"] == 16 and got["kv_tokens_vllm"] < got["kv_tokens"]  # window pages counted by vLLM
+    assert len(got["scores"]) == len(prompts) > 0
     for p, q in zip(prompts, got["scores"]):
         ids = torch.tensor([p])
         with torch.no_grad(), kvsqueeze.cache_for(tiny_llama, recipe_dir, config.spec.name) as cache:
@@ -279,8 +281,12 @@ def test_vllm_with_tensor_parallelism_gives_what_one_rank_gives(tiny_model_dir, 
                     _vllm(tmp_path / f"gen{tp}", tiny_model_dir, recipe_dir, prompts, *args, method=method))
     assert runs[2][1]["num_blocks"] == (64 << 20) // max(sum(shares[0]), window_page)
     assert runs[2][1]["num_blocks"] > runs[1][1]["num_blocks"]  # a rank's KV space holds more of its own pages
+    scored = [p for p in prompts if len(p) > 20]
+    assert len(runs[1][0]["score_rounds"]) == len(runs[2][0]["score_rounds"]) == 2
     for one, two in zip(runs[1][0]["score_rounds"], runs[2][0]["score_rounds"]):
-        for a, b in zip(one, two):
+        assert len(one) == len(two) == len(scored) > 0
+        for a, p, b in zip(one, scored, two):
+            assert len(a["logprob"]) == len(b["logprob"]) == len(p) - 1
             torch.testing.assert_close(torch.tensor(b["logprob"]), torch.tensor(a["logprob"]), rtol=0, atol=1e-4)
     assert runs[2][1]["runs"][0]["tokens"] == runs[1][1]["runs"][0]["tokens"]
 
