@@ -16,6 +16,32 @@ def test_generate_prints_text_and_memory_report(tiny_model_dir, tiny_recipe_dir,
     assert "KV cache nuq3-1%: 2 layers, batch 1" in out and "fp16 cache" in out and "outlier_values" in out
 
 
+def test_generate_spends_a_preset_s_bits_at_the_length_it_reaches(tiny_llama, tokenizer, tiny_recipe_dir, tmp_path,
+                                                                   capsys):
+    """A preset named without ':ctxN' is chosen for the prompt and the new tokens, never for fewer than 2,048: its
+    window is paid for at the length the cache reaches, so the cache holds the preset's bits there."""
+    d = tmp_path / "model"
+    tiny_llama.config.max_position_embeddings = 4096  # the same weights, a context past 2,048
+    try:
+        tiny_llama.save_pretrained(d)
+    finally:
+        tiny_llama.config.max_position_embeddings = 1024
+    tokenizer.save_pretrained(d)
+    prompt = "the cache key " * 284  # 3,976 byte tokens
+    held = {}
+    for method in ("q3.5", "q3.5:ctx2048"):
+        assert main(["generate", "--model", str(d), "--recipe", str(tiny_recipe_dir), "--prompt", prompt,
+                     "--max-new-tokens", "4", "--decode", "dense", "--method", method]) == 0
+        out = capsys.readouterr().out
+        head = next(line for line in out.splitlines() if line.startswith("KV cache "))
+        held[method] = (head.split(":")[:-1], float(out.split(" bits/element")[0].rsplit(" ", 1)[-1]))
+    assert held["q3.5"][0] == ["KV cache nuq@3.5", "r32", "chan", "ctx3980"]  # 3,976 + 4 tokens
+    assert held["q3.5:ctx2048"][0] == ["KV cache nuq@3.5", "r32", "chan"]
+    # at 3,979 cached tokens (the last new token is not cached) the longer context's choice spends what the
+    # window leaves: more bits than the 2,048-token choice, and no more than the preset's 3.5 at 3,980
+    assert held["q3.5:ctx2048"][1] < held["q3.5"][1] <= 3.5 * 3980 / 3979 + 1e-3, held
+
+
 def test_generate_fp16_needs_no_recipe(tiny_model_dir, capsys):
     assert main(["generate", "--model", str(tiny_model_dir), "--method", "fp16", "--prompt", "hello",
                  "--max-new-tokens", "3"]) == 0

@@ -450,7 +450,8 @@ def cmd_generate(args) -> None:
 
     from .integrations.cache import cache_for, check_supported
     from .integrations.loading import load_model
-    from .methods import parse_method
+    from .methods import parse_method, preset_for
+    from .methods.spec import DEFAULT_CONTEXT
     from .recipe import Recipe
 
     spec = parse_method(args.method)
@@ -463,6 +464,9 @@ def cmd_generate(args) -> None:
     model, tok = load_model(args.model, args.dtype, args.device)
     enc = tok(args.prompt, return_tensors="pt").to(next(model.parameters()).device)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    # a preset named without ':ctxN' spends its bits at the length this generation reaches (the prompt and every
+    # new token), never chosen for fewer than its default 2,048 tokens
+    spec = preset_for(args.method, max(DEFAULT_CONTEXT, enc["input_ids"].shape[1] + args.max_new_tokens))
     with cache_for(model, recipe, spec) as cache, torch.no_grad():
         fused = None
         if args.decode != "dense" and spec.quantized:
@@ -628,7 +632,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=DEFAULT_MODEL)
     _add_loading(g)
     g.add_argument("--recipe", help="recipe directory (needed by nuq and per-channel int/nf methods)")
-    g.add_argument("--method", default=_GEN.method, help="fp16, a preset (q4.5, q3.5, q2.5) or a KVQuant-style method, e.g. nuq3-1%%")
+    g.add_argument("--method", default=_GEN.method,
+                   help="fp16, a preset (q4.5, q3.5, q2.5: chosen for the prompt and new tokens, at least 2,048) or "
+                        "a KVQuant-style method, e.g. nuq3-1%%")
     g.add_argument("--prompt", required=True, help="text to continue")
     g.add_argument("--max-new-tokens", type=_bounded(0, MAX_TOKENS), default=_GEN.max_new_tokens)
     g.add_argument("--decode", choices=("auto", "numba", "reference", "dense"), default=_GEN.decode,
