@@ -186,6 +186,16 @@ def main() -> None:
 
     shown = [n.lower() if n.lower() in PRESETS else preset_for(n, 2048).name for n in names]
     kept = [a for a in log.answers if a.method in shown and a.engine == args.engine and a.task in tasks]
+    # every table compares the methods on the same questions: a question enters once every method run on its model
+    # has answered it (a sample still running is left out until it is whole for all of them)
+    run_by = {}
+    for a in kept:
+        run_by.setdefault(a.model, set()).add(a.method)
+    answered_by: dict = {}
+    for a in kept:
+        answered_by.setdefault(a.question, set()).add(a.method)
+    pending = sum(1 for a in kept if answered_by[a.question] != run_by[a.model])
+    kept = [a for a in kept if answered_by[a.question] == run_by[a.model]]
     scores = summarize(kept)
     covered: dict = {}
     for key in {(a.model, a.method, a.length) for a in kept}:
@@ -211,6 +221,8 @@ def main() -> None:
             "haystack": "BBC corpus, evaluation part (articles held out from calibration)",
             "scoring": "share of the expected strings in the greedy answer (RULER's string_match_all), x100; "
                        "average = mean over tasks, ci95 = bootstrap over samples; paired: see the module docstring",
+            "questions": "those every method run on the model has answered",
+            "answers_pending": pending,  # answers to questions some method has not answered yet: left out
         },
         # an average over fewer tasks than asked (a run stopped inside a length) says how many it covers
         "rows": [{"model": s.model, "method": s.method, "task": s.task, "length": s.length, "samples": s.samples,

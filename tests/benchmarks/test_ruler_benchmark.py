@@ -38,6 +38,30 @@ def test_summary_pairs_questions_and_splits_them_by_what_they_ask(tmp_path, monk
     assert several["ci95"][0] <= -62.5 <= several["ci95"][1] and several["on_fp16_right"] == pytest.approx(37.5)
 
 
+def test_tables_compare_the_methods_on_the_questions_every_method_has_answered(tmp_path, monkeypatch):
+    """A sample some method is still answering stays out of every table until each method has answered it, so the
+    methods' rows and the plot compare the same questions; the JSON counts the answers left out."""
+    from kvsqueeze.eval.ruler_eval import Answer
+
+    ruler = load_benchmark("ruler")
+    rows = [Answer("m", method, "dense-prefill", "vt", 4096, sample, 7, 100, score, "x", ("x",), item)
+            for sample, methods in ((0, ("fp16", "q3.5", "nuq3-1%")), (1, ("fp16", "nuq3-1%")))
+            for method in methods for item in range(3)
+            for score in [1.0 if method == "fp16" or sample == 0 else 0.0]]
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("".join(json.dumps(asdict(a)) + "\n" for a in rows))
+    out = tmp_path / "ruler.json"
+    monkeypatch.setattr(sys, "argv", ["ruler.py", "--summarize-only", "--run", "m:recipe:4096:many", "--methods",
+                                      "fp16,nuq3-1%,q3.5", "--answers", str(answers), "--json", str(out), "--plot",
+                                      str(tmp_path / "ruler.png")])
+    ruler.main()
+    data = json.loads(out.read_text())
+    assert data["config"]["answers_pending"] == 6  # sample 1's answers of fp16 and nuq3-1%
+    assert {r["method"]: r["questions"] for r in data["paired"]} == {"nuq3-1%": 3, "q3.5": 3}
+    assert {r["method"]: r["score"] for r in data["rows"] if r["task"] == "average"} == {
+        "fp16": 100.0, "nuq3-1%": 100.0, "q3.5": 100.0}  # sample 1's zeros of nuq3-1% not yet in
+
+
 def test_a_run_refuses_a_recipe_other_than_the_one_its_earlier_answers_came_from(tiny_recipe, tmp_path, monkeypatch):
     """The timing records name the recipe each model's answers came from; a run given another recipe for that
     model stops before loading any model (its answers would join the others under the same method names), and
