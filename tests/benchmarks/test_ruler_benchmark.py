@@ -12,6 +12,18 @@ import pytest
 from conftest import load_benchmark
 
 
+def _summarize(ruler, rows, methods: str, tmp_path, monkeypatch) -> dict:
+    """`ruler.py --summarize-only` over these answers (one run: model "m" at 4K), its JSON read back."""
+    answers = tmp_path / "answers.jsonl"
+    answers.write_text("".join(json.dumps(asdict(a)) + "\n" for a in rows))
+    out = tmp_path / "ruler.json"
+    monkeypatch.setattr(sys, "argv", ["ruler.py", "--summarize-only", "--run", "m:recipe:4096:many", "--methods",
+                                      methods, "--answers", str(answers), "--json", str(out), "--plot",
+                                      str(tmp_path / "ruler.png")])
+    ruler.main()
+    return json.loads(out.read_text())
+
+
 def test_summary_pairs_questions_and_splits_them_by_what_they_ask(tmp_path, monkeypatch):
     from kvsqueeze.eval.ruler_eval import Answer
 
@@ -21,14 +33,7 @@ def test_summary_pairs_questions_and_splits_them_by_what_they_ask(tmp_path, monk
         for task, ref, mine in (("niah_single_number", 1.0, 1.0), ("niah_multivalue", 1.0, 0.25 * item)):
             for method, score in (("fp16", ref), ("q3.5", mine)):
                 rows.append(Answer("m", method, "dense-prefill", task, 4096, 0, 7, 100, score, "x", ("x",), item))
-    answers = tmp_path / "answers.jsonl"
-    answers.write_text("".join(json.dumps(asdict(a)) + "\n" for a in rows))
-    out = tmp_path / "ruler.json"
-    monkeypatch.setattr(sys, "argv", ["ruler.py", "--summarize-only", "--run", "m:recipe:4096:many", "--methods",
-                                      "fp16,q3.5", "--answers", str(answers), "--json", str(out), "--plot",
-                                      str(tmp_path / "ruler.png")])
-    ruler.main()
-    data = json.loads(out.read_text())
+    data = _summarize(ruler, rows, "fp16,q3.5", tmp_path, monkeypatch)
     (both,) = data["paired"]
     assert both["questions"] == 8 and both["diff"] == pytest.approx(-62.5 / 2)
     groups = {r["answers"]: r for r in data["paired_by_answers"]}
@@ -48,14 +53,7 @@ def test_tables_compare_the_methods_on_the_questions_every_method_has_answered(t
             for sample, methods in ((0, ("fp16", "q3.5", "nuq3-1%")), (1, ("fp16", "nuq3-1%")))
             for method in methods for item in range(3)
             for score in [1.0 if method == "fp16" or sample == 0 else 0.0]]
-    answers = tmp_path / "answers.jsonl"
-    answers.write_text("".join(json.dumps(asdict(a)) + "\n" for a in rows))
-    out = tmp_path / "ruler.json"
-    monkeypatch.setattr(sys, "argv", ["ruler.py", "--summarize-only", "--run", "m:recipe:4096:many", "--methods",
-                                      "fp16,nuq3-1%,q3.5", "--answers", str(answers), "--json", str(out), "--plot",
-                                      str(tmp_path / "ruler.png")])
-    ruler.main()
-    data = json.loads(out.read_text())
+    data = _summarize(ruler, rows, "fp16,nuq3-1%,q3.5", tmp_path, monkeypatch)
     assert data["config"]["answers_pending"] == 6  # sample 1's answers of fp16 and nuq3-1%
     assert {r["method"]: r["questions"] for r in data["paired"]} == {"nuq3-1%": 3, "q3.5": 3}
     assert {r["method"]: r["score"] for r in data["rows"] if r["task"] == "average"} == {
