@@ -16,17 +16,23 @@ def test_generate_prints_text_and_memory_report(tiny_model_dir, tiny_recipe_dir,
     assert "KV cache nuq3-1%: 2 layers, batch 1" in out and "fp16 cache" in out and "outlier_values" in out
 
 
-def test_generate_spends_a_preset_s_bits_at_the_length_it_reaches(tiny_llama, tokenizer, tiny_recipe_dir, tmp_path,
-                                                                   capsys):
-    """A preset named without ':ctxN' is chosen for the prompt and the new tokens, never for fewer than 2,048: its
-    window is paid for at the length the cache reaches, so the cache holds the preset's bits there."""
-    d = tmp_path / "model"
-    tiny_llama.config.max_position_embeddings = 4096  # the same weights, a context past 2,048
+@pytest.fixture(scope="module")
+def long_model_dir(tiny_llama, tokenizer, tmp_path_factory):
+    """The tiny LLaMA's weights with a context of 4,096 positions (past the presets' default 2,048)."""
+    d = tmp_path_factory.mktemp("long-model")
+    tiny_llama.config.max_position_embeddings = 4096
     try:
         tiny_llama.save_pretrained(d)
     finally:
         tiny_llama.config.max_position_embeddings = 1024
     tokenizer.save_pretrained(d)
+    return d
+
+
+def test_generate_spends_a_preset_s_bits_at_the_length_it_reaches(long_model_dir, tiny_recipe_dir, capsys):
+    """A preset named without ':ctxN' is chosen for the prompt and the new tokens, never for fewer than 2,048: its
+    window is paid for at the length the cache reaches, so the cache holds the preset's bits there."""
+    d = long_model_dir
     prompt = "the cache key " * 284  # 3,976 byte tokens
     held = {}
     for method in ("q3.5", "q3.5:ctx2048"):
@@ -40,6 +46,26 @@ def test_generate_spends_a_preset_s_bits_at_the_length_it_reaches(tiny_llama, to
     # at 3,979 cached tokens (the last new token is not cached) the longer context's choice spends what the
     # window leaves: more bits than the 2,048-token choice, and no more than the preset's 3.5 at 3,980
     assert held["q3.5:ctx2048"][1] < held["q3.5"][1] <= 3.5 * 3980 / 3979 + 1e-3, held
+
+
+def test_eval_chooses_a_preset_for_each_window_length(long_model_dir, tiny_recipe_dir, tmp_path):
+    """`eval --seqlen` runs a preset chosen for each window length (at least 2,048): the cache holds its bits at
+    that length, where the 2,048-token choice would hold fewer."""
+    import json
+
+    from conftest import sample_text
+
+    text = tmp_path / "long.txt"
+    text.write_text("\n\n".join(sample_text(60, seed=i) for i in range(200)))  # 200 paragraphs, a fifth held out
+    rows = {}
+    for method in ("q3.5", "q3.5:ctx2048"):
+        out = tmp_path / f"{method}.json"
+        assert main(["eval", "--model", str(long_model_dir), "--recipe", str(tiny_recipe_dir), "--text", str(text),
+                     "--methods", f"fp16,{method}", "--seqlen", "3000", "--max-windows", "1",
+                     "--json", str(out)]) == 0
+        rows.update({r["method"]: r for r in json.loads(out.read_text())["rows"]})
+    assert set(rows) == {"fp16", "nuq@3.5:r32:chan:ctx3000", "nuq@3.5:r32:chan"}
+    assert rows["nuq@3.5:r32:chan"]["avg_bits"] < rows["nuq@3.5:r32:chan:ctx3000"]["avg_bits"] <= 3.5 + 1e-3
 
 
 def test_generate_fp16_needs_no_recipe(tiny_model_dir, capsys):

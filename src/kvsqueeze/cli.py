@@ -237,9 +237,10 @@ def cmd_eval(args) -> None:
     from .eval.perplexity import evaluate, format_table
     from .eval.texts import evaluation_windows, load_text
     from .integrations.loading import load_model
-    from .methods import needs_recipe, parse_methods
+    from .methods import needs_recipe, parse_methods, preset_reaching
 
-    specs = parse_methods(args.methods)
+    specs = parse_methods(args.methods)  # presets are chosen for each window length below; checked here as at 2,048
+    names = [m.strip() for m in args.methods.split(",") if m.strip()]
     seqlens = _int_list(args.seqlen, "--seqlen")
     recipe = _recipe_for(specs, args.recipe)
     text = load_text(args.text, args.encoding)
@@ -264,7 +265,7 @@ def cmd_eval(args) -> None:
         spread = f", {len(about['categories'])} categories" if about["categories"] else ""
         print(f"{args.model} on {text.name} (evaluation part): {about['windows']} of its {about['of']} windows of "
               f"{seqlen} tokens, spread over {about['pieces']} pieces{spread}")
-        rows = evaluate(model, ew.ids, specs, recipe)
+        rows = evaluate(model, ew.ids, [preset_reaching(m, seqlen) for m in names], recipe)
         print(format_table(rows))
         payloads.append({
             "model": args.model, "text": text.name, "seqlen": seqlen, "windows": int(ew.ids.shape[0]),
@@ -450,8 +451,7 @@ def cmd_generate(args) -> None:
 
     from .integrations.cache import cache_for, check_supported
     from .integrations.loading import load_model
-    from .methods import parse_method, preset_for
-    from .methods.spec import DEFAULT_CONTEXT
+    from .methods import parse_method, preset_reaching
     from .recipe import Recipe
 
     spec = parse_method(args.method)
@@ -464,9 +464,9 @@ def cmd_generate(args) -> None:
     model, tok = load_model(args.model, args.dtype, args.device)
     enc = tok(args.prompt, return_tensors="pt").to(next(model.parameters()).device)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    # a preset named without ':ctxN' spends its bits at the length this generation reaches (the prompt and every
-    # new token), never chosen for fewer than its default 2,048 tokens
-    spec = preset_for(args.method, max(DEFAULT_CONTEXT, enc["input_ids"].shape[1] + args.max_new_tokens))
+    # a preset named without ':ctxN' spends its bits at the length this generation reaches: the prompt and every
+    # new token
+    spec = preset_reaching(args.method, enc["input_ids"].shape[1] + args.max_new_tokens)
     with cache_for(model, recipe, spec) as cache, torch.no_grad():
         fused = None
         if args.decode != "dense" and spec.quantized:
@@ -538,7 +538,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_loading(e)
     e.add_argument("--text", default=DEFAULT_TEXT, help=TEXT_HELP.format(part="evaluation part"))
     e.add_argument("--recipe", help="recipe directory (needed by nuq and per-channel methods)")
-    e.add_argument("--methods", default=_EVAL.methods)
+    e.add_argument("--methods", default=_EVAL.methods,
+                   help="comma-separated method names; a preset (q3.5) is chosen for each --seqlen, at least 2,048")
     e.add_argument("--seqlen", default=_EVAL.seqlen, help="window length(s), e.g. 2048 or 1024,2048,4096")
     e.add_argument("--max-windows", type=_bounded(1), default=_EVAL.max_windows)
     e.add_argument("--json", help="write the results as JSON here")

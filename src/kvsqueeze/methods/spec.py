@@ -250,6 +250,13 @@ def preset_for(name: str, context: int) -> MethodSpec:
     return parse_method(name)
 
 
+def preset_reaching(name: str, tokens: int) -> MethodSpec:
+    """A preset chosen for a cache that reaches `tokens` tokens (a generation's prompt and new tokens, an evaluation
+    window), never for fewer than `DEFAULT_CONTEXT`: a shorter cache holds the 2,048-token choice, its window paid
+    over fewer tokens, as its memory report says. Any other method name as it parses."""
+    return preset_for(name, max(DEFAULT_CONTEXT, tokens))
+
+
 def _budget_method(name: str, family: str, m: re.Match) -> MethodSpec:
     """`nuq@AVG[:sinkN]`: a bit budget (its bits and outliers per layer come from the recipe)."""
     if family != "nuq":
