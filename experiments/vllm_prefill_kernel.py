@@ -76,7 +76,11 @@ def main() -> None:
             return lambda: sdpa(qd, kd, vd, attn_mask=allowed, scale=scale, enable_gqa=True)
 
         kr, vr = kt.repeat_interleave(hq // h, 1), vt.repeat_interleave(hq // h, 1)
-        flash = lambda: torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qt, kr, vr, scale=scale)  # noqa: E731
+        flash_for_cpu = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+        def flash():
+            return flash_for_cpu(qt, kr, vr, scale=scale)
+
         own()
         want = masked(torch.float32)()[0].transpose(0, 1)
         err = float((out.float() - want).abs().max())

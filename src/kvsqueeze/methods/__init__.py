@@ -8,7 +8,7 @@ from .spec import (FAMILIES, FAMILY_DEFAULTS, FIT_VARIANTS, FIXED_AXES, PRESETS,
 from .families import (PATHS, REGISTRY, average_bits, build_quantizers, cache_bytes, check_path, describe,
                        family, is_unquantized, needs_recipe)
 
-__all__ = ["FAMILIES", "FAMILY_DEFAULTS", "FIT_VARIANTS", "FIXED_AXES", "PRESETS", "SUPPORTED_BITS", "MethodError", "MethodSpec",
-           "canonical_name", "fixed_outlier_count", "max_outliers_per_side", "parse_method", "parse_methods",
-           "preset_for", "preset_reaching", "topk_per_side", "PATHS", "REGISTRY", "average_bits", "build_quantizers", "cache_bytes", "check_path",
-           "describe", "family", "is_unquantized", "needs_recipe"]
+__all__ = ["FAMILIES", "FAMILY_DEFAULTS", "FIT_VARIANTS", "FIXED_AXES", "PRESETS", "SUPPORTED_BITS", "MethodError",
+           "MethodSpec", "canonical_name", "fixed_outlier_count", "max_outliers_per_side", "parse_method",
+           "parse_methods", "preset_for", "preset_reaching", "topk_per_side", "PATHS", "REGISTRY", "average_bits",
+           "build_quantizers", "cache_bytes", "check_path", "describe", "family", "is_unquantized", "needs_recipe"]
