@@ -188,15 +188,15 @@ def main() -> None:
     kept = [a for a in log.answers if a.method in shown and a.engine == args.engine and a.task in tasks]
     # every table compares the methods on the same questions: a question enters once every method run on its model
     # has answered it (a sample still running is left out until it is whole for all of them)
-    run_by = {}
-    for a in kept:
-        run_by.setdefault(a.model, set()).add(a.method)
+    run_by: dict = {}
     answered_by: dict = {}
     for a in kept:
+        run_by.setdefault(a.model, set()).add(a.method)
         answered_by.setdefault(a.question, set()).add(a.method)
     pending = sum(1 for a in kept if answered_by[a.question] != run_by[a.model])
     kept = [a for a in kept if answered_by[a.question] == run_by[a.model]]
     scores = summarize(kept)
+    quantized = [a for a in kept if a.method != "fp16"]
     covered: dict = {}
     for key in {(a.model, a.method, a.length) for a in kept}:
         covered[key] = len({a.task for a in kept if (a.model, a.method, a.length) == key})
@@ -247,8 +247,8 @@ def main() -> None:
         # every length's questions pooled, against fp16; and each method against KVQuant's `nuq3-1%` on the same
         # questions, per length and pooled: the comparison that made `q3.5` the default
         "paired_all_lengths": [_paired_row(p) for p in paired(kept, by_length=False)],
-        "against_kvquant": [_paired_row(p) for p in paired([a for a in kept if a.method != "fp16"], KVQUANT)
-                            + paired([a for a in kept if a.method != "fp16"], KVQUANT, by_length=False)],
+        "against_kvquant": [_paired_row(p) for p in paired(quantized, KVQUANT) + paired(quantized, KVQUANT,
+                                                                                        by_length=False)],
         "cost": cost,
         "answers": str(answers_path),
     }

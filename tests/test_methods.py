@@ -160,6 +160,17 @@ def test_parse_methods_rejects(text, match):
         parse_methods(text)
 
 
+def test_parse_methods_chooses_presets_for_the_tokens_a_cache_reaches():
+    """With `reaching`, a preset is chosen for that many tokens (never fewer than 2,048), and a name that comes to
+    the same method there is refused as a duplicate, though the two differ at 2,048."""
+    assert [s.name for s in parse_methods("fp16,q3.5,nuq3-1%", reaching=3000)] == [
+        "fp16", "nuq@3.5:r32:chan:ctx3000", "nuq3-1%"]
+    assert [s.name for s in parse_methods("q3.5", reaching=512)] == ["nuq@3.5:r32:chan"]
+    parse_methods("q3.5,nuq@3.5:r32:chan:ctx3000")  # distinct at 2,048
+    with pytest.raises(MethodError, match="same method"):
+        parse_methods("q3.5,nuq@3.5:r32:chan:ctx3000", reaching=3000)
+
+
 def test_parse_methods_keeps_order():
     assert [s.name for s in parse_methods("fp16, nuq3-1% ,kivi2")] == ["fp16", "nuq3-1%", "kivi2"]
 

@@ -237,11 +237,11 @@ def cmd_eval(args) -> None:
     from .eval.perplexity import evaluate, format_table
     from .eval.texts import evaluation_windows, load_text
     from .integrations.loading import load_model
-    from .methods import needs_recipe, parse_methods, preset_reaching
+    from .methods import needs_recipe, parse_methods
 
-    specs = parse_methods(args.methods)  # presets are chosen for each window length below; checked here as at 2,048
-    names = [m.strip() for m in args.methods.split(",") if m.strip()]
     seqlens = _int_list(args.seqlen, "--seqlen")
+    per_length = {n: parse_methods(args.methods, reaching=n) for n in seqlens}  # a preset chosen for each length
+    specs = per_length[seqlens[0]]
     recipe = _recipe_for(specs, args.recipe)
     text = load_text(args.text, args.encoding)
     model, tok = load_model(args.model, args.dtype, args.device)
@@ -265,7 +265,7 @@ def cmd_eval(args) -> None:
         spread = f", {len(about['categories'])} categories" if about["categories"] else ""
         print(f"{args.model} on {text.name} (evaluation part): {about['windows']} of its {about['of']} windows of "
               f"{seqlen} tokens, spread over {about['pieces']} pieces{spread}")
-        rows = evaluate(model, ew.ids, [preset_reaching(m, seqlen) for m in names], recipe)
+        rows = evaluate(model, ew.ids, per_length[seqlen], recipe)
         print(format_table(rows))
         payloads.append({
             "model": args.model, "text": text.name, "seqlen": seqlen, "windows": int(ew.ids.shape[0]),
