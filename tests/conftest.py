@@ -95,6 +95,18 @@ def random_ids(batch: int, seqlen: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, seqlen), generator=g)
 
 
+def fp16_rounded_cache(layers: int):
+    """A transformers cache of the model's own layers, its keys and values rounded to fp16 as they are cached: what
+    kvsqueeze's fp16 method must give, to float rounding."""
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class RoundedLayer(DynamicLayer):
+        def update(self, key_states, value_states, *args, **kwargs):
+            return super().update(key_states.half().float(), value_states.half().float(), *args, **kwargs)
+
+    return Cache(layers=[RoundedLayer() for _ in range(layers)])
+
+
 def byte_tokenizer():
     """A 256-token byte-level tokenizer (no merges) built offline with `tokenizers`."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import kvsqueeze
-from conftest import random_ids
+from conftest import fp16_rounded_cache, random_ids
 from kvsqueeze.integrations.cache import CompressedCache
 from kvsqueeze.calibrate.collect import collect
 from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
@@ -192,16 +192,10 @@ def test_memory_report_sums_and_matches_the_registry(llama):
 def test_fp16_cache(llama):
     model, _ = llama
     ids = random_ids(2, 20, seed=8)
-    from transformers.cache_utils import Cache, DynamicLayer
-
-    class RoundedLayer(DynamicLayer):  # the model's own cache, its keys and values rounded to fp16 as cached
-        def update(self, key_states, value_states, *args, **kwargs):
-            return super().update(key_states.half().float(), value_states.half().float(), *args, **kwargs)
-
     cache = cache_for(model, None, "fp16")
     with torch.no_grad():
         got = model(ids, cache=cache, use_cache=True).logits
-        ref = model(ids, cache=Cache(layers=[RoundedLayer() for _ in model.model.layers]), use_cache=True).logits
+        ref = model(ids, cache=fp16_rounded_cache(len(model.model.layers)), use_cache=True).logits
     torch.testing.assert_close(got, ref, atol=1e-6, rtol=1e-6)  # only fp16 rounding of K and V
     rep = cache.memory_report()
     assert rep.total_bytes == rep.components["codes"] == rep.fp16_bytes

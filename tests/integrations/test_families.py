@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import kvsqueeze
-from conftest import HEAD_DIM, HIDDEN, INIT_STD, KV_HEADS, LAYERS, VOCAB, random_ids
+from conftest import HEAD_DIM, HIDDEN, INIT_STD, KV_HEADS, LAYERS, VOCAB, fp16_rounded_cache, random_ids
 from kvsqueeze.calibrate.collect import collect
 from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
 from kvsqueeze.integrations.fused import fused_decode
@@ -115,16 +115,10 @@ def test_keys_are_read_where_the_model_rotates_them(supported):
 
 def test_fp16_cache_gives_the_models_own_logits(supported):
     """The fp16 method is the model's own attention over its keys and values rounded to fp16 as they are cached."""
-    from transformers.cache_utils import Cache, DynamicLayer
-
-    class RoundedLayer(DynamicLayer):
-        def update(self, key_states, value_states, *args, **kwargs):
-            return super().update(key_states.half().float(), value_states.half().float(), *args, **kwargs)
-
     _, model, recipe = supported
     ids = random_ids(1, 24, seed=1)
     with torch.no_grad():
-        want = model(ids, cache=Cache(layers=[RoundedLayer() for _ in range(LAYERS)]), use_cache=True).logits
+        want = model(ids, cache=fp16_rounded_cache(LAYERS), use_cache=True).logits
         got = model(ids, cache=kvsqueeze.cache_for(model, recipe, "fp16"), use_cache=True).logits
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
