@@ -187,7 +187,7 @@ def main() -> None:
     shown = [n.lower() if n.lower() in PRESETS else preset_for(n, 2048).name for n in names]
     kept = [a for a in log.answers if a.method in shown and a.engine == args.engine and a.task in tasks]
     # every table compares the methods on the same questions: a question enters once every method run on its model
-    # has answered it (a sample still running is left out until it is whole for all of them)
+    # has answered it (a question of a sample still running waits until the last method has answered it)
     run_by: dict = {}
     answered_by: dict = {}
     for a in kept:
