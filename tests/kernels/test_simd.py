@@ -28,6 +28,7 @@ from kvsqueeze.kernels.numba.simd import (
     vindex16,
     vload,
     vlookup,
+    vlookup8,
     vscatter,
     vstore,
 )
@@ -43,6 +44,12 @@ def _exp_all(x, out):
 def _lookup_all(table, idx, out):
     for k in range(0, idx.shape[0], LANES):
         vstore(out, k, vlookup(vload(table, 0), vload(idx, k)))
+
+
+@numba.njit(cache=False)
+def _lookup8_all(table, idx, out):
+    for k in range(0, idx.shape[0], LANES):
+        vstore(out, k, vlookup8(vload(table, 0), vload(idx, k)))
 
 
 @numba.njit(cache=False)
@@ -106,6 +113,20 @@ def test_vlookup_reads_only_the_low_four_bits():
     out = np.empty(idx.shape[0], np.float32)
     _lookup_all(table, idx, out)
     assert np.array_equal(out, table[idx & 15])
+
+
+@pytest.mark.parametrize("period", [1, 2, 4, 8])
+def test_vlookup8_reads_only_the_low_three_bits_of_tables_of_period_dividing_8(period):
+    """The narrow lookup of codes up to 3 bits wide: on tables that repeat every `period` entries (as the kernels'
+    rows of such codes do) it equals both table[idx & 7] and the 16-entry lookup, whatever the bits above."""
+    levels = np.random.default_rng(period).standard_normal(period).astype(np.float32)
+    table = np.tile(levels, LANES // period)
+    idx = np.random.default_rng(1).integers(0, 2**32, 4 * LANES, dtype=np.uint64).astype(np.uint32)
+    out, wide = np.empty(idx.shape[0], np.float32), np.empty(idx.shape[0], np.float32)
+    _lookup8_all(table, idx, out)
+    _lookup_all(table, idx, wide)
+    assert np.array_equal(out, table[idx & 7])
+    assert np.array_equal(out, wide)
 
 
 @pytest.mark.parametrize("shift", [0, 1, 7, 29, 31])

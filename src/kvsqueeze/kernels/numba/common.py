@@ -39,6 +39,7 @@ from .simd import (
     vload,
     vload_first,
     vlookup,
+    vlookup8,
     vmul,
     vstore,
     vstore_first,
@@ -165,8 +166,11 @@ def decode(wb, width, w0, offs, c, bits, lut, k):
     else:
         words = vfunnel(vload(wb, wi * width + k), vload(wb, (wi + 1) * width + k), off & 31)
     row = lut.shape[1]
-    if bits == 0 and offs[c + 1] - off > 4:
+    code_bits = offs[c + 1] - off if bits == 0 else bits
+    if bits == 0 and code_bits > 4:
         return vindex(lut, c * row, uand(words, row - 1), LANES)
+    if code_bits <= 3:  # the row's first 8 entries hold every level: half the permutes on AVX2
+        return vlookup8(vload(lut, c * row), words)
     return vlookup(vload(lut, c * row), words)
 
 

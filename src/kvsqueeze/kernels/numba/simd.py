@@ -6,7 +6,8 @@ registers and look codes up with a variable permute. They emit portable LLVM
 IR, except the lookup, which is one 16-lane `vpermps` on AVX-512, and on AVX2
 two 8-lane `vpermps` per half of the lanes with a blend on the index's fourth
 bit (2.1x faster key and value passes than LLVM's lane-by-lane lowering on an
-AMD EPYC); elsewhere (ARM NEON, ...) LLVM lowers a lane-by-lane form. `ISA`
+AMD EPYC), and for codes of at most 3 bits (`vlookup8`) one per half, no blend;
+elsewhere (ARM NEON, ...) LLVM lowers a lane-by-lane form. `ISA`
 says which one the kernels were compiled with, and `AVX2_ENV` makes an
 AVX-512 machine compile the AVX2 one, so that either machine tests both.
 
@@ -510,20 +511,46 @@ def vlookup(typingctx, table, index):
         return None
 
     def codegen(context, builder, sig, args):
+        return _lookup_ir(builder, *args)
+
+    return f32x16(table, index), codegen
+
+
+def _lookup_ir(builder, tab, idx):
+    """The IR of `vlookup` for the target's instruction set."""
+    if ISA == "avx512":  # one vpermps, which ignores the index bits above the fourth by definition
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VI]),
+                                            "llvm.x86.avx512.permvar.sf.512")
+        return builder.call(fn, [tab, idx])
+    if ISA == "avx2":
+        return _lookup_avx2(builder, tab, idx)
+    # elsewhere (ARM NEON, ...) LLVM lowers this lane-by-lane form to the target's own table lookups
+    idx = builder.and_(idx, _splat(builder, ir.Constant(_I32, LANES - 1), _VI))
+    out = ir.Constant(_VF, ir.Undefined)
+    for i in range(LANES):
+        lane = ir.Constant(_I32, i)
+        out = builder.insert_element(out, builder.extract_element(tab, builder.extract_element(idx, lane)), lane)
+    return out
+
+
+@intrinsic
+def vlookup8(typingctx, table, index):
+    """table[index & 7] per lane, for a table whose first 8 entries hold every level (codes of at most 3 bits,
+    the levels repeated with a period dividing 8): on AVX2 one 8-lane `vpermps` per half of the lanes, no blend;
+    elsewhere as `vlookup`, whose result it equals on such tables."""
+    if table != f32x16 or index != u32x16:
+        return None
+
+    def codegen(context, builder, sig, args):
         tab, idx = args
-        if ISA == "avx512":  # one vpermps, which ignores the index bits above the fourth by definition
-            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_VF, [_VF, _VI]),
-                                                "llvm.x86.avx512.permvar.sf.512")
-            return builder.call(fn, [tab, idx])
         if ISA == "avx2":
-            return _lookup_avx2(builder, tab, idx)
-        # elsewhere (ARM NEON, ...) LLVM lowers this lane-by-lane form to the target's own table lookups
-        idx = builder.and_(idx, _splat(builder, ir.Constant(_I32, LANES - 1), _VI))
-        out = ir.Constant(_VF, ir.Undefined)
-        for i in range(LANES):
-            lane = ir.Constant(_I32, i)
-            out = builder.insert_element(out, builder.extract_element(tab, builder.extract_element(idx, lane)), lane)
-        return out
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F, _V8I]),
+                                                "llvm.x86.avx2.permps")
+            low = builder.shuffle_vector(tab, tab, ir.Constant(_V8I, list(range(8))))
+            out = [builder.call(fn, [low, builder.shuffle_vector(idx, idx, ir.Constant(_V8I, list(range(f, f + 8))))])
+                   for f in (0, 8)]
+            return builder.shuffle_vector(out[0], out[1], ir.Constant(_VI, list(range(LANES))))
+        return _lookup_ir(builder, tab, idx)  # the table repeats every 8 entries: index bit 3 selects alike
 
     return f32x16(table, index), codegen
 
