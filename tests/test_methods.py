@@ -171,6 +171,15 @@ def test_parse_methods_chooses_presets_for_the_tokens_a_cache_reaches():
         parse_methods("q3.5,nuq@3.5:r32:chan:ctx3000", reaching=3000)
 
 
+def test_parse_methods_chooses_presets_for_an_exact_context():
+    """With `context`, a preset is chosen for exactly that many tokens (below 2,048 too), duplicates refused there."""
+    assert [s.name for s in parse_methods("fp16,q3.5", context=512)] == ["fp16", "nuq@3.5:r32:chan:ctx512"]
+    with pytest.raises(MethodError, match="same method"):
+        parse_methods("q2.5,nuq@2.5:r32:chan:ctx512", context=512)
+    with pytest.raises(ValueError, match="not both"):
+        parse_methods("q3.5", reaching=4096, context=4096)
+
+
 def test_parse_methods_keeps_order():
     assert [s.name for s in parse_methods("fp16, nuq3-1% ,kivi2")] == ["fp16", "nuq3-1%", "kivi2"]
 

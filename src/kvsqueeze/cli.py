@@ -400,11 +400,12 @@ def cmd_ruler(args) -> None:
     from .eval.ruler_eval import ENGINES, AnswerLog, format_ruler_table, ruler_eval, summarize
     from .eval.texts import load_text
     from .integrations.loading import load_model
-    from .methods import PRESETS, parse_methods, preset_for
+    from .methods import PRESETS, parse_methods
 
-    specs = parse_methods(args.methods)  # presets are chosen for each length below; checked here as at 2,048
+    specs = parse_methods(args.methods)
     names = [m.strip().lower() for m in args.methods.split(",") if m.strip()]
     lengths = _int_list(args.lengths, "--lengths")
+    per_length = {n: parse_methods(args.methods, context=n) for n in lengths}  # a preset chosen for each length
     tasks = list(TASKS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
@@ -424,7 +425,7 @@ def cmd_ruler(args) -> None:
     answers = []
     for sample in range(args.samples):  # sample-major: a stopped run is balanced over lengths
         for n in lengths:
-            at = [preset_for(m, n) for m in names]  # a preset chosen for the length it runs at
+            at = per_length[n]
             answers += ruler_eval(model, tok, at, [c for c in contexts[n] if c.sample == sample], recipe,
                                   engine=args.engine, chunk=args.chunk, model_name=args.model, log=log,
                                   labels={sp.name: m for sp, m in zip(at, names) if m in PRESETS},

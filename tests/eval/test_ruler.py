@@ -356,6 +356,7 @@ def test_ruler_cli_on_a_tiny_model(tiny_model_dir, tiny_recipe_dir, tmp_path, ca
     (["--engine", "gpu"], "--engine"),
     (["--lengths", "4096"], "exceed(s) the model's 1024-token context"),
     (["--samples", "0"], "--samples"),
+    (["--methods", "q3.5,nuq@3.5:r32:chan:ctx900"], "same method"),  # one method at 900 tokens, refused before loading
 ])
 def test_ruler_cli_refuses_bad_input(tiny_model_dir, tiny_recipe_dir, tmp_path, capsys, extra, message):
     from kvsqueeze.cli import main

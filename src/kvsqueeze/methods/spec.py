@@ -395,14 +395,17 @@ def context_flag(context: int) -> str:
     return f":ctx{context // 1024}k" if context % 1024 == 0 else f":ctx{context}"
 
 
-def parse_methods(text: str, reaching: int | None = None) -> list[MethodSpec]:
+def parse_methods(text: str, reaching: int | None = None, context: int | None = None) -> list[MethodSpec]:
     """Parse a comma-separated list of method names, rejecting duplicates; with `reaching`, each preset is chosen
-    for a cache of that many tokens (`preset_reaching`), and two names that come to the same method there are
-    duplicates too."""
+    for a cache of that many tokens (`preset_reaching`), with `context` for exactly that many (`preset_for`), and
+    two names that come to the same method there are duplicates too."""
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
         raise MethodError("no methods given: pass e.g. --methods fp16,int3,nuq3-1%")
-    specs = [parse_method(n) if reaching is None else preset_reaching(n, reaching) for n in names]
+    if reaching is not None and context is not None:
+        raise ValueError("parse_methods: give `reaching` or `context`, not both")
+    specs = [preset_reaching(n, reaching) if reaching is not None else preset_for(n, context) if context is not None
+             else parse_method(n) for n in names]
     seen: dict[str, str] = {}
     for raw, s in zip(names, specs):
         if s.name in seen:
