@@ -119,7 +119,7 @@ def llama_cpp_rows(model_name: str, windows: torch.Tensor) -> list[dict] | str:
                     refs[i] = logp
                 ref = refs[i]
                 target = w[1:]
-                n, k, t1 = against_reference(ref, ref.exp(), ref.argmax(-1), logp, target)
+                n, k, t1 = against_reference(ref, ref.argmax(-1), logp, target)
                 nll.append(n)
                 tokens.append(int(target.numel()))
                 klds.append(k)
@@ -156,7 +156,7 @@ def measure_hf_rows(model, ew, recipe: Recipe, seqlen: int) -> tuple[list[dict],
             ref = refs[i]
             logp, held = quantized_cache_logits(model, ids, backend, bits)
             target = ids[0, 1:]
-            n, k, t1 = against_reference(ref, ref.exp(), ref.argmax(-1), logp, target)
+            n, k, t1 = against_reference(ref, ref.argmax(-1), logp, target)
             nll.append(n)
             tokens.append(int(target.numel()))
             klds.append(k)

@@ -53,3 +53,42 @@ def test_a_checkpoint_of_other_windows_or_methods_is_refused(tiny_llama, tiny_re
     with pytest.raises(ValueError, match="cannot be read"):
         P.evaluate(tiny_llama, windows[:2], parse_methods("fp16,nuq3-1%"), tiny_recipe, progress=False,
                    checkpoint=ckpt)
+
+
+def test_window_logits_and_the_divergence_in_pieces_equal_whole_tensor_ops(tiny_llama, tiny_recipe):
+    """A window longer than `ROWS` positions is normalised and compared piece by piece (no [T, V] temporaries):
+    the values are exactly those of one log_softmax and one KL over the whole window."""
+    from kvsqueeze.integrations.simulate import SimulatedQuantization
+
+    assert P.ROWS < 600
+    ids = torch.randint(0, tiny_llama.config.vocab_size, (1, 601), generator=torch.Generator().manual_seed(3))
+    with SimulatedQuantization(tiny_llama, parse_methods("fp16")[0], tiny_recipe) as sim:
+        ref = P.window_logits(tiny_llama, ids, sim)[0]
+        whole = tiny_llama(input_ids=ids, cache=sim.new_cache(), use_cache=True).logits[0, :-1].float()
+    assert torch.equal(ref, whole.log_softmax(-1))
+    with SimulatedQuantization(tiny_llama, parse_methods("nuq3-1%")[0], tiny_recipe) as sim:
+        logp = P.window_logits(tiny_llama, ids, sim)[0]
+    target = ids[0, 1:]
+    nll, kld, top1 = P.against_reference(ref, ref.argmax(-1), logp, target)
+    assert torch.equal(kld, (ref.exp() * (ref - logp)).sum(-1).clamp_min(0))
+    assert nll == float(-logp.gather(1, target[:, None]).sum())
+    assert top1 == int((logp.argmax(-1) == ref.argmax(-1)).sum()) and kld.shape == (600,) and float(kld.sum()) > 0
+
+
+def test_window_logits_refuses_nan_logits_in_any_piece():
+    """A non-finite logit past the first piece is still caught, and the method is named."""
+    from types import SimpleNamespace
+
+    class Fake(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, input_ids, cache, use_cache):
+            logits = torch.zeros(1, input_ids.shape[1], 7)
+            logits[0, P.ROWS + 5, 3] = float("nan")
+            return SimpleNamespace(logits=logits)
+
+    sim = SimpleNamespace(new_cache=lambda: None, spec=SimpleNamespace(name="nuq3-1%"))
+    with pytest.raises(FloatingPointError, match="'nuq3-1%' produced NaN/Inf logits"):
+        P.window_logits(Fake(), torch.zeros(1, P.ROWS + 20, dtype=torch.long), sim)

@@ -109,7 +109,7 @@ def score_window(model, ids: torch.Tensor, hidden: torch.Tensor, reference: torc
         e = min(n, s + segment)
         ref = head(model, reference[s:e]).log_softmax(-1)
         logp = ref if hidden is reference else head(model, hidden[s:e]).log_softmax(-1)
-        nll, kld, top1 = against_reference(ref, ref.exp(), ref.argmax(-1), logp, target[s:e])
+        nll, kld, top1 = against_reference(ref, ref.argmax(-1), logp, target[s:e])
         score.nll.append(nll)
         score.tokens.append(e - s)
         score.kld_sum += float(kld.double().sum())

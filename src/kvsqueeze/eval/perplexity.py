@@ -60,15 +60,25 @@ class PplRow:
                 "kld_mean": round(self.kld_mean, 6), "kld_p99": round(self.kld_p99, 6), "top1": round(self.top1, 5)}
 
 
+ROWS = 256  # positions per piece where a window's [T, V] rows are normalised or compared: a piece's temporaries are
+# ROWS x V floats, not a second and third copy of the window's logits (2 GB a window over Gemma-3's 262K words)
+
+
 @torch.no_grad()
 def window_logits(model, ids: torch.Tensor, sim: SimulatedQuantization) -> torch.Tensor:
-    """Next-token log-probabilities [B, T-1, V] (float32) of ids [B, T] through a fresh simulated cache."""
+    """Next-token log-probabilities [B, T-1, V] (float32) of ids [B, T] through a fresh simulated cache,
+    normalised in place, ROWS positions at a time (the same values as one `log_softmax` over the whole)."""
     ids = ids.to(next(model.parameters()).device)
     out = model(input_ids=ids, cache=sim.new_cache(), use_cache=True)
-    logits = out.logits[:, :-1].float()
-    if not torch.isfinite(logits).all():
-        raise FloatingPointError(f"method {sim.spec.name!r} produced NaN/Inf logits")
-    return logits.log_softmax(dim=-1)
+    logits = out.logits[:, :-1].float()  # the model's own tensor when it returns float32: overwritten below
+    del out
+    for row in logits:
+        for r in range(0, row.shape[0], ROWS):
+            piece = row[r:r + ROWS]
+            if not torch.isfinite(piece).all():  # piece by piece: isfinite makes a float copy and masks of its input
+                raise FloatingPointError(f"method {sim.spec.name!r} produced NaN/Inf logits")
+            row[r:r + ROWS] = piece.log_softmax(dim=-1)
+    return logits
 
 
 def window_nll(model, ids: torch.Tensor, sim: SimulatedQuantization) -> tuple[float, int]:
@@ -110,13 +120,14 @@ def mean_interval(sums: torch.Tensor, tokens: torch.Tensor, resamples: int = BOO
     return None if mean is None else _central(mean)
 
 
-def against_reference(ref: torch.Tensor, ref_p: torch.Tensor, ref_top: torch.Tensor, logp: torch.Tensor,
+def against_reference(ref: torch.Tensor, ref_top: torch.Tensor, logp: torch.Tensor,
                       target: torch.Tensor) -> tuple[float, torch.Tensor, int]:
     """One window's summed NLL of `logp` [T-1, V] on `target` [T-1], its per-token KL divergence from the
-    reference distribution (ref: log-probabilities, ref_p: probabilities), and how many of its top tokens are
-    the reference's (ref_top)."""
+    reference distribution (ref: log-probabilities), and how many of its top tokens are the reference's
+    (ref_top). The divergence is taken ROWS positions at a time: no [T-1, V] temporaries."""
     nll = float(-logp.gather(1, target[:, None]).sum())
-    kld = (ref_p * (ref - logp)).sum(-1).clamp_min(0).cpu()
+    kld = torch.cat([(ref[r:r + ROWS].exp() * (ref[r:r + ROWS] - logp[r:r + ROWS])).sum(-1)
+                     for r in range(0, ref.shape[0], ROWS)]).clamp_min(0).cpu()
     return nll, kld, int((logp.argmax(-1) == ref_top).sum())
 
 
@@ -170,7 +181,6 @@ def evaluate(
             ref = window_logits(model, ids, sim)[0]  # [T-1, V]
         target = ids[0, 1:].to(ref.device)
         ref_top = ref.argmax(-1)
-        ref_p = ref.exp()
         base_nll.append(float(-ref.gather(1, target[:, None]).sum()))
         for spec in specs:
             bar.set_postfix_str(spec.name)
@@ -178,7 +188,7 @@ def evaluate(
             with sims[spec.name] as sim:
                 logp = ref if spec == fp16 else window_logits(model, ids, sim)[0]
                 held = 8 * sum(sim.storage(w.numel()).values())  # bits, every component counted
-            nll, kld, top1 = against_reference(ref, ref_p, ref_top, logp, target)
+            nll, kld, top1 = against_reference(ref, ref_top, logp, target)
             a["nll"].append(nll)
             a["tok"].append(int(target.numel()))
             a["kld"].append(kld)
