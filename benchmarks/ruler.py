@@ -131,12 +131,15 @@ def main() -> None:
         ap.error(f"--rows must be at least 1 and --row-gb positive, got {args.rows} and {args.row_gb}")
     runs = [parse_run(r) for r in (args.run or RUNS)]
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    parse_methods(",".join(n if n.lower() not in PRESETS else PRESETS[n.lower()] for n in names))  # refused early
-
     def specs_at(length: int):
-        """The methods at one length: presets chosen for it, and {spec name: preset name} to log them under."""
-        specs = [preset_for(n, length) for n in names]
+        """The methods at one length: presets chosen for it (two names that come to one method there refused),
+        and {spec name: preset name} to log them under."""
+        specs = parse_methods(",".join(names), context=length)
         return specs, {s.name: n.lower() for s, n in zip(specs, names) if n.lower() in PRESETS}
+
+    for _, _, lengths, _ in runs:  # refused before any model loads
+        for n in lengths:
+            specs_at(n)
     here = machine() if args.device == "cpu" else f"{args.device}, {machine()}"
     tasks = args.tasks.split(",")
     answers_path = Path(args.answers)

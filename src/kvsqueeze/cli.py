@@ -98,6 +98,11 @@ def _recipe_for(specs, path: str | None):
     return Recipe.load(path) if path else None
 
 
+def _distinct(per_length: dict) -> list:
+    """The methods of every length ({length: [MethodSpec]}), each once, in order of first appearance."""
+    return list({s.name: s for specs in per_length.values() for s in specs}.values())
+
+
 def _check_methods(model, specs, recipe) -> None:
     """Build every method's quantizers once up front so a bad combination fails before minutes of work."""
     from .integrations.preflight import check_methods
@@ -242,11 +247,12 @@ def cmd_eval(args) -> None:
     seqlens = _int_list(args.seqlen, "--seqlen")
     per_length = {n: parse_methods(args.methods, reaching=n) for n in seqlens}  # a preset chosen for each length
     specs = per_length[seqlens[0]]
-    recipe = _recipe_for(specs, args.recipe)
+    every = _distinct(per_length)
+    recipe = _recipe_for(every, args.recipe)
     text = load_text(args.text, args.encoding)
     model, tok = load_model(args.model, args.dtype, args.device)
     _check_context(model, seqlens, "--seqlen")
-    _check_methods(model, specs, recipe)
+    _check_methods(model, every, recipe)  # each length's presets, before the first window
     calibrated_sinks = recipe.meta.get("settings", {}).get("sinks") if recipe is not None else None
     for s in specs:
         if needs_recipe(s) and calibrated_sinks is not None and s.sinks < calibrated_sinks:
@@ -402,7 +408,6 @@ def cmd_ruler(args) -> None:
     from .integrations.loading import load_model
     from .methods import PRESETS, parse_methods
 
-    specs = parse_methods(args.methods)
     names = [m.strip().lower() for m in args.methods.split(",") if m.strip()]
     lengths = _int_list(args.lengths, "--lengths")
     per_length = {n: parse_methods(args.methods, context=n) for n in lengths}  # a preset chosen for each length
@@ -415,10 +420,11 @@ def cmd_ruler(args) -> None:
     if args.engine not in ENGINES:
         raise ValueError(f"--engine must be one of {', '.join(ENGINES)}")
     haystack = load_text(args.text, args.encoding).evaluation
-    recipe = _recipe_for(specs, args.recipe)
+    every = _distinct(per_length)
+    recipe = _recipe_for(every, args.recipe)
     log = AnswerLog(args.answers)  # a bad file is refused before the model loads
     model, tok = load_model(args.model, args.dtype, args.device)
-    _check_methods(model, specs, recipe)
+    _check_methods(model, every, recipe)  # each length's presets, before the first context
     _check_context(model, lengths, "--lengths")
     contexts = {n: build_contexts(tok, haystack, n, args.samples, seed=args.seed, tasks=tasks, layout=args.layout)
                 for n in lengths}

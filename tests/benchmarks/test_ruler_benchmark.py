@@ -88,6 +88,20 @@ def test_a_run_refuses_a_recipe_other_than_the_one_its_earlier_answers_came_from
         run("no-such-model")
 
 
+def test_a_run_refuses_two_names_of_one_method_at_one_of_its_lengths_before_loading(tmp_path, monkeypatch):
+    """`q3.5` at 8,192 tokens is `nuq@3.5:r32:chan:ctx8k`: naming both is refused before any model loads, though
+    the two differ at the run's other length."""
+    from kvsqueeze.methods import MethodError
+
+    ruler = load_benchmark("ruler")
+    monkeypatch.setattr("kvsqueeze.integrations.loading.load_model", _reached)
+    monkeypatch.setattr(sys, "argv", ["ruler.py", "--run", "m:recipe:4096,8192:many", "--methods",
+                                      "fp16,q3.5,nuq@3.5:r32:chan:ctx8k", "--answers", str(tmp_path / "a.jsonl"),
+                                      "--json", str(tmp_path / "r.json"), "--prefills", ""])
+    with pytest.raises(MethodError, match="same method"):
+        ruler.main()
+
+
 class Reached(Exception):
     """Raised where a run would load its model."""
 

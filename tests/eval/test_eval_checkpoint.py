@@ -92,3 +92,24 @@ def test_window_logits_refuses_nan_logits_in_any_piece():
     sim = SimpleNamespace(new_cache=lambda: None, spec=SimpleNamespace(name="nuq3-1%"))
     with pytest.raises(FloatingPointError, match="'nuq3-1%' produced NaN/Inf logits"):
         P.window_logits(Fake(), torch.zeros(1, P.ROWS + 20, dtype=torch.long), sim)
+
+
+def test_window_logits_normalises_the_models_own_float32_logits_in_place():
+    """No second [T, V] tensor: the log-probabilities are written over the model's float32 logits."""
+    from types import SimpleNamespace
+
+    made = []
+
+    class Fake(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.zeros(1))
+
+        def forward(self, input_ids, cache, use_cache):
+            made.append(torch.randn(1, input_ids.shape[1], 11, generator=torch.Generator().manual_seed(5)))
+            return SimpleNamespace(logits=made[-1])
+
+    sim = SimpleNamespace(new_cache=lambda: None, spec=SimpleNamespace(name="fp16"))
+    want = torch.randn(1, P.ROWS + 40, 11, generator=torch.Generator().manual_seed(5))[:, :-1].log_softmax(-1)
+    got = P.window_logits(Fake(), torch.zeros(1, P.ROWS + 40, dtype=torch.long), sim)
+    assert got.data_ptr() == made[0].data_ptr() and torch.equal(got, want)

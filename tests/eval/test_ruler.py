@@ -356,7 +356,6 @@ def test_ruler_cli_on_a_tiny_model(tiny_model_dir, tiny_recipe_dir, tmp_path, ca
     (["--engine", "gpu"], "--engine"),
     (["--lengths", "4096"], "exceed(s) the model's 1024-token context"),
     (["--samples", "0"], "--samples"),
-    (["--methods", "q3.5,nuq@3.5:r32:chan:ctx900"], "same method"),  # one method at 900 tokens, refused before loading
 ])
 def test_ruler_cli_refuses_bad_input(tiny_model_dir, tiny_recipe_dir, tmp_path, capsys, extra, message):
     from kvsqueeze.cli import main
@@ -371,6 +370,23 @@ def test_ruler_cli_refuses_bad_input(tiny_model_dir, tiny_recipe_dir, tmp_path, 
         rc = exc.code
     assert rc == 2
     assert message in capsys.readouterr().err
+
+
+def test_ruler_cli_refuses_two_names_of_one_method_at_a_length_before_loading(tmp_path, capsys, monkeypatch):
+    """`q3.5` at 900 tokens is `nuq@3.5:r32:chan:ctx900`: the pair is refused before the model loads."""
+    import kvsqueeze.integrations.loading as loading
+    from kvsqueeze.cli import main
+
+    def never(*a, **k):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(loading, "load_model", never)
+    text = tmp_path / "hay.txt"
+    text.write_text(TEXT)
+    argv = ["ruler", "--model", "tiny", "--methods", "fp16,q3.5,nuq@3.5:r32:chan:ctx900", "--lengths", "900",
+            "--text", str(text)]
+    assert main(argv) == 2
+    assert "same method" in capsys.readouterr().err
 
 
 def test_paired_differences_match_questions_one_to_one():

@@ -152,8 +152,9 @@ def decode(wb, width, w0, offs, c, bits, lut, k):
     transposed words wb [*, width].
 
     Branch-free: one funnel shift of the code's word and the next brings the code to the low bits whether or
-    not it straddles them, and the lookup reads only the low four bits; the table repeats with period
-    2**width of the code, so the bits above the code select the same level. wb needs one row past the last
+    not it straddles them, and the lookup reads only the low four bits (three for codes of at most 3 bits,
+    `vlookup8`); the table repeats with period 2**width of the code, so the bits above the code select the same
+    level. wb needs one row past the last
     word read. 2- and 4-bit codes of equal widths never straddle a word: they take one word and a shift instead
     (`bits` 0: channels of their own widths, every code funnel-shifted). Channels of their own widths may be 5
     or 6 bits wide (lut rows of 64 levels): such a code gathers its level from the row instead of permuting
