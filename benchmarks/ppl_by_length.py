@@ -71,6 +71,17 @@ def aggregate(records: list[dict], methods: list[str], lengths: list[int]) -> li
     return rows
 
 
+def machines_by_length(records: list[dict]) -> dict[str, str]:
+    """{length: the machines its windows were measured on, '; '-joined}; a window without a machine is refused
+    (every record names one)."""
+    out: dict[str, set] = {}
+    for r in records:
+        if not r.get("machine"):
+            raise SystemExit(f"the window record {r['length']}/{r['window']}/{r['method']} names no machine")
+        out.setdefault(str(r["length"]), set()).add(r["machine"])
+    return {n: "; ".join(sorted(ms)) for n, ms in sorted(out.items(), key=lambda kv: int(kv[0]))}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
@@ -124,17 +135,15 @@ def main(argv: list[str] | None = None) -> int:
     result = {"model": args.model, "recipe": args.recipe, "text": args.text, "machine": machine(),
               "threads": torch.get_num_threads(), "segment": args.segment, "tokens_per_length": args.tokens,
               "command": "python benchmarks/ppl_by_length.py " + " ".join(argv if argv is not None else sys.argv[1:])}
-    machines = {}  # length -> the machine its windows were measured on (a file of one machine: that one)
+    here = result["machine"]
     if out.is_file():  # a run over some lengths keeps what earlier runs measured at the others
         before = json.loads(out.read_text())
         result["cache_check"] = before.get("cache_check", [])
         result["windows"] = before.get("windows", {})
-        machines = before.get("machines") or {str(r["length"]): before.get("machine") for r in before.get("rows", [])}
-    machines.update({str(n): result["machine"] for n in lengths})
-    result["machines"] = machines
-    result["machine"] = "; ".join(sorted(set(machines.values())))
 
     def write() -> None:
+        result["machines"] = machines_by_length(records)  # from the windows themselves: each names its machine
+        result["machine"] = "; ".join(sorted({m for ms in result["machines"].values() for m in ms.split("; ")}))
         result["rows"] = aggregate(records, methods, sorted(set(lengths) | {r["length"] for r in records}))
         result["windows_log"] = log.name
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -174,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
                 score.held_bits, score.elements = held, 2 * length * shape.channels * shape.layers
                 seconds = (time.perf_counter() - t1) + (ref_s if method == "fp16" else 0.0)
                 rec = {"length": length, "window": w, "method": method, "resolved": spec.name,
-                       "seconds": round(seconds, 1), "recipe_sha256": digest, **score.as_dict()}
+                       "seconds": round(seconds, 1), "recipe_sha256": digest, "machine": here, **score.as_dict()}
                 records.append(rec)
                 done.add((length, w, method))
                 with log.open("a") as f:

@@ -63,3 +63,16 @@ def test_a_recipe_other_than_the_one_of_the_logged_windows_is_refused_before_loa
         with pytest.raises(stop) as stopped:
             pbl.main(argv)
         assert stop is Reached or "not the one the windows" in str(stopped.value)
+
+
+def test_each_length_names_the_machines_its_windows_were_measured_on():
+    """A length's machines come from its own window records, not from the lengths a later run was given."""
+    pbl = _load()
+    a, b = "AMD EPYC, no AVX-512", "AMD EPYC, AVX-512"
+    recs = [{"length": 2048, "window": 0, "method": "fp16", "machine": a},
+            {"length": 32768, "window": 0, "method": "fp16", "machine": a},
+            {"length": 32768, "window": 0, "method": "kivi2", "machine": b}]
+    assert pbl.machines_by_length(recs) == {"2048": a, "32768": f"{b}; {a}"}
+    with pytest.raises(SystemExit, match="names no machine"):
+        pbl.machines_by_length([{"length": 2048, "window": 1, "method": "fp16"}])
+
