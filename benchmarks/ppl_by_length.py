@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def write() -> None:
         result["machines"] = machines_by_length(records)  # from the windows themselves: each names its machine
-        result["machine"] = "; ".join(sorted({m for ms in result["machines"].values() for m in ms.split("; ")}))
+        result["machine"] = "; ".join(sorted({r["machine"] for r in records}))
         result["rows"] = aggregate(records, methods, sorted(set(lengths) | {r["length"] for r in records}))
         result["windows_log"] = log.name
         out.parent.mkdir(parents=True, exist_ok=True)
