@@ -78,6 +78,18 @@ def test_more_bits_never_predict_more_loss_and_the_ends_are_refused_or_saturate(
         allocate(tiny_recipe, 2.0)
 
 
+@pytest.mark.parametrize("per_channel", [False, True])
+def test_a_window_that_alone_outgrows_the_budget_is_refused_under_its_own_name(tiny_recipe, per_channel):
+    """Every token in fp16 (a window longer than the context) is 16 bits and more: the refusal names the budget
+    with its window and the context it was counted at, as the user wrote them."""
+    from kvsqueeze.methods.budget import allocate_channels
+
+    fit = allocate_channels if per_channel else allocate
+    with pytest.raises(MethodError, match=rf"nuq@3\.5:r500{':chan' if per_channel else ''}: the fp16 sinks and "
+                                          r"window alone store more than 3\.5 bits per element at 256 tokens"):
+        fit(tiny_recipe, 3.5, tokens=256, window=500)
+
+
 def test_the_recipe_keeps_a_stored_choice_and_computes_the_same_one_otherwise(tiny_recipe):
     import copy
 

@@ -14,6 +14,7 @@ from conftest import CHANNELS, random_ids, sample_text, tiny_model
 from kvsqueeze.calibrate.collect import collect
 from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
 from kvsqueeze.cli import main
+from kvsqueeze.integrations.loading import BUNDLED
 from kvsqueeze.eval.perplexity import evaluate
 from kvsqueeze.eval.texts import TextError, calibration_windows, evaluation_windows, load_text, token_windows
 from kvsqueeze.shape import kv_shape
@@ -244,7 +245,9 @@ def test_cli_missing_text(tiny_model_dir, capsys):
 
 def test_cli_missing_model(tmp_path, capsys):
     assert main(["eval", "--model", str(tmp_path / "no-model"), "--methods", "fp16"]) == 2
-    assert "could not load model" in _err(capsys)
+    err = _err(capsys)
+    assert "could not load model" in err
+    assert all(repr(name) in err for name in BUNDLED)  # the names a user can load without a hub
 
 
 def test_cli_missing_recipe(tmp_path, capsys):

@@ -173,7 +173,7 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype | str = DEFAULT_DT
     except (OSError, ValueError) as exc:
         raise ModelLoadError(
             f"could not load model {model!r}: {exc}. Pass a local directory with config.json and weights, "
-            f"a Hugging Face model id available offline, or {DEFAULT_MODEL!r}"
+            f"a Hugging Face model id available offline, or a bundled model: {', '.join(map(repr, BUNDLED))}"
         ) from exc
     lm.to(dev).eval()
     lm.config.name_or_path = model

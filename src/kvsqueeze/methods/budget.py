@@ -223,7 +223,7 @@ def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = DEFA
             if not kept or loss < kept[-1][1]:
                 kept.append((cost, loss, c))
         table.append(kept)
-    name = f"nuq@{avg_bits:g}"
+    name = f"nuq@{avg_bits:g}" + (f":r{window}" if window else "")
     budget = _units_budget(avg_bits, tokens, channels, layers, sinks, window, name)
     cheapest = sum(rows[0][0] for rows in table)
     if cheapest > budget:
@@ -351,7 +351,7 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
     uniform_loss = err.sum(2)
     uniform_cost = np.array([[[unit_bits(kv, Choice(int(w), f), tokens, channels, sinks) for w in widths]
                               for f in fractions] for _, kv in units])
-    name = f"nuq@{avg_bits:g}:chan"
+    name = f"nuq@{avg_bits:g}" + (f":r{window}" if window else "") + ":chan"
     budget = _units_budget(avg_bits, tokens, channels, layers, sinks, window, name)
     cheapest = float(np.minimum((fixed + word * math.ceil(channels * widths[0] / 32)).min(1),
                                 uniform_cost[..., whole].min((1, 2))).sum())
