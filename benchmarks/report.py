@@ -476,8 +476,121 @@ def ppl_by_length(data: dict) -> str:
     return "\n".join(out)
 
 
+# The decode-step runs the README's speed rows cover: every AVX-512 run of `decode.py --step` on the AMD EPYC, and
+# the runs forced to AVX2 there since codes of at most 3 bits took the 8-lane lookup (`simd.vlookup8`); the
+# forced runs before it measured other kernels (docs/results.md lists them all).
+STEP_RUNS = {"avx512": "decode_step_amd_epyc_avx512*.json",
+             "forced_avx2": "decode_step_amd_epyc_forced_avx2_run[789].json"}
+COMPARED = ("q3.5", "nuq3-1%")  # the README's headline pair: the default preset and KVQuant's method
+
+
+def _signed(x: float, digits: int) -> str:
+    """x with its sign (a true minus), and no sign where it rounds to zero."""
+    text = f"{x:+.{digits}f}"
+    return text[1:] if float(text) == 0 else text.replace("-", "−")
+
+
+def _pct(delta: float, ci) -> str:
+    return f"{_signed(delta, 2)}% ({_signed(ci[0], 2)} … {_signed(ci[1], 2)})"
+
+
+def _points(r: dict) -> str:
+    return f"{_signed(r['diff'], 1)} ({_signed(r['ci95'][0], 1)} … {_signed(r['ci95'][1], 1)})"
+
+
+def _short(model: str) -> str:
+    return {"smollm2-135m": "SmolLM2-135M", "qwen2.5-coder-0.5b": "Qwen2.5-Coder-0.5B",
+            "gemma3-270m": "Gemma-3-270M"}.get(model, model)
+
+
+def _step_ratios(results: Path, pattern: str, method: str, n: int) -> tuple[float, float, int]:
+    files = sorted(results.glob(pattern))
+    got = [json.loads(f.read_text())["step_ratios"][f"{n}: static-float32 step / fused {method} step"] for f in files]
+    if not got:
+        raise SystemExit(f"no decode-step runs {results / pattern}: run `benchmarks/decode.py --step`")
+    return min(got), max(got), len(got)
+
+
+def headline_compare(results: Path) -> str:
+    """The README's table of the 3.5-bit preset against `nuq3-1%`: perplexity at 2K to 32K, off the calibration
+    text, RULER retrieval and the decode step, each row from the JSON named in it."""
+    load = lambda name: json.loads((results / name).read_text())  # noqa: E731
+    head, by_len, transfer, ruler = (load(f) for f in ("headline.json", "ppl_by_length.json", "transfer.json",
+                                                        "ruler.json"))
+    out = ["| measurement | `q3.5` | `nuq3-1%` | JSON |", "|---|---:|---:|---|"]
+    rows = {r["method"]: r for r in head["rows"]}
+    fp16 = rows["fp16"]["ppl"]
+    budget = next(m for m in rows if m.startswith("nuq@3.") and ":r32:" in m)  # the 3.5-bit budget of that run
+    cells = [_pct(100 * (rows[m]["ppl"] / fp16 - 1), rows[m]["ci95"]) for m in (budget, "nuq3-1%")]
+    out.append(f"| {_short(head['model'])}, PPL at {head['seqlen'] // 1024}K, {head['windows']} "
+               f"{head['text'].upper()} windows (the budget at {budget[4:].split(':')[0]} bits, `{budget}`) | "
+               + " | ".join(cells) + " | headline.json |")
+    at = {(r["method"], r["length"]): r for r in by_len["rows"]}
+    for n in sorted({r["length"] for r in by_len["rows"]}):
+        pair = [at.get((m, n)) for m in COMPARED]
+        if None in pair:
+            continue
+        counts = sorted({r["windows"] for r in pair})
+        windows = "–".join(map(str, counts)) + f" {by_len['text'].upper()} window" + ("" if counts == [1] else "s")
+        how = "" if n == 2048 else f" (interval over {by_len['segment'] // 1024}K-token segments)"
+        out.append(f"| {_short(by_len['model'])}, PPL at {n // 1024}K, {windows}{how} | "
+                   + " | ".join(_pct(r["delta_pct"], r["ci95"]) for r in pair) + " | ppl_by_length.json |")
+    worst = {(r["model"], r["method"]): r for r in transfer["summary"] if r["calib_text"] == "bbc"}
+    models = list(dict.fromkeys(r["model"] for r in transfer["summary"] if r["calib_text"] == "bbc"))
+    models.sort(key=["smollm2-135m", "gemma3-270m", "qwen2.5-coder-0.5b"].index)
+    texts = {worst[(m, COMPARED[0])]["texts"] for m in models}
+    out.append(f"| worst PPL of {'/'.join(map(str, texts))} kinds of text, calibrated on BBC: "
+               + " / ".join(map(_short, models)) + " | "
+               + " | ".join(" / ".join(_signed(worst[(m, meth)]["worst_delta_pct"], 2) + "%" for m in models)
+                            for meth in COMPARED) + " | transfer.json |")
+    cell = {(r["model"], r["calib_text"], r["eval_text"], r["method"]): r for r in transfer["rows"]}
+    for m in models:
+        if m == "smollm2-135m":  # its in-domain row is the headline run's, above
+            continue
+        pair = [cell[(m, "bbc", "bbc", meth)] for meth in COMPARED]
+        out.append(f"| {_short(m)}, PPL at {transfer['settings']['seqlen'] // 1024}K, {pair[0]['windows']} BBC "
+                   "windows, calibrated on BBC (transfer run) | "
+                   + " | ".join(_pct(r["delta_pct"], r["ci95"]) for r in pair) + " | transfer.json |")
+    paired = {(r["model"], r["method"], r["length"]): r for r in ruler["paired"]}
+    for run in ruler["config"]["runs"]:
+        m = run["model"]
+        for n in sorted({k[2] for k in paired if k[0] == m}):
+            pair = [paired.get((m, meth, n)) for meth in COMPARED]
+            if None in pair:
+                continue
+            out.append(f"| {_short(m)}, RULER {n // 1024}K, points from fp16 ({pair[0]['fp16_score']:.1f}), "
+                       f"{pair[0]['questions']} paired questions | " + " | ".join(map(_points, pair))
+                       + " | ruler.json |")
+        pooled = {r["method"]: r for r in ruler.get("paired_all_lengths", []) if r["model"] == m}
+        if all(meth in pooled for meth in COMPARED):
+            lengths = sorted({k[2] for k in paired if k[0] == m})
+            span = f"{lengths[0] // 1024}K–{lengths[-1] // 1024}K"
+            out.append(f"| {_short(m)}, RULER {span} pooled, points from fp16, {pooled[COMPARED[0]]['questions']} "
+                       "paired questions | " + " | ".join(_points(pooled[meth]) for meth in COMPARED)
+                       + " | ruler.json |")
+            against = next((r for r in ruler.get("against_kvquant", []) if r["model"] == m
+                            and r["method"] == COMPARED[0] and r["length"] == "all"), None)
+            if against is not None:
+                out.append(f"| {_short(m)}, RULER {span} pooled, `q3.5` against `nuq3-1%` on the same questions, "
+                           f"points | {_points(against)} | – | ruler.json |")
+    for key, what in (("avx512", "AMD EPYC with AVX-512"), ("forced_avx2", "the same, kernels forced to AVX2 on "
+                                                                           "that machine")):
+        spans = []
+        for meth in ("nuq@3.5:r32:chan", "nuq3-1%"):
+            parts = []
+            for n in (8192, 32768):
+                lo, hi, runs = _step_ratios(results, STEP_RUNS[key], meth, n)
+                parts.append(f"{lo:.2f}–{hi:.2f}×")
+            spans.append(" / ".join(parts))
+        label = ("decode step against an fp32 cache written in place (`StaticCache`) at 8K / 32K, " + what
+                 if key == "avx512" else what)
+        out.append(f"| {label}, {runs} runs | " + " | ".join(spans) + f" | {STEP_RUNS[key]} |")
+    return "\n".join(out)
+
+
 # block name -> (JSON file, renderer)
 BLOCKS = {
+    "headline-compare": (None, headline_compare),  # reads several files from the results folder
     "vllm": ("vllm.json", vllm),
     "tensor-parallel": ("vllm.json", tensor_parallel),
     "tensor-parallel-qwen": ("vllm_tp_qwen.json", tensor_parallel),
@@ -522,6 +635,8 @@ def render(name: str, results: Path) -> str:
     if name not in BLOCKS:
         raise SystemExit(f"unknown report block {name!r}; known: {', '.join(BLOCKS)}")
     file, fn = BLOCKS[name]
+    if file is None:
+        return fn(results)
     data = _load(results, file)
     if data is None:
         raise SystemExit(f"block {name!r} needs {results / file}, which is missing: run its benchmark")
@@ -552,7 +667,7 @@ def main(argv=None) -> int:
         plot_ppl_by_length([runs[n] for n in sorted(runs)], str(d / "ppl_by_length.png"))
     if args.print:
         for name, (file, _) in BLOCKS.items():
-            if _load(d, file) is not None:
+            if file is None or _load(d, file) is not None:
                 print(f"<!-- report:{name} -->\n{render(name, d)}\n<!-- /report:{name} -->\n")
         return 0
     stale = []
