@@ -7,6 +7,7 @@ import torch
 
 from conftest import random_ids
 from kvsqueeze.methods.budget import allocate, allocate_channels
+from kvsqueeze.cache.store import WindowCropError
 from kvsqueeze.integrations.cache import cache_for
 from kvsqueeze.kernels.mixed import mixed_attention
 from kvsqueeze.integrations.simulate import SimulatedQuantization
@@ -287,11 +288,37 @@ def test_window_table_holds_the_last_real_tokens(tiny_llama, tiny_recipe):
             for e in (slot >= 0).nonzero().view(-1).tolist():
                 assert torch.equal(k[e], keys[row, slot[e]].half()) and torch.equal(v[e], values[row, slot[e]].half())
     assert store.sink_count.tolist() == [2, 2] and store.window_count.tolist() == [5, 5]
-    store.crop(20)  # tokens 20-22 leave; 18 and 19 stay in the window, in the ring's first entries
-    assert store.window_entries()[2][0].tolist() == [18, 19, -1, -1, -1]
-    assert store.window_taken.tolist() == [2, 2]
-    store.append(keys[:, 20:23], values[:, 20:23])
-    assert sorted(store.window_entries()[2][0].tolist()) == [18, 19, 20, 21, 22]
+    # cutting tokens 20-22 would let 15-17 back into the window, whose fp16 copies were overwritten
+    before = [x.clone() for x in store.window_entries()]
+    with pytest.raises(WindowCropError, match="without their fp16 copies"):
+        store.crop(20)
+    assert store.tokens == 23 and all(torch.equal(a, b) for a, b in zip(before, store.window_entries()))
+    state = store.window_state()  # at 23 tokens: a crop back to here restores the window exactly
+    more_k, more_v = torch.randn(2, 9, 32, generator=g), torch.randn(2, 9, 32, generator=g)
+    store.append(more_k, more_v)
+    with pytest.raises(ValueError, match="restores a crop to 23 tokens"):
+        store.crop(22, state)
+    store.crop(23, state)
+    assert store.tokens == 23 and all(torch.equal(a, b) for a, b in zip(before, store.window_entries()))
+    store.append(more_k[:, :2], more_v[:, :2])
+    assert sorted(store.window_entries()[2][0].tolist()) == [20, 21, 22, 23, 24]
+
+
+def test_a_window_that_has_not_wrapped_crops_without_a_state(tiny_recipe):
+    """While no row's window has taken more than its size, every token it held is still there: a crop keeps
+    the entries of the tokens left, oldest first, and the window fills again from them."""
+    from kvsqueeze.cache.store import KVStore
+    from kvsqueeze.methods import build_quantizers
+
+    kq, vq = build_quantizers(parse_method("nuq3-1%"), tiny_recipe, 0, 32)
+    store = KVStore(kq, vq, 32, sinks=1, head_dim=16, window=8)
+    g = torch.Generator().manual_seed(2)
+    keys, values = torch.randn(1, 12, 32, generator=g), torch.randn(1, 12, 32, generator=g)
+    store.append(keys[:, :7], values[:, :7])  # 1 sink and 6 window tokens
+    store.crop(4)
+    assert sorted(s for s in store.window_entries()[2][0].tolist() if s >= 0) == [1, 2, 3]
+    store.append(keys[:, 4:12], values[:, 4:12])
+    assert sorted(store.window_entries()[2][0].tolist()) == list(range(4, 12))
 
 
 def test_memory_report_counts_the_window(tiny_llama, tiny_recipe):
@@ -329,6 +356,49 @@ def test_a_deep_copy_of_a_windowed_cache_decodes_alike(tiny_llama, tiny_recipe):
         a = tiny_llama(input_ids=ids[:, 16:], cache=cache, use_cache=True).logits
         b = tiny_llama(input_ids=ids[:, 16:], cache=dup, use_cache=True).logits
     assert torch.equal(a, b)
+
+
+def test_a_rollback_returns_a_windowed_cache_to_its_checkpoint_exactly(tiny_llama, tiny_recipe):
+    """A question asked of a context and answered (more tokens than the window), then rolled back: the next
+    tokens read the context as a cache that never saw the question does, the context's last tokens in fp16.
+    A plain crop there is refused before any layer changes."""
+    ids = random_ids(1, 60, seed=13)
+    fresh, asked = (cache_for(tiny_llama, tiny_recipe, "nuq3-1%:r8") for _ in range(2))
+    with torch.no_grad():
+        for cache in (fresh, asked):
+            tiny_llama(input_ids=ids[:, :40], cache=cache, use_cache=True)
+        mark = asked.checkpoint()
+        asked.batch_repeat_interleave(2)
+        tiny_llama(input_ids=ids[:, 40:52].expand(2, -1), cache=asked, use_cache=True)  # the question, twice
+        tiny_llama(input_ids=ids[:, 52:53].expand(2, -1), cache=asked, use_cache=True)
+        with pytest.raises(WindowCropError, match="cache.checkpoint"):
+            asked.crop(-13)
+        assert asked.get_seq_length() == 53 and all(layer.store.tokens == 53 for layer in asked.layers)
+        with pytest.raises(ValueError, match="select the rows back"):
+            asked.rollback(mark)
+        asked.batch_select_indices(torch.zeros(1, dtype=torch.long))
+        asked.rollback(mark)
+        assert asked.get_seq_length() == 40
+        for a, b in zip(asked.layers, fresh.layers):
+            assert all(torch.equal(x, y) for x, y in zip(a.store.window_entries(), b.store.window_entries()))
+        got = tiny_llama(input_ids=ids[:, 40:44], cache=asked, use_cache=True).logits
+        want = tiny_llama(input_ids=ids[:, 40:44], cache=fresh, use_cache=True).logits
+    assert torch.equal(got, want)
+
+
+def test_a_sliding_layer_refuses_a_crop_its_next_token_would_read_past():
+    """A sliding layer of window 4 holding the last 3 of 6 tokens: cropped to 4 tokens, the next token (position
+    4) reads positions 1-3, which were dropped."""
+    from kvsqueeze.integrations.layers import Fp16Layer
+
+    layer = Fp16Layer(window=4)
+    kv = torch.randn(1, 2, 6, 8)
+    layer.update(kv, kv)
+    layer.slide()
+    assert (layer.dropped, layer.get_seq_length()) == (3, 6)
+    with pytest.raises(RuntimeError, match="cannot be cropped there"):
+        layer.crop(-2)
+    assert layer.get_seq_length() == 6
 
 
 def test_serving_takes_a_window_with_its_key_slots():

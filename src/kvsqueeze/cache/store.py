@@ -51,6 +51,7 @@ import functools
 import importlib.util
 import operator
 import os
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -64,6 +65,22 @@ from ..numerics.quantizer import VectorQuantizer
 from .buffers import GrowableTensor
 from .positions import PositionLog
 from .sparse import TokenOutliers
+
+
+class WindowCropError(RuntimeError):
+    """A crop would leave part of a cache's fp16 window without the fp16 copies it needs."""
+
+
+class WindowState(NamedTuple):
+    """A store's sink and window tables at `tokens` tokens and `batch` rows (`KVStore.window_state`)."""
+
+    tokens: int
+    batch: int
+    sink_k: torch.Tensor
+    sink_v: torch.Tensor
+    sink_slot: torch.Tensor
+    sinks_taken: torch.Tensor
+    window_taken: torch.Tensor
 
 
 class KVStore:
@@ -392,8 +409,42 @@ class KVStore:
         return dequantize_view(self.view())
 
     # ---- editing -------------------------------------------------------------------------
-    def crop(self, tokens: int) -> None:
-        """Keep the first `tokens` slots of every row."""
+    def window_state(self) -> WindowState:
+        """The sink and window tables as they are now: `crop(tokens, state)` back to this many tokens then holds
+        the window exactly, whatever was appended in between."""
+        return WindowState(self.tokens, self.batch, self.sink_k.clone(), self.sink_v.clone(), self.sink_slot.clone(),
+                           self.sinks_taken.clone(), self.window_taken.clone())
+
+    def crop_blocker(self, tokens: int) -> str | None:
+        """Why `crop(tokens)` without a `window_state` would lose part of the fp16 window, or None.
+
+        A row's window holds its last `window` real tokens that are no sinks; one that left it was overwritten
+        and is held in its codes only. Once a row's window has taken more than `window` tokens, cutting any
+        token it holds would let older tokens back into the window that no longer have their fp16 copies."""
+        if not self.window or tokens >= self.tokens:
+            return None
+        cut = (self.sink_slot[:, self.sinks:] >= tokens).any(dim=1)
+        wrapped = self.window_taken.to(cut.device) > self.window
+        if not bool((cut & wrapped).any()):
+            return None
+        return (f"cutting {self.tokens - tokens} token(s) of a cache that keeps each row's {self.window} most recent "
+                f"tokens in fp16 would leave the tokens that move back into that window without their fp16 copies "
+                "(they were overwritten, and are held in their codes only)")
+
+    def crop(self, tokens: int, state: WindowState | None = None) -> None:
+        """Keep the first `tokens` slots of every row. With an fp16 window: `state` (`window_state()` taken when
+        the store held `tokens` tokens) puts the window back as it was then; without it, a crop that would lose
+        part of the window is refused (`crop_blocker`)."""
+        if state is not None:
+            if (state.tokens, state.batch) != (tokens, self.batch):
+                raise ValueError(f"a window state of {state.tokens} tokens and {state.batch} row(s) restores a crop "
+                                 f"to {state.tokens} tokens of {state.batch} row(s), not to {tokens} of {self.batch}")
+            if tokens > self.tokens:
+                raise ValueError(f"cannot crop {self.tokens} tokens back to {tokens}")
+        else:
+            reason = self.crop_blocker(tokens)
+            if reason is not None:
+                raise WindowCropError(reason)
         for buf in (self.k_codes, self.v_codes, self.v_scale_zero):
             buf.truncate(tokens)
         for sparse in self._sparse():
@@ -403,14 +454,17 @@ class KVStore:
         self.sink_slot[gone] = -1
         self.sink_k[gone] = 0
         self.sink_v[gone] = 0
-        if self.window:
+        if state is not None:
+            self.sink_k, self.sink_v, self.sink_slot = state.sink_k.clone(), state.sink_v.clone(), state.sink_slot.clone()
+            self.sinks_taken, self.window_taken = state.sinks_taken.clone(), state.window_taken.clone()
+        elif self.window:
             self._repack_window()
         if self.owns_positions:
             self.positions.truncate(tokens)
 
     def _repack_window(self) -> None:
-        """After a crop: each row's remaining window entries, oldest first, at the start of the ring. Tokens that
-        had left the window before the crop stay in their codes; the window fills again with new tokens."""
+        """After a crop that `crop_blocker` lets through (no row's window had wrapped): each row's remaining window
+        entries, oldest first, at the start of the ring; the window fills again with new tokens."""
         s = self.sinks
         for r in range(self.batch):
             slots = self.sink_slot[r, s:]

@@ -243,8 +243,10 @@ class _Method:
 
     def answer(self, cache, ids: torch.Tensor, limits: Sequence[int]) -> list[str]:
         """Answers to the questions `ids` [B, T] (one row each) from a one-row cache holding the context, which
-        is left as it was: cropped back to the context and to one row."""
+        is left as it was: back to one row and to the context, a compressed cache's fp16 window included
+        (`CompressedCache.rollback`; cropping alone would leave the context's last tokens in their codes)."""
         start, rows = cache.get_seq_length(), ids.shape[0]
+        mark = cache.checkpoint() if hasattr(cache, "checkpoint") else None
         if rows > 1:
             cache.batch_repeat_interleave(rows)
         try:
@@ -256,9 +258,12 @@ class _Method:
                     stack.enter_context(fused_decode(self.model, cache))
                 return greedy_rows(self.model, self.tok, cache, ids, limits)
         finally:
-            cache.crop(start - cache.get_seq_length())  # back to the context for the next questions
             if rows > 1:  # whichever rows are left: each holds the context
                 cache.batch_select_indices(torch.zeros(1, dtype=torch.long))
+            if mark is not None:
+                cache.rollback(mark)  # back to the context for the next questions
+            else:
+                cache.crop(start - cache.get_seq_length())
 
     @staticmethod
     def close(cache) -> None:

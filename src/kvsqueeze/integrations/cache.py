@@ -120,7 +120,30 @@ class CompressedCache(Cache):
 
     # ---- operations that also touch the shared positions ---------------------------------
     def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last -tokens_to_remove tokens; refused, before any layer changes, where a layer could not
+        then hold what the next token reads (`LayerBase.crop_target`): with an fp16 window, use `checkpoint`
+        and `rollback` instead."""
+        for layer in self.layers:
+            layer.crop_target(tokens_to_remove)
         super().crop(tokens_to_remove)
+        if self.positions is not None:
+            self.positions.truncate(self.get_seq_length())
+
+    def checkpoint(self) -> tuple:
+        """A mark of the cache as it is now; `rollback(mark)` returns to it exactly, the fp16 window included,
+        after any tokens were appended (a question and its answer asked of a context, draft tokens rejected)."""
+        return tuple(layer.checkpoint() for layer in self.layers)
+
+    def rollback(self, mark: tuple) -> None:
+        """Return to `checkpoint()`'s state: every token appended since is dropped and the window tables are put
+        back as they were. The rows must be those of the checkpoint (select them back first). Refused before
+        any layer changes if a layer cannot (a sliding layer that dropped tokens since)."""
+        if len(mark) != len(self.layers):
+            raise ValueError(f"a checkpoint of {len(mark)} layers for a cache of {len(self.layers)}")
+        for layer, m in zip(self.layers, mark):
+            layer.check_rollback(m)
+        for layer, m in zip(self.layers, mark):
+            layer.rollback(m)
         if self.positions is not None:
             self.positions.truncate(self.get_seq_length())
 

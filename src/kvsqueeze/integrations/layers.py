@@ -52,7 +52,7 @@ import torch
 from transformers.cache_utils import CacheLayerMixin
 
 from ..cache.buffers import GrowableTensor
-from ..cache.store import KVStore
+from ..cache.store import KVStore, WindowCropError
 from ..numerics.rope import Rope
 from .attention import ATTN_NAME, EAGER_NAME
 from .parts import LayerRotary
@@ -162,17 +162,49 @@ class LayerBase(CacheLayerMixin):
     def get_max_length(self) -> int:
         return self.window if self.window is not None else -1
 
-    def crop(self, tokens_to_remove: int) -> None:
-        """Drop the last -tokens_to_remove tokens (transformers' convention: a negative count)."""
+    def crop_target(self, tokens_to_remove: int) -> int | None:
+        """The length `crop(tokens_to_remove)` leaves (None: nothing to do), refused here if the layer could not
+        then hold what the next token reads: the last window - 1 tokens of a sliding layer, the fp16 copies of
+        a store's window (`KVStore.crop_blocker`). Nothing is changed: a cache checks every layer first."""
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes a negative number of tokens to remove, got {tokens_to_remove}")
         if tokens_to_remove == 0 or not self.is_initialized:
-            return
+            return None
         target = max(self.get_seq_length() + tokens_to_remove, 0)
-        if target < self.dropped:
+        need = 0 if self.window is None else max(0, target - self.window + 1)  # the next token reads from here on
+        if self.dropped > need:
             raise RuntimeError(f"this sliding-window layer (window {self.window}) no longer holds the tokens before "
-                               f"position {self.dropped}, so it cannot be cropped to {target} tokens")
-        self._crop(target - self.dropped)
+                               f"position {self.dropped}; cropped to {target} tokens, the next token would read "
+                               f"from position {need} on, so it cannot be cropped there")
+        self._check_crop(target - self.dropped)
+        return target
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Drop the last -tokens_to_remove tokens (transformers' convention: a negative count)."""
+        target = self.crop_target(tokens_to_remove)
+        if target is not None:
+            self._crop(target - self.dropped)
+
+    def checkpoint(self):
+        """What `rollback` needs to return this layer exactly to its present length (`CompressedCache.checkpoint`)."""
+        return self.get_seq_length(), self.dropped, None
+
+    def check_rollback(self, mark) -> None:
+        """Refuse, before anything changes, a rollback this layer cannot make exactly."""
+        tokens, dropped, _ = mark
+        if self.dropped != dropped:
+            raise RuntimeError(f"this sliding-window layer (window {self.window}) dropped its tokens before position "
+                               f"{self.dropped} after the checkpoint at {tokens} tokens; it cannot return to it")
+        if tokens > self.get_seq_length():
+            raise ValueError(f"a checkpoint at {tokens} tokens is past this layer's {self.get_seq_length()}")
+
+    def rollback(self, mark) -> None:
+        tokens, dropped, _ = mark
+        if self.is_initialized:
+            self._crop(tokens - dropped)
+
+    def _check_crop(self, kept: int) -> None:
+        """Refuse a crop to `kept` held tokens that would lose data (a layer without an fp16 window loses none)."""
 
     def slide(self, slack: int = 0) -> None:
         """A sliding layer holding more than window - 1 + slack tokens drops its oldest down to window - 1."""
@@ -397,6 +429,29 @@ class CompressedLayer(PreRopeKeys, LayerBase):
 
     def _crop(self, tokens: int) -> None:
         self.store.crop(tokens)
+
+    def _check_crop(self, kept: int) -> None:
+        reason = self.store.crop_blocker(kept)
+        if reason is not None:
+            raise WindowCropError(
+                f"layer {self.layer_idx} ({self.method_name}): {reason}. Take `mark = cache.checkpoint()` before the "
+                "tokens you will cut and return with `cache.rollback(mark)`, which restores the window exactly; or "
+                "use a method without an fp16 window (no ':rN')")
+
+    def checkpoint(self):
+        return self.get_seq_length(), self.dropped, self.store.window_state() if self.store.window else None
+
+    def check_rollback(self, mark) -> None:
+        super().check_rollback(mark)
+        state = mark[2]
+        if state is not None and state.batch != self.store.batch:
+            raise ValueError(f"the checkpoint holds {state.batch} row(s) and the cache {self.store.batch}: select "
+                             "the rows back (batch_select_indices) before rolling back")
+
+    def rollback(self, mark) -> None:
+        tokens, dropped, state = mark
+        if self.is_initialized:
+            self.store.crop(tokens - dropped, state)
 
     def _drop_front(self, tokens: int) -> None:
         self.store.drop_front(tokens)
