@@ -595,6 +595,31 @@ def test_fused_decode_needs_a_compressed_cache(tiny_llama, tiny_recipe):
     assert tiny_llama.config._attn_implementation == "sdpa"
 
 
+def test_a_fused_step_refuses_a_model_whose_attention_cannot_read_it(tiny_llama, tiny_recipe):
+    """Two fused caches on one model, the first closed before the second: the model runs SDPA again, which
+    would read the second cache's decode marker as a cache of no tokens. Its next step refuses."""
+    from conftest import random_ids
+
+    import kvsqueeze
+    from kvsqueeze.integrations.fused import enable_fused_decode
+
+    ids = random_ids(1, 24, seed=4)
+    first, second = (kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq3-1%") for _ in range(2))
+    with torch.no_grad():
+        h1 = enable_fused_decode(tiny_llama, first, "reference")
+        h2 = enable_fused_decode(tiny_llama, second, "reference")
+        try:
+            _step_logits(tiny_llama, second, ids, 20, 22, prefill=True)
+            h1.close()
+            assert tiny_llama.config._attn_implementation == "sdpa"
+            with pytest.raises(RuntimeError, match="fused decode is on for this cache"):
+                _step_logits(tiny_llama, second, ids, 22, 23)
+        finally:
+            h2.close()  # it restores the attention it found, kvsqueeze's (harmless without kvsqueeze state)
+            h1.close()
+            tiny_llama.set_attn_implementation("sdpa")  # the module's model, as the other tests expect it
+
+
 @pytest.mark.parametrize("backend", FAST_BACKENDS)
 def test_backend_refuses_more_scores_than_it_addresses(backend):
     """2**31 scores in one call (rows x query heads x tokens) would overflow the kernel's 32-bit lane offsets:

@@ -69,6 +69,7 @@ class FusedDecode:
         self.layers = [layer for layer in cache.layers if isinstance(layer, CompressedLayer)]
         for layer in self.layers:
             layer.decode_backend = backend
+            layer.attention_config = model.config  # each step checks the model still runs kvsqueeze's attention
         self.closed = False
 
     def close(self) -> None:

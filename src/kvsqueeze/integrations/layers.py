@@ -339,6 +339,7 @@ class CompressedLayer(PreRopeKeys, LayerBase):
             self.lazy_initialization(key_states, value_states)
         fused = self.decode_backend is not None and t == 1
         if fused:
+            self._check_fused_attention()
             self.slide(self.EVICT_SLACK)  # before the step: the kernel reads the store after update returns
         start = self.get_seq_length()
         positions = _positions(extra.get("position_ids", kwargs.get("position_ids")), b, t, start, key_states.device)
@@ -357,7 +358,17 @@ class CompressedLayer(PreRopeKeys, LayerBase):
         self.slide()  # what this forward attends to was read: keep the last window - 1 tokens
         return out
 
-    attention_config = None  # the model's config, for a windowed store: its attention must read the window
+    attention_config = None  # the model's config: its attention must read the window (a windowed store) or the marker
+
+    def _check_fused_attention(self) -> None:
+        """A decode step returns an empty marker that only kvsqueeze's attention turns into the step's attention;
+        any other attention would read it as a cache of no tokens and return zeros."""
+        impl = getattr(self.attention_config, "_attn_implementation", None)
+        if impl not in (ATTN_NAME, EAGER_NAME):
+            raise RuntimeError(
+                f"layer {self.layer_idx}: fused decode is on for this cache, but the model now runs attention "
+                f"{impl!r}, which cannot read it (another fused_decode on this model was closed first, or the "
+                "attention was set again); leave fused decode (`close()`) or enable it again for this cache")
 
     def _check_window_attention(self) -> None:
         impl = getattr(self.attention_config, "_attn_implementation", None)
