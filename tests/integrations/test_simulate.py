@@ -46,6 +46,38 @@ def fp16_logits(tiny_llama, ids):
     return logits(tiny_llama, ids, "fp16")
 
 
+# ---- a simulation and its cache ------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["int4", "nuq3-1%:r16"])
+def test_a_simulation_whose_cache_does_part_of_the_method_needs_that_cache(tiny_llama, tiny_recipe, ids, name):
+    """Post-RoPE keys are quantized as the simulated cache takes them, and a window's quantized copies are kept
+    there: a forward with no cache, or another one, would leave those keys exact. Refused instead."""
+    from transformers import DynamicCache
+
+    with torch.no_grad(), SimulatedQuantization(tiny_llama, parse_method(name), tiny_recipe) as sim:
+        for cache in (None, DynamicCache()):
+            with pytest.raises(ValueError, match="needs its own cache"):
+                tiny_llama(input_ids=ids, cache=cache, use_cache=True)
+        tiny_llama(input_ids=ids, cache=sim.new_cache(), use_cache=True)
+
+
+def test_pre_rope_methods_act_in_the_projections_alone(tiny_llama, tiny_recipe, ids):
+    with torch.no_grad(), SimulatedQuantization(tiny_llama, parse_method("nuq3-1%"), tiny_recipe) as sim:
+        plain = tiny_llama(input_ids=ids).logits
+        own = tiny_llama(input_ids=ids, cache=sim.new_cache(), use_cache=True).logits
+    assert torch.equal(plain, own)
+
+
+def test_a_compressed_cache_is_refused_while_a_simulation_holds_the_model(tiny_llama, tiny_recipe):
+    import kvsqueeze
+
+    with SimulatedQuantization(tiny_llama, parse_method("nuq3-1%"), tiny_recipe):
+        with pytest.raises(RuntimeError, match="SimulatedQuantization of 'nuq3-1%' is active"):
+            kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq3-1%")
+        with pytest.raises(RuntimeError, match="already active"):
+            SimulatedQuantization(tiny_llama, parse_method("int4"), tiny_recipe).__enter__()
+    kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq3-1%").close()  # gone with the block
+
+
 # ---- fp16 is the model itself --------------------------------------------------------------------
 def test_fp16_gives_the_models_own_loss(tiny_llama):
     windows = random_ids(3, 64, seed=11)

@@ -60,6 +60,9 @@ def passkey_eval(model, tok, specs: list[MethodSpec], lengths: list[int], trials
         if engine == "cache" and _cache_engine_supports(by_name[method]):
             from ..integrations.cache import cache_for
 
+            for s in sims.values():  # a simulation's hooks would quantize before the cache does
+                s.__exit__(None, None, None)
+            sims.clear()
             with cache_for(model, recipe, by_name[method]) as cache:
                 return greedy_answer(model, tok, prompt.text, cache)
         if method not in sims:

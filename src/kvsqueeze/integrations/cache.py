@@ -39,6 +39,7 @@ from .attention import register_handler, switch_attention
 from .capture import ForwardCapture
 from .fingerprint import check_recipe
 from .layers import CompressedLayer, Fp16Layer, settle_step
+from .simulate import SIMULATING
 from .parts import attention_modules, layer_rotaries, layer_windows
 from .preflight import UnsupportedModelError, preflight
 from .simulate import window_handler
@@ -208,6 +209,10 @@ def cache_for(model, recipe: Recipe | str | Path | None = None,
     """
     spec = parse_method(method) if isinstance(method, str) else method
     check_supported(spec)
+    simulating = getattr(model, SIMULATING, None)
+    if simulating is not None:
+        raise RuntimeError(f"a SimulatedQuantization of {simulating!r} is active on this model: its hooks would "
+                           "quantize the keys and values before this cache does; leave its with-block first")
     shape = kv_shape(model.config)
     if isinstance(recipe, (str, Path)):
         recipe = Recipe.load(recipe)

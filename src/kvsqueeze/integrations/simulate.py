@@ -72,6 +72,9 @@ def _quantize_tokens(
     return xq, n_out
 
 
+SIMULATING = "_kvsqueeze_simulating"  # set on a model while a simulation's hooks are on it: the method's name
+
+
 class SimulatedLayer(DynamicLayer):
     """A DynamicLayer that quantizes post-RoPE keys [B, H, T, D] as they are appended; for a method with an fp16
     window it also keeps the quantized copies of every key and value (`kq`, `vq`) beside the fp16 ones."""
@@ -169,6 +172,12 @@ class SimulatedQuantization:
     # ---- hooks ---------------------------------------------------------------------------
     def _model_pre_hook(self, module, args, kwargs):
         cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        layers = getattr(cache, "layers", None)
+        if self.needs_own_cache and not (layers and all(getattr(layer, "sim", None) is self for layer in layers)):
+            what = "keeps an fp16 window beside the quantized keys" if self.window else \
+                "quantizes keys after RoPE, as its cache takes them"
+            raise ValueError(f"method {self.spec.name!r} {what}: the simulation needs its own cache, or those "
+                             "keys stay unquantized; pass cache=sim.new_cache() and use_cache=True")
         self._start = cache.get_seq_length() if cache is not None else 0
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
         sinks = self.spec.sinks if self.spec.quantized else 0
@@ -215,7 +224,17 @@ class SimulatedQuantization:
         kq = rot.apply(keys, layer_cos_sin(rot, pos, key_states.dtype))
         return kq, copies[1].view(b, t, h, d).transpose(1, 2).to(value_states.dtype)
 
+    @property
+    def needs_own_cache(self) -> bool:
+        """Whether part of the method happens as its cache takes the keys (`new_cache`): post-RoPE keys, or the
+        quantized copies beside an fp16 window; the other methods act in the model's projections alone."""
+        return bool(self.window) or any(q is not None for q in self.k_post)
+
     def __enter__(self) -> "SimulatedQuantization":
+        active = getattr(self.model, SIMULATING, None)
+        if active is not None:
+            raise RuntimeError(f"a simulation of {active!r} is already active on this model; leave it first")
+        setattr(self.model, SIMULATING, self.spec.name)
         self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
         self._handles += hook_projections(self.model, self._quantize_projection)
         if self.in_attention:
@@ -231,6 +250,8 @@ class SimulatedQuantization:
         return self
 
     def __exit__(self, *exc) -> None:
+        if getattr(self.model, SIMULATING, None) == self.spec.name and self._handles:
+            delattr(self.model, SIMULATING)
         for h in self._handles:
             h.remove()
         self._handles.clear()
