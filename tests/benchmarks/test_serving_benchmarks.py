@@ -29,7 +29,7 @@ def test_serving_setup_refuses_a_missing_vllm_environment_and_resolves_the_serve
         common.serving_setup(args)
     args.vllm_python = __import__("sys").executable
     py, recipe, served = common.serving_setup(args)
-    assert served == "nuq3-1%:kslots6" and recipe == str(tiny_recipe_dir.resolve())
+    assert served == "nuq3-1%:kslots1" and recipe == str(tiny_recipe_dir.resolve())  # 1% of 32 channels
 
 
 def test_page_bytes_reported_are_the_layouts_and_the_registry_s(tiny_recipe_dir):

@@ -401,13 +401,16 @@ def test_a_sliding_layer_refuses_a_crop_its_next_token_would_read_past():
     assert layer.get_seq_length() == 6
 
 
-def test_serving_takes_a_window_with_its_key_slots():
+def test_serving_takes_a_window_with_its_key_slots(tiny_recipe_dir):
     """Pages serve a windowed method (the window in pages of its own, `serving.vllm.WindowStore`): its settings
-    keep the window and give its keys the paged cache's fixed count of exact elements."""
-    from kvsqueeze.serving.settings import DEFAULT_KEY_SLOTS, ServingConfig
+    keep the window and give its keys the paged cache's fixed count of exact elements, as many for the recipe's
+    channels as DEFAULT_KEY_SLOTS are for 1% of 192 (the tiny model's 32 channels: 1)."""
+    from kvsqueeze.serving.settings import DEFAULT_KEY_SLOTS, ServingConfig, plain_key_slots
 
-    spec = ServingConfig(recipe="unused", method="nuq3-1%:r16").spec
-    assert spec.window == 16 and spec.key_slots == DEFAULT_KEY_SLOTS
+    spec = ServingConfig(recipe=str(tiny_recipe_dir), method="nuq3-1%:r16").spec
+    assert spec.window == 16 and spec.key_slots == plain_key_slots(0.01, 32) == 1
+    assert plain_key_slots(0.01, 192) == DEFAULT_KEY_SLOTS and plain_key_slots(0.01, 1024) == 32
+    assert ServingConfig(recipe=str(tiny_recipe_dir), method="nuq3-1%:kslots3").spec.key_slots == 3
 
 
 def test_every_entry_point_defaults_to_the_3_5_bit_preset(tiny_recipe_dir, monkeypatch):

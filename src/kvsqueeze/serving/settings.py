@@ -7,8 +7,8 @@ the environment, so that every process of an engine (front end, engine core, wor
     KVSQUEEZE_RECIPE   the recipe directory (`kvsqueeze calibrate --out DIR`), required
     KVSQUEEZE_METHOD   the method (default the library's, the 3.5-bit preset q3.5); a bit budget without
                        ':kslotsN' gets the slots its layers' key outliers paid for (q3.5 on SmolLM2-135M is
-                       served as nuq@3.5:r32:chan:kslots2), another method with outliers the default slots
-                       (nuq3-1% is served as nuq3-1%:kslots6)
+                       served as nuq@3.5:r32:chan:kslots2), another method with outliers slots in proportion to
+                       its mean count (nuq3-1% is served as nuq3-1%:kslots6 on SmolLM2-135M's 192 channels)
     KVSQUEEZE_DECODE   the decode kernel: auto (numba on CPU, Triton on GPU), numba, triton or reference
 """
 
@@ -31,8 +31,16 @@ from ..paged.layout import PageLayout
 # outliers, about 2.1 per token on average) six slots hold every outlier of 95% of the tokens. In
 # benchmarks/results/kslots.json (5 BBC windows of 2,048 tokens) 2, 4, 6 and 8 slots all lie within the interval
 # of the HF store's unbounded outliers (+5.26 ... +5.75% against +5.31%), at 3.54 to 4.03 bits; 6 slots have the
-# lower KL divergence (0.051 against 0.062 with 2)
+# lower KL divergence (0.051 against 0.062 with 2). A model of other widths, or another fraction, gets the same
+# margin over its mean: slots = DEFAULT_KEY_SLOTS / 1.92 x (fraction x channels), rounded up (`plain_key_slots`)
 DEFAULT_KEY_SLOTS = 6
+_DEFAULT_SLOTS_MEAN = 0.01 * 192  # the outliers a token keeps on average where DEFAULT_KEY_SLOTS was measured
+
+
+def plain_key_slots(fraction: float, channels: int) -> int:
+    """Key slots a page gives a plain method keeping `fraction` of `channels` exact: DEFAULT_KEY_SLOTS for 1% of
+    192 channels, in proportion to the mean for other models (32 for 1% of Llama-3-8B's 1,024)."""
+    return max(1, math.ceil(DEFAULT_KEY_SLOTS * fraction * channels / _DEFAULT_SLOTS_MEAN - 1e-9))
 
 
 def numba_for_engine() -> None:
@@ -118,7 +126,9 @@ class ServingConfig:
             slots = self._budget_key_slots(spec)
             return dataclasses.replace(spec, key_slots=slots) if slots else spec
         if spec.outlier_fraction:
-            spec = dataclasses.replace(spec, key_slots=DEFAULT_KEY_SLOTS)
+            fp = self._recipe.meta["model"]["fingerprint"]
+            channels = int(fp["kv_heads"]) * int(fp["head_dim"])
+            spec = dataclasses.replace(spec, key_slots=plain_key_slots(spec.outlier_fraction, channels))
         return spec
 
     def _budget_key_slots(self, spec: MethodSpec) -> int:
