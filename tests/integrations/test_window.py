@@ -413,6 +413,23 @@ def test_serving_takes_a_window_with_its_key_slots(tiny_recipe_dir):
     assert ServingConfig(recipe=str(tiny_recipe_dir), method="nuq3-1%:kslots3").spec.key_slots == 3
 
 
+def test_serving_refuses_a_recipe_of_a_model_of_another_shape(tiny_recipe_dir):
+    """The engine's model is compared with the recipe's fingerprint on every shape both know: layers, heads,
+    key widths, the hidden width and the vocabulary."""
+    import json
+
+    from kvsqueeze.serving.settings import ServingConfig, ServingError
+
+    fp = json.loads((tiny_recipe_dir / "recipe.json").read_text())["model"]["fingerprint"]
+    config = ServingConfig(recipe=str(tiny_recipe_dir), method="nuq3-1%")
+    same = dict(layers=fp["layers"], kv_heads=fp["kv_heads"], head_dim=fp["head_dim"], heads=fp["heads"],
+                hidden_size=fp["hidden_size"], vocab_size=fp["vocab_size"])
+    config.check_model(**same)
+    for field in ("heads", "hidden_size", "vocab_size"):
+        with pytest.raises(ServingError, match=f"{field} {fp[field]} in the recipe, {fp[field] + 8} in the model"):
+            config.check_model(**{**same, field: fp[field] + 8})
+
+
 def test_every_entry_point_defaults_to_the_3_5_bit_preset(tiny_recipe_dir, monkeypatch):
     """`generate` and `cache_for` (GenerateConfig), the lm-eval adapter and the vLLM plugin (with no
     KVSQUEEZE_METHOD) all start from the 3.5-bit preset: a per-channel budget with its 32-token fp16 window, which

@@ -256,6 +256,21 @@ def test_vllm_refuses_a_recipe_of_another_model(tiny_model_dir, tmp_path):
     assert "belongs to another model" in run.stdout + run.stderr and "kvsqueeze calibrate" in run.stdout + run.stderr
 
 
+def test_vllm_refuses_speculative_decoding(tiny_model_dir, tiny_recipe_dir, tmp_path):
+    """Speculative decoding (prompt lookup here) verifies drafts in steps the backend was never checked on
+    against the HF path: refused as the engine builds its layers, before any request."""
+    pf = tmp_path / "p.json"
+    pf.write_text(json.dumps([[1, 2, 3, 1, 2, 3]]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
+    run = subprocess.run([str(VLLM_PYTHON), "-m", "kvsqueeze.serving.vllm_run", "--model", str(tiny_model_dir),
+                          "--recipe", str(tiny_recipe_dir), "--prompts", str(pf), "--max-model-len", "256",
+                          "--kv-bytes", str(64 << 20), "--skip-tokenizer-init", "--speculative-ngram", "2",
+                          "--out", str(tmp_path / "o.json")], env=env, capture_output=True, text=True, timeout=900)
+    assert run.returncode != 0
+    assert "does not serve speculative decoding" in run.stdout + run.stderr
+    assert "without --speculative-config" in run.stdout + run.stderr
+
+
 def test_vllm_with_tensor_parallelism_gives_what_one_rank_gives(tiny_model_dir, tiny_recipe, tmp_path):
     """--tensor-parallel-size 2: each rank holds one of the tiny model's two KV heads, in pages of its share (a
     per-channel budget's shares differ in width; every rank's pages take the larger), with its own fp16 window.

@@ -145,11 +145,15 @@ class ServingConfig:
     def _recipe(self):
         return _load_recipe(str(Path(self.recipe).resolve()))
 
-    def check_model(self, layers: int, kv_heads: int, head_dim: int) -> None:
-        """Refuse a recipe calibrated on a model of another shape (the engine's model has no HF module to
-        fingerprint, so its shape is what can be compared)."""
+    def check_model(self, layers: int, kv_heads: int, head_dim: int, heads: int | None = None,
+                    hidden_size: int | None = None, vocab_size: int | None = None) -> None:
+        """Refuse a recipe calibrated on a model of another shape: layers, heads, widths and vocabulary (the
+        engine's model has no HF module whose key weights could be hashed as `check_recipe` does, so a model of
+        the same shape with other weights, a fine-tune of it, is not told apart here)."""
         fp = self._recipe.meta["model"]["fingerprint"]  # a loaded recipe: its checksums and fields checked
-        have = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim}
+        have = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "heads": heads,
+                "hidden_size": hidden_size, "vocab_size": vocab_size}
+        have = {k: v for k, v in have.items() if v is not None}
         wrong = {k: (fp.get(k), v) for k, v in have.items() if fp.get(k) not in (None, v)}
         if wrong:
             diff = ", ".join(f"{k} {a} in the recipe, {b} in the model" for k, (a, b) in wrong.items())

@@ -405,11 +405,14 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         hf = vllm_config.model_config.hf_text_config
         what = {"a sliding window": sliding_window, "ALiBi": alibi_slopes, "learned attention sinks":
                 kwargs.get("sinks"), "KV sharing across layers": kv_sharing_target_layer_name,
-                "encoder attention": attn_type != AttentionType.DECODER, "an fp8 KV cache": kv_cache_dtype != "auto"}
+                "encoder attention": attn_type != AttentionType.DECODER, "an fp8 KV cache": kv_cache_dtype != "auto",
+                # its verification steps and the draft's own attention were never checked against the HF path
+                "speculative decoding": getattr(vllm_config, "speculative_config", None) is not None}
         refused = [k for k, v in what.items() if v is not None and v is not False]
         if refused:
             raise ServingError(f"{hf.model_type}: the kvsqueeze backend does not serve {', '.join(refused)}; serve "
-                               "this model with vLLM's own backend")
+                               "this model with vLLM's own backend" + (" or without --speculative-config"
+                                                                     if refused == ["speculative decoding"] else ""))
         tp = int(getattr(vllm_config.parallel_config, "tensor_parallel_size", 1) or 1)
         model_heads = int(getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads)
         if model_heads % tp or self.num_kv_heads * tp != model_heads:
@@ -420,7 +423,8 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         self.channels = model_heads * head_size  # every KV head's: what a token's keys and values are encoded over
         self.config = ServingConfig.from_env()
         _ = self.config.spec  # a bad method fails here, before any weight is loaded
-        self.config.check_model(int(hf.num_hidden_layers), model_heads, head_size)
+        self.config.check_model(int(hf.num_hidden_layers), model_heads, head_size, int(hf.num_attention_heads),
+                                int(hf.hidden_size), getattr(hf, "vocab_size", None))
         self.rope = _rope(hf, head_size)
         self.block_size = vllm_config.cache_config.block_size
         self.layout = None
@@ -632,7 +636,7 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             store, row = window
             start = max(0, t - nq - self.window + 1)  # older tokens are out of every query's window
             pos = torch.arange(start, t).view(1, -1)
-            page, off = WindowStore.slots(row.view(1, -1), pos, store.shape[1])
+            page, off = WindowStore.slots(row.view(1, -1).to(pos.device), pos, store.shape[1])
             ek, ev = (store[page[0], off[0], self.layer, i].float() for i in (0, 1))  # [T', C]
             tw = t - start
             ek = apply_rope(ek.view(tw, h, d).transpose(0, 1).to(q.dtype), cos[start:], sin[start:],

@@ -168,6 +168,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--disable-hybrid-kv-cache-manager", action="store_true", help="vLLM's flag of that name")
     ap.add_argument("--repeat", type=int, default=1, help="run the prompts this many times (prefix hits)")
     ap.add_argument("--skip-tokenizer-init", action="store_true", help="token-id prompts only: load no tokenizer")
+    ap.add_argument("--speculative-ngram", type=int, default=0,
+                    help="draft this many tokens a step by prompt lookup (vLLM's ngram speculative decoding)")
     ap.add_argument("--predict", action="store_true",
                     help="teacher-forced: for every prompt token after the first, the token the engine ranks first "
                          "given the tokens before it (prompt logprobs), written as `predicted`")
@@ -216,6 +218,9 @@ def main(argv: list[str] | None = None) -> None:
         kwargs["skip_tokenizer_init"] = True
     if args.max_num_batched_tokens:
         kwargs["max_num_batched_tokens"] = args.max_num_batched_tokens
+    if args.speculative_ngram:
+        kwargs["speculative_config"] = {"method": "ngram", "num_speculative_tokens": args.speculative_ngram,
+                                        "prompt_lookup_max": 3}
     if args.backend == "kvsqueeze":
         kwargs["attention_backend"] = "CUSTOM"
     t0 = time.perf_counter()
