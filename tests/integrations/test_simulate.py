@@ -60,6 +60,15 @@ def test_a_simulation_whose_cache_does_part_of_the_method_needs_that_cache(tiny_
         tiny_llama(input_ids=ids, cache=sim.new_cache(), use_cache=True)
 
 
+def test_kivi_refuses_a_batch_padded_on_the_left(tiny_llama, tiny_recipe, ids):
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    with torch.no_grad(), SimulatedQuantization(tiny_llama, parse_method("kivi2"), tiny_recipe) as sim:
+        with pytest.raises(ValueError, match="padded on the left"):
+            tiny_llama(input_ids=ids, attention_mask=mask, cache=sim.new_cache(), use_cache=True)
+        tiny_llama(input_ids=ids, attention_mask=torch.ones_like(ids), cache=sim.new_cache(), use_cache=True)
+
+
 def test_pre_rope_methods_act_in_the_projections_alone(tiny_llama, tiny_recipe, ids):
     with torch.no_grad(), SimulatedQuantization(tiny_llama, parse_method("nuq3-1%"), tiny_recipe) as sim:
         plain = tiny_llama(input_ids=ids).logits

@@ -41,7 +41,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
                       f"(lm-eval==0.4.13); the import failed with: {exc}") from exc
 
 from ..config import DEFAULT_DTYPE, DEFAULT_METHOD, DEFAULT_MODEL
-from ..methods import needs_recipe, parse_method
+from ..methods import family, needs_recipe, parse_method
 from ..recipe import Recipe
 from .loading import load_model
 from .prefill import compressed
@@ -94,7 +94,15 @@ class KVSqueezeLM(HFLM):
             return self.model(input_ids=inps, cache=sim.new_cache(), use_cache=True).logits
 
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
-        """Greedy (or sampled) generation from the method's cache: the compressed cache where it stores the method."""
+        """Greedy (or sampled) generation from the method's cache: the compressed cache where it stores the method.
+
+        KIVI's simulation groups keys from a row's first slot, so a batch padded on the left would mix padding
+        into a row's groups: its rows are generated one at a time, each without its padding, and put back in
+        the batch's layout (left padding restored, right-padded to the longest), as generate returns a batch."""
+        mask = generation_kwargs.get("attention_mask")
+        if (family(self.spec).quantizes_in_attention and mask is not None and context.shape[0] > 1
+                and bool((mask[:, 0] == 0).any())):
+            return self._rows_one_at_a_time(context, max_length, stop, mask, **generation_kwargs)
         with contextlib.ExitStack() as stack:
             if compressed(self.spec) and self.spec.quantized:
                 from .cache import cache_for
@@ -112,6 +120,18 @@ class KVSqueezeLM(HFLM):
                 sim = stack.enter_context(SimulatedQuantization(self.model, self.spec, self.recipe))
                 cache = sim.new_cache()
             return super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
+
+
+    def _rows_one_at_a_time(self, context, max_length: int, stop: list[str], mask, **generation_kwargs):
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        rows = []
+        for b in range(context.shape[0]):
+            lead = int((mask[b].cumsum(0) == 0).sum())  # the row's left padding
+            kw = {**generation_kwargs, "attention_mask": mask[b:b + 1, lead:]}
+            out = self._model_generate(context[b:b + 1, lead:], max_length - lead, stop, **kw)
+            rows.append(torch.cat([context[b:b + 1, :lead], out], dim=1))
+        width = max(r.shape[1] for r in rows)
+        return torch.cat([torch.nn.functional.pad(r, (0, width - r.shape[1]), value=pad) for r in rows])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -180,6 +180,13 @@ class SimulatedQuantization:
                              "keys stay unquantized; pass cache=sim.new_cache() and use_cache=True")
         self._start = cache.get_seq_length() if cache is not None else 0
         mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+        if (self.in_attention and self._start == 0 and isinstance(mask, torch.Tensor) and mask.dim() == 2
+                and bool((mask[:, :1] == 0).any())):
+            raise ValueError(
+                f"method {self.spec.name!r} (KIVI) quantizes keys in groups of tokens counted from the first slot: "
+                "a batch padded on the left would put padding in the groups of a row's real tokens, so a row's "
+                "result would depend on the rows beside it. Evaluate one sequence at a time (lm-eval: "
+                "--batch_size 1) or pad on the right")
         sinks = self.spec.sinks if self.spec.quantized else 0
         if (self._start < sinks and isinstance(mask, torch.Tensor) and mask.dim() == 2
                 and bool((mask[:, : sinks - self._start] == 0).any())):
