@@ -140,7 +140,8 @@ class LayerBase(CacheLayerMixin):
             return
         layer = getattr(self, "layer_idx", "?")
         after = ("the cache took this step before the check: reset() it before using it again" if stored
-                 else "nothing was stored")
+                 else f"layer {layer} stored nothing, but the layers before it took this forward's tokens: reset() "
+                 "the cache before using it again")
         if math.isnan(m) or math.isinf(m):
             raise CacheValueError(
                 f"layer {layer}: the model's keys or values hold NaN/Inf before they reach the {what} cache: the "
