@@ -271,6 +271,39 @@ def test_vllm_refuses_speculative_decoding(tiny_model_dir, tiny_recipe_dir, tmp_
     assert "without --speculative-config" in run.stdout + run.stderr
 
 
+def test_the_cpu_platform_asks_the_backend_what_it_serves(tiny_recipe_dir):
+    """On vLLM's CPU platform the plugin's backend selection runs the backend's own validation, as vLLM's GPU
+    platforms do: causal decoder attention passes; non-causal or multimodal-prefix attention and batch
+    invariance, which the backend does not compute, are refused instead of being run causal."""
+    code = """
+import torch
+from kvsqueeze.serving.vllm import register
+register()
+from vllm.platforms.cpu import CpuPlatform
+from vllm.v1.attention.backend import AttentionType
+from vllm.v1.attention.backends.registry import AttentionBackendEnum
+from vllm.v1.attention.selector import AttentionSelectorConfig
+cfg = AttentionSelectorConfig(head_size=16, dtype=torch.float32, kv_cache_dtype="auto", block_size=128,
+    use_mla=False, has_sink=False, use_sparse=False, use_mm_prefix=False, use_per_head_quant_scales=False,
+    attn_type=AttentionType.DECODER, has_sliding_window=False, use_non_causal=False, use_batch_invariant=False,
+    use_kv_connector=False, use_pcp=False, use_adaptive_verification=False, use_dcp=False, use_rswa=False)
+print(CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, cfg))
+for bad in ({"use_non_causal": True}, {"use_mm_prefix": True}, {"use_batch_invariant": True}):
+    try:
+        CpuPlatform.get_attn_backend_cls(AttentionBackendEnum.CUSTOM, cfg._replace(**bad))
+        print("served", bad)
+    except Exception as exc:
+        print("refused", type(exc).__name__, exc)
+"""
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("TRITON_")},
+           "KVSQUEEZE_RECIPE": str(tiny_recipe_dir)}
+    run = subprocess.run([str(VLLM_PYTHON), "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-2000:]
+    lines = run.stdout.strip().splitlines()
+    assert lines[0].endswith("KVSqueezeBackend") and len(lines) == 4, run.stdout
+    assert all(line.startswith("refused ServingError") and "vLLM's own backend" in line for line in lines[1:])
+
+
 def test_vllm_with_tensor_parallelism_gives_what_one_rank_gives(tiny_model_dir, tiny_recipe, tmp_path):
     """--tensor-parallel-size 2: each rank holds one of the tiny model's two KV heads, in pages of its share (a
     per-channel budget's shares differ in width; every rank's pages take the larger), with its own fp16 window.

@@ -84,6 +84,13 @@ def register() -> None:
 
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
         if selected_backend == AttentionBackendEnum.CUSTOM and not attn_selector_config.use_mla:
+            # what vLLM's GPU platforms ask of a selected backend, asked here too: a configuration it cannot
+            # serve (non-causal or multimodal-prefix attention, batch invariance, ...) is refused, not run causal
+            reasons = AttentionBackendEnum.CUSTOM.get_class().validate_configuration(
+                device_capability=cls.get_device_capability(), **attn_selector_config._asdict())
+            if reasons:
+                raise ServingError(f"the kvsqueeze attention backend cannot serve this model's attention: "
+                                   f"{'; '.join(reasons)}; serve it with vLLM's own backend")
             return AttentionBackendEnum.CUSTOM.get_path()
         return original(cls, selected_backend, attn_selector_config, num_heads)
 
