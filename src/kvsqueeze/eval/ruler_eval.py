@@ -25,8 +25,9 @@ which reads them once per call for a few rows). Rows need no padding, so each ro
 computes what it would alone (up to the rounding of batched matrix products);
 a row that has ended leaves the batch (`batch_select_indices`). Rows
 per batch are capped by `max_rows` and by `row_memory` (bytes of the repeated
-caches). After each batch the cache is cropped back to the context and to one
-row, so the questions of one context are independent. Answers are greedy, end
+caches). After each batch the cache returns to one row and to the context
+(`CompressedCache.rollback`, its fp16 window as it was; other caches are
+cropped), so the questions of one context are independent. Answers are greedy, end
 at a newline or EOS, and are scored by `ruler.score_answer`. `AnswerLog` appends every answer to a
 JSONL file as it is made, and a run given the same file skips what it holds:
 long runs resume where they stopped.
