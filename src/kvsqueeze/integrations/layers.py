@@ -364,20 +364,20 @@ class CompressedLayer(PreRopeKeys, LayerBase):
     def _check_fused_attention(self) -> None:
         """A decode step returns an empty marker that only kvsqueeze's attention turns into the step's attention;
         any other attention would read it as a cache of no tokens and return zeros."""
-        impl = getattr(self.attention_config, "_attn_implementation", None)
-        if impl not in (ATTN_NAME, EAGER_NAME):
-            raise RuntimeError(
-                f"layer {self.layer_idx}: fused decode is on for this cache, but the model now runs attention "
-                f"{impl!r}, which cannot read it (another fused_decode on this model was closed first, or the "
-                "attention was set again); leave fused decode (`close()`) or enable it again for this cache")
+        self._check_attention(
+            "fused decode is on for this cache", "that attention cannot read it (another fused_decode on this model "
+            "was closed first, or the attention was set again): leave fused decode (`close()`) or enable it again")
 
     def _check_window_attention(self) -> None:
+        self._check_attention(
+            f"this cache keeps its {self.store.window} most recent tokens in fp16, which only kvsqueeze's attention "
+            "reads", "build the cache with `kvsqueeze.cache_for` (it selects that attention) and do not change the "
+            "model's attention after")
+
+    def _check_attention(self, why: str, fix: str) -> None:
         impl = getattr(self.attention_config, "_attn_implementation", None)
         if impl not in (ATTN_NAME, EAGER_NAME):
-            raise RuntimeError(
-                f"layer {self.layer_idx}: this cache keeps its {self.store.window} most recent tokens in fp16, which "
-                f"only kvsqueeze's attention reads, and the model now runs {impl!r}; build the cache with "
-                "`kvsqueeze.cache_for` (it selects that attention) and do not change the model's attention after")
+            raise RuntimeError(f"layer {self.layer_idx}: {why}, and the model now runs attention {impl!r}; {fix}")
 
     def _read_windowed(self, held, keys: torch.Tensor, values: torch.Tensor, dtype: torch.dtype):
         """Every cached token as the queries of a forward of the new `keys`, `values` [B, T, C] read it: keys (RoPE
