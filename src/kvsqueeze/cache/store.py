@@ -449,16 +449,17 @@ class KVStore:
             buf.truncate(tokens)
         for sparse in self._sparse():
             sparse.truncate(tokens * self.batch)
-        gone = self.sink_slot >= tokens
-        self.sinks_taken -= gone[:, : self.sinks].sum(dim=1)
-        self.sink_slot[gone] = -1
-        self.sink_k[gone] = 0
-        self.sink_v[gone] = 0
-        if state is not None:
+        if state is not None:  # the tables as they were at `tokens` tokens
             self.sink_k, self.sink_v, self.sink_slot = state.sink_k.clone(), state.sink_v.clone(), state.sink_slot.clone()
             self.sinks_taken, self.window_taken = state.sinks_taken.clone(), state.window_taken.clone()
-        elif self.window:
-            self._repack_window()
+        else:
+            gone = self.sink_slot >= tokens
+            self.sinks_taken -= gone[:, : self.sinks].sum(dim=1)
+            self.sink_slot[gone] = -1
+            self.sink_k[gone] = 0
+            self.sink_v[gone] = 0
+            if self.window:
+                self._repack_window()
         if self.owns_positions:
             self.positions.truncate(tokens)
 

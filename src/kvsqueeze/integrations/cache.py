@@ -39,10 +39,9 @@ from .attention import register_handler, switch_attention
 from .capture import ForwardCapture
 from .fingerprint import check_recipe
 from .layers import CompressedLayer, Fp16Layer, settle_step
-from .simulate import SIMULATING
 from .parts import attention_modules, layer_rotaries, layer_windows
 from .preflight import UnsupportedModelError, preflight
-from .simulate import window_handler
+from .simulate import SIMULATING, window_handler
 
 SUPPORTED = ("fp16, and int / nf / nuq with keys per channel before RoPE and values per token, outliers per "
              "vector or per matrix, any sinks, bit budgets and fp16 windows: e.g. 'nuq3-1%', 'nuq4', 'nuq2-1%:pm', "
@@ -124,9 +123,9 @@ class CompressedCache(Cache):
         """Drop the last -tokens_to_remove tokens; refused, before any layer changes, where a layer could not
         then hold what the next token reads (`LayerBase.crop_target`): with an fp16 window, use `checkpoint`
         and `rollback` instead."""
-        for layer in self.layers:
-            layer.crop_target(tokens_to_remove)
-        super().crop(tokens_to_remove)
+        targets = [layer.crop_target(tokens_to_remove) for layer in self.layers]  # every layer checked first
+        for layer, target in zip(self.layers, targets):
+            layer.crop_to(target)
         if self.positions is not None:
             self.positions.truncate(self.get_seq_length())
 

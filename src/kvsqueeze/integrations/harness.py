@@ -121,7 +121,6 @@ class KVSqueezeLM(HFLM):
                 cache = sim.new_cache()
             return super()._model_generate(context, max_length, stop, cache=cache, **generation_kwargs)
 
-
     def _rows_one_at_a_time(self, context, max_length: int, stop: list[str], mask, **generation_kwargs):
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         rows = []

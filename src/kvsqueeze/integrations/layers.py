@@ -182,7 +182,10 @@ class LayerBase(CacheLayerMixin):
 
     def crop(self, tokens_to_remove: int) -> None:
         """Drop the last -tokens_to_remove tokens (transformers' convention: a negative count)."""
-        target = self.crop_target(tokens_to_remove)
+        self.crop_to(self.crop_target(tokens_to_remove))
+
+    def crop_to(self, target: int | None) -> None:
+        """Keep the first `target` tokens, a length `crop_target` gave and checked (None: nothing to do)."""
         if target is not None:
             self._crop(target - self.dropped)
 

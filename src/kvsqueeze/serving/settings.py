@@ -126,9 +126,7 @@ class ServingConfig:
             slots = self._budget_key_slots(spec)
             return dataclasses.replace(spec, key_slots=slots) if slots else spec
         if spec.outlier_fraction:
-            fp = self._recipe.meta["model"]["fingerprint"]
-            channels = int(fp["kv_heads"]) * int(fp["head_dim"])
-            spec = dataclasses.replace(spec, key_slots=plain_key_slots(spec.outlier_fraction, channels))
+            spec = dataclasses.replace(spec, key_slots=plain_key_slots(spec.outlier_fraction, self._channels))
         return spec
 
     def _budget_key_slots(self, spec: MethodSpec) -> int:
@@ -136,14 +134,19 @@ class ServingConfig:
         (a layer keeping 1% of 192 channels exact gets 2 slots), so a page holds what the budget paid for."""
         from ..methods.budget import layer_choices
 
-        fp = self._recipe.meta["model"]["fingerprint"]
-        channels = int(fp["kv_heads"]) * int(fp["head_dim"])
-        fractions = [layer_choices(spec, self._recipe, layer)[0].fraction for layer in range(int(fp["layers"]))]
-        return max(math.ceil(f * channels - 1e-9) for f in fractions)
+        layers = int(self._recipe.meta["model"]["fingerprint"]["layers"])
+        fractions = [layer_choices(spec, self._recipe, layer)[0].fraction for layer in range(layers)]
+        return max(math.ceil(f * self._channels - 1e-9) for f in fractions)
 
     @property
     def _recipe(self):
         return _load_recipe(str(Path(self.recipe).resolve()))
+
+    @property
+    def _channels(self) -> int:
+        """Key channels of the recipe's model (every KV head's)."""
+        fp = self._recipe.meta["model"]["fingerprint"]
+        return int(fp["kv_heads"]) * int(fp["head_dim"])
 
     def check_model(self, layers: int, kv_heads: int, head_dim: int, heads: int | None = None,
                     hidden_size: int | None = None, vocab_size: int | None = None) -> None:
