@@ -95,19 +95,6 @@ def main() -> None:
     args = ap.parse_args()
     if args.compare_only:
         out = json.loads(Path(args.json).read_text())
-        if any("key" not in r for r in out["rows"]):  # a JSON written before rows carried their question
-            from transformers import AutoTokenizer
-
-            from kvsqueeze.integrations.loading import resolve_model_path
-
-            tok = AutoTokenizer.from_pretrained(resolve_model_path(out["model"]))
-            seeds = {(q.task, q.item): c.seed for c in build_contexts(tok, load_text("bbc").evaluation,
-                                                                       out["length"], args.samples, seed=0,
-                                                                       layout=out["layout"])
-                     if c.sample == out["sample"] for q in c.questions}
-            for r in out["rows"]:
-                r["key"] = [out["model"], "dense-prefill", out["length"], r["task"], out["sample"],
-                            seeds[(r["task"], r["item"])], r["item"]]
         out = _compare_with_log(out, args.answers)
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
         print({k: v for k, v in out.items() if k != "rows"})
