@@ -596,7 +596,6 @@ BLOCKS = {
     "tensor-parallel-qwen": ("vllm_tp_qwen.json", tensor_parallel),
     "transfer": ("transfer.json", transfer),
     "transfer-q3.5": ("transfer.json", lambda d: transfer(d, ("nuq3-1%", "q3.5"))),
-    "transfer-preset": ("transfer.json", lambda d: transfer(d, ("q3.5",))),
     "ppl-by-length": ("ppl_by_length.json", ppl_by_length),
     "ruler-questions": ("ruler.json", ruler_questions),
     "ruler-pooled": ("ruler.json", ruler_pooled),
