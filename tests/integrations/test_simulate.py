@@ -87,6 +87,24 @@ def test_a_compressed_cache_is_refused_while_a_simulation_holds_the_model(tiny_l
     kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq3-1%").close()  # gone with the block
 
 
+def test_a_simulation_refused_half_way_leaves_no_hooks_and_no_mark(tiny_llama, tiny_recipe, ids):
+    """A windowed simulation on a model whose attention kvsqueeze cannot fall back on is refused as it switches
+    the attention, after its hooks were placed: they are removed, and the model takes a compressed cache."""
+    import kvsqueeze
+    from kvsqueeze.integrations.preflight import UnsupportedModelError
+
+    with torch.no_grad():
+        plain = tiny_llama(input_ids=ids).logits
+        tiny_llama.config._attn_implementation = "flex_attention"
+        try:
+            with pytest.raises(UnsupportedModelError, match="falls back on 'sdpa' or 'eager'"):
+                SimulatedQuantization(tiny_llama, parse_method("nuq3-1%:r16"), tiny_recipe).__enter__()
+        finally:
+            tiny_llama.config._attn_implementation = "sdpa"
+        assert torch.equal(tiny_llama(input_ids=ids).logits, plain)  # no quantizing hook left behind
+    kvsqueeze.cache_for(tiny_llama, tiny_recipe, "nuq3-1%").close()
+
+
 # ---- fp16 is the model itself --------------------------------------------------------------------
 def test_fp16_gives_the_models_own_loss(tiny_llama):
     windows = random_ids(3, 64, seed=11)

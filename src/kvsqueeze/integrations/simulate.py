@@ -168,6 +168,7 @@ class SimulatedQuantization:
         self._handles: list = []
         self._start = 0
         self._saved_attn = None
+        self._marked = False  # whether this simulation set the model's SIMULATING mark
 
     # ---- hooks ---------------------------------------------------------------------------
     def _model_pre_hook(self, module, args, kwargs):
@@ -242,23 +243,29 @@ class SimulatedQuantization:
         if active is not None:
             raise RuntimeError(f"a simulation of {active!r} is already active on this model; leave it first")
         setattr(self.model, SIMULATING, self.spec.name)
-        self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
-        self._handles += hook_projections(self.model, self._quantize_projection)
-        if self.in_attention:
-            register_handler(kivi_handler)
-            self._saved_attn = switch_attention(self.model)
-            for a in self.attn:
-                a.kvsqueeze_kivi = self.spec
-        elif self.window:
-            register_handler(window_handler)
-            self._saved_attn = switch_attention(self.model)
-            for a in self.attn:
-                a.kvsqueeze_window = self.window
+        self._marked = True
+        try:
+            self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook, with_kwargs=True))
+            self._handles += hook_projections(self.model, self._quantize_projection)
+            if self.in_attention:
+                register_handler(kivi_handler)
+                self._saved_attn = switch_attention(self.model)
+                for a in self.attn:
+                    a.kvsqueeze_kivi = self.spec
+            elif self.window:
+                register_handler(window_handler)
+                self._saved_attn = switch_attention(self.model)
+                for a in self.attn:
+                    a.kvsqueeze_window = self.window
+        except BaseException:  # a refusal half-way leaves no hooks and no mark on the model
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(self, *exc) -> None:
-        if getattr(self.model, SIMULATING, None) == self.spec.name and self._handles:
+        if self._marked:  # the mark this simulation set, not another's
             delattr(self.model, SIMULATING)
+            self._marked = False
         for h in self._handles:
             h.remove()
         self._handles.clear()
