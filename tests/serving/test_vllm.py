@@ -256,6 +256,35 @@ def test_vllm_refuses_a_recipe_of_another_model(tiny_model_dir, tmp_path):
     assert "belongs to another model" in run.stdout + run.stderr and "kvsqueeze calibrate" in run.stdout + run.stderr
 
 
+def test_vllm_refuses_a_recipe_of_a_model_of_the_same_shape_with_other_key_weights(tiny_llama, tokenizer,
+                                                                                     tiny_recipe_dir, tmp_path):
+    """A fine-tune of the calibrated model (one layer's key weights moved by 1%) has every shape of the recipe's
+    model: the key weights vLLM loads are checked against the recipe's fingerprint, and the engine refuses it
+    naming the layer; the same model saved in bf16 (a change of precision, not of model) is served."""
+    import copy
+
+    other = copy.deepcopy(tiny_llama)
+    with torch.no_grad():
+        other.model.layers[1].self_attn.k_proj.weight.mul_(1.01)
+    runs = {}
+    for name, model in (("tuned", other), ("bf16", copy.deepcopy(tiny_llama).to(torch.bfloat16))):
+        d = tmp_path / name
+        model.save_pretrained(d)
+        tokenizer.save_pretrained(d)
+        pf = tmp_path / "p.json"
+        pf.write_text(json.dumps([[1, 2, 3]]))
+        env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
+        runs[name] = subprocess.run([str(VLLM_PYTHON), "-m", "kvsqueeze.serving.vllm_run", "--model", str(d),
+                                     "--recipe", str(tiny_recipe_dir), "--prompts", str(pf), "--max-model-len",
+                                     "256", "--kv-bytes", str(64 << 20), "--skip-tokenizer-init", "--dtype",
+                                     "float32", "--out", str(tmp_path / f"{name}.json")],
+                                    env=env, capture_output=True, text=True, timeout=900)
+    tuned = runs["tuned"].stdout + runs["tuned"].stderr
+    assert runs["tuned"].returncode != 0 and "key weights of layer(s) 1 differ" in tuned, tuned[-3000:]
+    assert "kvsqueeze calibrate" in tuned
+    assert runs["bf16"].returncode == 0, (runs["bf16"].stdout + runs["bf16"].stderr)[-3000:]
+
+
 def test_vllm_refuses_speculative_decoding(tiny_model_dir, tiny_recipe_dir, tmp_path):
     """Speculative decoding (prompt lookup here) verifies drafts in steps the backend was never checked on
     against the HF path: refused as the engine builds its layers, before any request."""
@@ -399,5 +428,51 @@ print("ok")
 def test_the_backend_takes_the_keys_vllm_gave_its_rotary_step():
     """Keys are quantized as vLLM's rotary step was given them when they are the layer's own, else turned back."""
     run = subprocess.run([str(VLLM_PYTHON), "-c", KEYS_SNIPPET], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
+
+
+ROTARY_SNIPPET = """
+import torch
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.config import VllmConfig, set_current_vllm_config
+from kvsqueeze.serving import vllm as kv
+
+kv.register()
+ours = kv.Rope(1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+
+
+def refusal(*args):
+    with set_current_vllm_config(VllmConfig()):
+        rotary = RotaryEmbedding(*args)
+    assert list(kv._ROTARIES) == [rotary], "each module built is noted"
+    try:
+        kv._check_rotary(ours, 64)
+    except kv.ServingError as e:
+        return str(e)
+    finally:
+        kv._ROTARIES.clear()
+    return None
+
+
+try:
+    kv._check_rotary(ours, 64)
+    raise AssertionError("served without any rotary module to check")
+except kv.ServingError as e:
+    assert "no vLLM rotary module" in str(e), e
+for dtype in (torch.float32, torch.bfloat16):
+    assert refusal(64, 64, 32768, 10000.0, True, dtype) is None, "the same RoPE is served"
+assert "other angles" in refusal(64, 64, 32768, 500000.0, True, torch.float32), "another theta is refused"
+assert "other angles" in refusal(64, 64, 32768, 10001.0, True, torch.float32), "a theta close by is refused"
+assert "turns 32 of 64" in refusal(64, 32, 32768, 10000.0, True, torch.float32), "partial rotary is refused"
+assert "interleaved" in refusal(64, 64, 32768, 10000.0, False, torch.float32), "GPT-J pairs are refused"
+print("ok")
+"""
+
+
+def test_the_backend_refuses_a_rotary_step_that_turns_keys_otherwise_than_its_rope():
+    """The pages hold pre-RoPE keys that the kernels turn by kvsqueeze's RoPE against queries that vLLM's rotary
+    module turned: a module with another theta, width or pairing is refused, the same one in fp32 or bf16 served."""
+    run = subprocess.run([str(VLLM_PYTHON), "-c", ROTARY_SNIPPET], capture_output=True, text=True, timeout=300,
                          env={**os.environ, "OMP_NUM_THREADS": "2"})
     assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]

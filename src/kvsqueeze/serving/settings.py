@@ -150,9 +150,9 @@ class ServingConfig:
 
     def check_model(self, layers: int, kv_heads: int, head_dim: int, heads: int | None = None,
                     hidden_size: int | None = None, vocab_size: int | None = None) -> None:
-        """Refuse a recipe calibrated on a model of another shape: layers, heads, widths and vocabulary (the
-        engine's model has no HF module whose key weights could be hashed as `check_recipe` does, so a model of
-        the same shape with other weights, a fine-tune of it, is not told apart here)."""
+        """Refuse a recipe calibrated on a model of another shape: layers, heads, widths and vocabulary (a model of
+        the same shape with other weights, a fine-tune of it, is told apart later, by its key weights as vLLM
+        loads them: `vllm.KeyWeights`)."""
         fp = self._recipe.meta["model"]["fingerprint"]  # a loaded recipe: its checksums and fields checked
         have = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "heads": heads,
                 "hidden_size": hidden_size, "vocab_size": vocab_size}

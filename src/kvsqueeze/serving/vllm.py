@@ -18,7 +18,10 @@ What the backend does, per layer and step:
 * vLLM hands the attention post-RoPE keys. `register` also wraps vLLM's rotary step so that it keeps the keys it
   is about to turn; the attention takes those (after checking that they are this layer's: turned back, the keys
   it was handed must give them), and otherwise turns the keys back by their positions (the layer's RoPE, from the
-  model config). Either way the pre-RoPE keys are quantized with the values into their slots of the pages.
+  model config, checked at the first step against the cos / sin table of every rotary module vLLM built).
+  Either way the pre-RoPE keys are quantized with the values into their slots of the pages.
+* the checkpoint's key projections are hashed as vLLM's loader streams them and checked against the recipe's
+  fingerprint (`KeyWeights`), as the HF path checks the model's: a fine-tune of the same shape is refused.
 * every query then attends over its sequence's pages: decode tokens of the whole batch in one call of the fused
   kernel (numba on CPU, Triton on GPU, each reading every token's slot in its page through the block tables);
   prefill chunks (prompts, later chunks of a chunked prefill, and prompts whose prefix vLLM found
@@ -44,6 +47,7 @@ scalings whose frequencies change with the length.
 from __future__ import annotations
 
 import re
+import weakref
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
@@ -73,6 +77,7 @@ def register() -> None:
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
     _keep_pre_rope_keys()
     _size_pages_per_layer()
+    _check_key_weights_as_loaded()
     try:
         from vllm.platforms.cpu import CpuPlatform
     except ImportError:  # a build without the CPU platform
@@ -119,12 +124,25 @@ class PreRopeKeys:
         return keys
 
 
+# vLLM's rotary modules built in this process: the backend checks its own RoPE against each before serving
+_ROTARIES: weakref.WeakSet = weakref.WeakSet()
+
+
 def _keep_pre_rope_keys() -> None:
-    """Wrap vLLM's rotary step (each of its implementations) to keep the keys it is given (`PreRopeKeys`)."""
+    """Wrap vLLM's rotary step (each of its implementations) to keep the keys it is given (`PreRopeKeys`), and its
+    constructor to note every rotary module built (`_ROTARIES`)."""
     try:
-        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
-    except ImportError:  # another layout of vLLM: the keys are turned back instead
+        from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding, RotaryEmbeddingBase
+    except ImportError:  # another layout of vLLM: nothing noted, and the backend refuses to serve (`_check_rotary`)
         return
+    init = RotaryEmbeddingBase.__init__
+    if not getattr(init, "_kvsqueeze", False):
+        def __init__(self, *args, _original=init, **kwargs):
+            _original(self, *args, **kwargs)
+            _ROTARIES.add(self)
+
+        __init__._kvsqueeze = True
+        RotaryEmbeddingBase.__init__ = __init__
     for name in ("forward_native", "forward_cpu", "forward_cuda"):
         original = getattr(RotaryEmbedding, name, None)
         if original is None or getattr(original, "_kvsqueeze", False):
@@ -136,6 +154,71 @@ def _keep_pre_rope_keys() -> None:
 
         forward._kvsqueeze = True
         setattr(RotaryEmbedding, name, forward)
+
+
+class KeyWeights:
+    """The recipe's fingerprint, and whether the key weights vLLM loaded were checked against it.
+
+    The engine's attention holds no weights; the checkpoint's key projections pass by as vLLM's default loader
+    streams the checkpoint (HF names, whole tensors, before any sharding), and each is hashed and probed as the
+    HF path's `check_recipe` does with the model's. Set by the first kvsqueeze attention, as the model is built."""
+
+    recipe = None  # the serving recipe (`Recipe`); None while no kvsqueeze attention exists
+    checked = False
+
+    NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.k_proj\.weight$")
+
+    @classmethod
+    def check(cls, digests: dict[int, tuple[str, list[float]]]) -> None:
+        from ..recipe import same_weights
+
+        want = cls.recipe.meta["model"]["fingerprint"]
+        model = cls.recipe.meta["model"].get("id")
+        layers = int(want["layers"])
+        if sorted(digests) != list(range(layers)):
+            raise ServingError(f"the checkpoint's key projections (layers.N.self_attn.k_proj.weight) came for layers "
+                               f"{sorted(digests)[:8]}, not for each of the recipe's {layers}: kvsqueeze cannot check "
+                               f"that it is the model the recipe was calibrated on ({model!r}); serve a checkpoint "
+                               "with one k_proj per layer, or with vLLM's own backend")
+        have = {"layers_sha256": [digests[i][0] for i in range(layers)],
+                "layers_probe": [digests[i][1] for i in range(layers)]}
+        wrong = same_weights(want, have)
+        if wrong:
+            shown = ", ".join(map(str, wrong[:8])) + (" ..." if len(wrong) > 8 else "")
+            raise ServingError(f"recipe was calibrated on model {model!r}, not on this one: the key weights of "
+                               f"layer(s) {shown} differ by more than a change of precision would (a fine-tune or "
+                               "another model of the same shape); calibrate one for this model with "
+                               "`kvsqueeze calibrate --model ... --out DIR`")
+        cls.checked = True
+
+
+def _check_key_weights_as_loaded() -> None:
+    """Wrap vLLM's default loader's weight stream so that, with a kvsqueeze attention in the model, the key
+    projections' weights are checked against the recipe's fingerprint as they load (`KeyWeights`)."""
+    try:
+        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    except ImportError:  # another layout of vLLM: nothing is checked, and the backend refuses at its first step
+        return
+    original = DefaultModelLoader.get_all_weights
+    if getattr(original, "_kvsqueeze", False):
+        return
+
+    def get_all_weights(self, model_config, model):
+        if KeyWeights.recipe is None:
+            yield from original(self, model_config, model)
+            return
+        from ..integrations.fingerprint import key_digest
+
+        digests = {}
+        for name, tensor in original(self, model_config, model):
+            hit = KeyWeights.NAME.search(name)
+            if hit:
+                digests[int(hit.group(1))] = key_digest(int(hit.group(1)), tensor)
+            yield name, tensor
+        KeyWeights.check(digests)
+
+    get_all_weights._kvsqueeze = True
+    DefaultModelLoader.get_all_weights = get_all_weights
 
 
 def _size_pages_per_layer() -> None:
@@ -367,8 +450,8 @@ logger = init_logger(__name__)
 _LAYER_INDEX = re.compile(r"(?:^|\.)layers\.(\d+)\.")
 
 
-# families whose vLLM models turn keys rotate-half style (neox), as the kernels turn them back; the impl cannot
-# see vLLM's rotary module, so another family could be turned by other pairs without any error
+# families whose vLLM models turn keys rotate-half style (neox), as the kernels turn them back; every rotary module
+# vLLM builds is also checked against the backend's RoPE before the first step (`_check_rotary`)
 ROTATE_HALF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 
 
@@ -397,6 +480,47 @@ def _rope(hf_config, head_dim: int) -> Rope:
 
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[kind](hf_config, "cpu")
     return Rope(inv_freq.float().cpu(), float(scaling))
+
+
+_ROTARIES_CHECKED: dict[tuple, bool] = {}
+
+
+def _check_rotary(rope: Rope, head_size: int) -> None:
+    """Refuse to serve unless every rotary module vLLM built turns a head's keys and queries as `rope` does: the
+    same rotary width, rotate-half pairs and cos / sin at every position of its table (to the rounding of the
+    table's dtype). The pages hold keys before RoPE and the kernels turn them by `rope` at read time against
+    queries vLLM's rotary step turned, so any difference would change every attention score without an error.
+    Checked once per module and RoPE, at a layer's first step (the model is built by then)."""
+    rotaries = list(_ROTARIES)
+    if not rotaries:
+        raise ServingError("the kvsqueeze backend found no vLLM rotary module to check its RoPE against (a model "
+                           "without RoPE, or a vLLM whose rotary modules it does not know); serve this model with "
+                           "vLLM's own backend")
+    for rotary in rotaries:
+        memo = (id(rotary), rope.key, head_size)
+        if memo in _ROTARIES_CHECKED:
+            continue
+        name = type(rotary).__name__
+        cache = getattr(rotary, "cos_sin_cache", None)
+        width = getattr(rotary, "rotary_dim", None)
+        if not isinstance(cache, torch.Tensor) or not getattr(rotary, "is_neox_style", False):
+            how = "without a cos / sin table" if cache is None else "in interleaved (GPT-J) pairs"
+            raise ServingError(f"vLLM's rotary module {name} turns keys {how}; kvsqueeze turns rotate-half pairs "
+                               "by a cos / sin table, so its scores would differ; serve this model with vLLM's own "
+                               "backend")
+        if getattr(rotary, "head_size", head_size) != head_size or width != rope.rotary_dim:
+            raise ServingError(f"vLLM's rotary module {name} turns {width} of {rotary.head_size} channels a head, "
+                               f"kvsqueeze's RoPE from the model config {rope.rotary_dim} of {head_size}; serve this "
+                               "model with vLLM's own backend")
+        table = cache.detach().float().cpu()
+        cos, sin = rope.cos_sin(torch.arange(table.shape[0]), float32_angles=True)  # vLLM's angles: float32
+        tol = 2 * torch.finfo(cache.dtype).eps * max(1.0, rope.scaling) + 1e-5
+        err = max(float((table[:, :rope.half] - cos).abs().max()), float((table[:, rope.half:] - sin).abs().max()))
+        if err > tol:
+            raise ServingError(f"vLLM's rotary module {name} turns keys by other angles than kvsqueeze's RoPE from the "
+                               f"model config (cos / sin differ by up to {err:.3g} over {table.shape[0]} positions); "
+                               "serve this model with vLLM's own backend")
+        _ROTARIES_CHECKED[memo] = True
 
 
 class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
@@ -430,6 +554,7 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         self.channels = model_heads * head_size  # every KV head's: what a token's keys and values are encoded over
         self.config = ServingConfig.from_env()
         _ = self.config.spec  # a bad method fails here, before any weight is loaded
+        KeyWeights.recipe = self.config._recipe  # the weights are checked against it as they load
         self.config.check_model(int(hf.num_hidden_layers), model_heads, head_size, int(hf.num_attention_heads),
                                 int(hf.hidden_size), getattr(hf, "vocab_size", None))
         self.rope = _rope(hf, head_size)
@@ -459,6 +584,12 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
 
     def _layout(self, layer, kv_cache: torch.Tensor):
         if self.layout is None:
+            if not KeyWeights.checked:
+                raise ServingError("the kvsqueeze backend checks the key weights vLLM loads against the recipe's "
+                                   "model as its default loader streams the checkpoint; this model was loaded "
+                                   "otherwise (another --load-format, or dummy weights), so that the recipe may "
+                                   "belong to another model; load it with --load-format auto or safetensors")
+            _check_rotary(self.rope, self.head_size)
             name = getattr(layer, "layer_name", "")
             self.layer = _layer_index(name)
             layout = self.config.layout(self.layer, self.channels, self.head_size, self.block_size, self.rank,
