@@ -270,14 +270,14 @@ def ruler_questions(data: dict) -> str:
     cfg = data["config"]
     paired = {(r["model"], r["method"], r["length"]): r for r in data.get("paired", [])}
     split = {(r["model"], r["method"], r["length"], r["answers"]): r for r in data.get("paired_by_answers", [])}
-    out = [f"Points against fp16 on the same questions (95% bootstrap interval over questions); {cfg['engine']} "
-           f"engine, greedy answers ({cfg['machine']})\n"]
+    out = [f"Points against fp16 on the same questions (95% bootstrap interval over contexts: a prefill's questions "
+           f"are drawn together); {cfg['engine']} engine, greedy answers ({cfg['machine']})\n"]
     for run in cfg["runs"]:
         lengths = sorted({n for m, _, n in paired if m == run["model"]})
         for n in lengths:
             ref = next((r for (m, _, k), r in paired.items() if m == run["model"] and k == n), None)
             out += [f"`{run['model']}` at {n // 1024}K (fp16 scores {ref['fp16_score']:.1f}; answers fully "
-                    f"{ref['fp16_right']} of {ref['questions']} questions):\n",
+                    f"{ref['fp16_right']} of {ref['questions']} questions, asked on {ref['contexts']} contexts):\n",
                     "| method | questions | score | vs fp16 | share | on fp16's right | one answer | several |",
                     "|---|---:|---:|---:|---:|---:|---:|---:|"]
             for meth in cfg["methods"]:
@@ -297,7 +297,7 @@ def ruler_questions(data: dict) -> str:
 
 def ruler_pooled(data: dict) -> str:
     """`ruler.json`: each method against fp16 on every length's questions pooled, and against KVQuant's
-    `nuq3-1%` on the same questions, per length and pooled (points, 95% bootstrap interval over questions)."""
+    `nuq3-1%` on the same questions, per length and pooled (points, 95% bootstrap interval over contexts)."""
     cfg = data["config"]
     pooled = {(r["model"], r["method"]): r for r in data.get("paired_all_lengths", [])}
     head = {(r["model"], r["method"], r["length"]): r for r in data.get("against_kvquant", [])}
@@ -310,7 +310,8 @@ def ruler_pooled(data: dict) -> str:
         lengths = sorted({n for m, _, n in head if m == run["model"] and n != "all"})
         if not lengths:
             continue
-        out += [f"`{run['model']}`, every length pooled against fp16, and against `nuq3-1%` on the same questions:\n",
+        out += [f"`{run['model']}`, every length pooled against fp16, and against `nuq3-1%` on the same questions "
+                "(95% bootstrap interval over contexts):\n",
                 "| method | questions | vs fp16, all lengths | "
                 + " | ".join(f"vs `nuq3-1%` {n // 1024}K" for n in lengths) + " | vs `nuq3-1%`, all |",
                 "|---|---:|---:|" + "---:|" * (len(lengths) + 1)]
@@ -559,14 +560,16 @@ def headline_compare(results: Path) -> str:
             if None in pair:
                 continue
             out.append(f"| {_short(m)}, RULER {n // 1024}K, points from fp16 ({pair[0]['fp16_score']:.1f}), "
-                       f"{pair[0]['questions']} paired questions | " + " | ".join(map(_points, pair))
+                       f"{pair[0]['questions']} paired questions on {pair[0]['contexts']} contexts | "
+                       + " | ".join(map(_points, pair))
                        + " | ruler.json |")
         pooled = {r["method"]: r for r in ruler.get("paired_all_lengths", []) if r["model"] == m}
         if all(meth in pooled for meth in COMPARED):
             lengths = sorted({k[2] for k in paired if k[0] == m})
             span = f"{lengths[0] // 1024}K–{lengths[-1] // 1024}K"
             out.append(f"| {_short(m)}, RULER {span} pooled, points from fp16, {pooled[COMPARED[0]]['questions']} "
-                       "paired questions | " + " | ".join(_points(pooled[meth]) for meth in COMPARED)
+                       f"paired questions on {pooled[COMPARED[0]]['contexts']} contexts | "
+                       + " | ".join(_points(pooled[meth]) for meth in COMPARED)
                        + " | ruler.json |")
             against = next((r for r in ruler.get("against_kvquant", []) if r["model"] == m
                             and r["method"] == COMPARED[0] and r["length"] == "all"), None)

@@ -423,13 +423,40 @@ def test_a_cell_s_interval_does_not_move_when_other_cells_gain_answers():
     from kvsqueeze.eval.ruler_eval import Answer, paired
 
     scores = {"fp16": (1, 1, 0, 1, 1, 0, 1, 1), "q3.5": (1, 0, 0, 1, 0, 1, 1, 0), "kivi2": (0, 0, 0, 1, 0, 0, 1, 0)}
-    rows = [Answer("m", meth, "e", "vt", 4096, 0, 7, 100, sc, "", ("x",), item)
+    rows = [Answer("m", meth, "e", "vt", 4096, item % 4, 7 + item % 4, 100, sc, "", ("x",), item)
             for meth, row in scores.items() for item, sc in enumerate(row)]
     alone = {p.method: p for p in paired([a for a in rows if a.method != "kivi2"])}
     both = {p.method: p for p in paired(rows)}
     assert alone["q3.5"] == both["q3.5"] and alone["q3.5"].ci95[0] < alone["q3.5"].ci95[1]
     # and the same cell listed after another one draws the same resamples
     assert {p.method: p for p in paired(rows[::-1])}["q3.5"] == both["q3.5"]
+
+
+def test_paired_intervals_draw_a_context_s_questions_together():
+    """Ten questions on each of two contexts: the method loses every question of one and none of the other. Drawn
+    as contexts, the mean difference is -100, -50 or 0 points, and the interval spans them; drawn as twenty
+    independent questions it would be about -50 +- 22."""
+    from kvsqueeze.eval.ruler_eval import Answer, paired
+
+    rows = [Answer("m", meth, "e", "vt", 4096, sample, 100 + sample, 100, sc, "", ("x",), item)
+            for sample in (0, 1) for item in range(10)
+            for meth, sc in (("fp16", 1.0), ("q3.5", 0.0 if sample == 0 else 1.0))]
+    (p,) = paired(rows)
+    assert (p.questions, p.contexts, p.diff) == (20, 2, -50.0)
+    assert p.ci95 == (-100.0, 0.0)
+
+
+def test_the_average_s_interval_is_about_the_average_it_is_shown_with():
+    """Tasks count once each in the average however many questions they ask (24 needle answers, all right, and
+    one word answer at 0.1-0.2 a sample): each sample's share of the interval is taken the same way, so the
+    interval holds the average."""
+    from kvsqueeze.eval.ruler_eval import Answer, summarize
+
+    rows = [Answer("m", "fp16", "e", "niah_single_number", 4096, s, s, 100, 1.0, "", ("x",), i)
+            for s in range(4) for i in range(24)]
+    rows += [Answer("m", "fp16", "e", "cwe", 4096, s, s, 100, 0.1 + 0.1 * (s % 2), "", ("x",)) for s in range(4)]
+    (avg,) = [s for s in summarize(rows) if s.task == "average"]
+    assert avg.score == 57.5 and avg.ci95[0] <= 57.5 <= avg.ci95[1] and avg.ci95[1] - avg.ci95[0] <= 5.0
 
 
 def test_paired_questions_are_told_apart_by_item():

@@ -386,7 +386,9 @@ def _bootstrap(per_sample: list[float], reps: int = 2000, seed: int = 0) -> tupl
 def summarize(answers: Sequence[Answer]) -> list[Score]:
     """Task rows (mean over samples) and an "average" row (mean over tasks) per (model, method, engine, length).
 
-    The average's interval resamples whole samples (each sample's mean over its tasks).
+    The average's interval resamples whole samples, each sample's average taken as the average is (the mean of
+    its task means, every task counting once however many questions it asks), so that the interval is about the
+    number it is shown with.
     """
     groups: dict[tuple, list[Answer]] = {}
     for a in answers:
@@ -402,8 +404,12 @@ def summarize(answers: Sequence[Answer]) -> list[Score]:
         samples = sorted({a.sample for a in rows})
         per_sample = []
         for s in samples:
-            by_task = [a.score for a in rows if a.sample == s]
-            per_sample.append(100 * sum(by_task) / len(by_task))
+            means = []
+            for t in tasks:
+                got = [a.score for a in rows if a.sample == s and a.task == t]
+                if got:
+                    means.append(100 * sum(got) / len(got))
+            per_sample.append(sum(means) / len(means))
         lo, hi = _bootstrap(per_sample)
         avg = sum(task_means.values()) / len(task_means)
         out.append(Score(model, method, engine, "average", length, len(samples), round(avg, 2),
@@ -414,8 +420,9 @@ def summarize(answers: Sequence[Answer]) -> list[Score]:
 @dataclass(frozen=True)
 class Paired:
     """A method against the reference on the very same questions: the mean score difference in points, its 95%
-    bootstrap interval over questions, the method's share of the reference's mean score, and its mean score
-    (0-100) on the questions the reference answers fully (so the reference's own failures do not blur it)."""
+    bootstrap interval over contexts (the questions asked on one context share its prefill and its quantized
+    cache, so they are not independent draws), the method's share of the reference's mean score, and its mean
+    score (0-100) on the questions the reference answers fully (so the reference's own failures do not blur it)."""
 
     model: str
     method: str
@@ -429,6 +436,7 @@ class Paired:
     reference_score: float = math.nan
     on_reference_right: float | None = None  # mean score (0-100) where the reference scores 1
     reference_right: int = 0  # how many such questions
+    contexts: int = 0  # the contexts the questions were asked on: what the interval resamples
 
 
 def paired(answers: Sequence[Answer], reference: str = "fp16", reps: int = 2000, seed: int = 0,
@@ -436,7 +444,10 @@ def paired(answers: Sequence[Answer], reference: str = "fp16", reps: int = 2000,
     """Each method's answers against the reference's to the same questions, per (model, engine, length); with
     `by_length` False, the questions of every length pooled (their rows' `length` is 0).
 
-    Each cell's bootstrap draws from a generator of its own, seeded by `seed` and the cell, over its questions in
+    The interval is a cluster bootstrap: each draw takes the cell's contexts (model, engine, length, sample and
+    seed: one prefill) with replacement, every question of a context drawn with it, and gives the mean
+    difference over the questions drawn. With few contexts it is still optimistic; `contexts` says how many.
+    Each cell's bootstrap draws from a generator of its own, seeded by `seed` and the cell, over its contexts in
     order: its interval depends on its own pairs alone, not on other cells or the order answers were written in."""
     import random
 
@@ -449,18 +460,27 @@ def paired(answers: Sequence[Answer], reference: str = "fp16", reps: int = 2000,
                 (a.question, a.score, r))
     out = []
     for (model, method, engine, length), questions in groups.items():
-        pairs = [(x, y) for _, x, y in sorted(questions)]  # in the questions' order, not the answers file's
+        questions = sorted(questions)  # in the questions' order, not the answers file's
+        pairs = [(x, y) for _, x, y in questions]
         rng = random.Random(derive_seed(seed, model, method, engine, length, reference))
         n = len(pairs)
         diffs = [100 * (x - y) for x, y in pairs]
-        means = sorted(sum(rng.choice(diffs) for _ in range(n)) / n for _ in range(reps))
+        clusters: dict[tuple, list[float]] = {}
+        for (q, x, y) in questions:  # q = (model, engine, length, task, sample, seed, item): a context's questions
+            clusters.setdefault((q[2], q[4], q[5]), []).append(100 * (x - y))
+        sums = [(sum(d), len(d)) for _, d in sorted(clusters.items())]
+        draws = []
+        for _ in range(reps):
+            picked = [rng.choice(sums) for _ in sums]
+            draws.append(sum(d for d, _ in picked) / sum(k for _, k in picked))
+        means = sorted(draws)
         mean, ref_mean = sum(x for x, _ in pairs) / n, sum(y for _, y in pairs) / n
         right = [x for x, y in pairs if y == 1.0]
         out.append(Paired(model, method, engine, length, n, round(sum(diffs) / n, 2),
                           (round(means[int(0.025 * reps)], 2), round(means[int(0.975 * reps) - 1], 2)),
                           round(mean / ref_mean, 3) if ref_mean > 0 else None, round(100 * mean, 2),
                           round(100 * ref_mean, 2), round(100 * sum(right) / len(right), 2) if right else None,
-                          len(right)))
+                          len(right), len(sums)))
     return out
 
 
