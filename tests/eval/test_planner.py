@@ -190,3 +190,18 @@ def test_run_memory_command_json(tmp_path, capsys):
     assert by["nuq2", 1048576]["fits"]  # the paper's 1M context on one 80 GB GPU
     table = capsys.readouterr().out
     assert "1M" in table and "nuq2" in table and "fits 1x80GB" in table
+
+
+def test_a_preset_is_planned_as_chosen_for_each_context(tiny_model_dir, tiny_recipe_dir, capsys):
+    """`q3.5` resolves to the budget chosen for the context each row caches, as `generate`, `eval` and `ruler`
+    choose it; the 2K choice held at 32K stores other bits (its window spread thinner), not what a user runs."""
+    from kvsqueeze.methods.spec import preset_reaching
+
+    result = run_memory_command(str(tiny_model_dir), "2K,32K", "q3.5", recipe=str(tiny_recipe_dir))
+    rows = {r["context"]: r for r in result["rows"]}
+    assert set(rows) == {2048, 32768}
+    for n, r in rows.items():
+        assert r["method"] == preset_reaching("q3.5", n).name
+    (held_2k_choice,) = run_memory_command(str(tiny_model_dir), "32K", "nuq@3.5:r32:chan",
+                                           recipe=str(tiny_recipe_dir))["rows"]
+    assert abs(held_2k_choice["avg_bits"] - rows[32768]["avg_bits"]) > 0.01

@@ -336,7 +336,8 @@ def run_memory_command(
     Args:
         model: built-in shape name or a Hugging Face config.json path / directory.
         contexts: comma-separated context lengths, e.g. `"32K,128K,1M,10M"`.
-        methods: comma-separated method names, e.g. `"fp16,nuq3-1%,nuq2"`.
+        methods: comma-separated method names, e.g. `"fp16,nuq3-1%,nuq2"`; a preset (`q3.5`) is chosen for each
+            context (`preset_reaching`), so its rows name the budget it resolves to there.
         batch: sequences cached at once.
         gpus, gpu_mem: G GPUs of `gpu_mem` each (GB read as GiB).
         json_out: path to write `{"model": NAME, "rows": [...]}` to.
@@ -348,10 +349,14 @@ def run_memory_command(
     """
     shape = resolve_model(model)
     ctx = parse_contexts(contexts)
-    specs = parse_methods(methods)
-    loaded = _budget_recipe(shape, specs, recipe)
+    # a preset (q3.5, ...) is chosen for the context it caches, as `generate`, `eval` and `ruler` choose it
+    by_context = {tokens: parse_methods(methods, reaching=tokens) for _, tokens in ctx}
+    loaded = _budget_recipe(shape, [s for specs in by_context.values() for s in specs], recipe)
     mem = parse_bytes(gpu_mem)
-    rows = plan(shape, specs, ctx, batch=batch, gpus=gpus, gpu_mem_bytes=mem, recipe=loaded)
+    rows = [row for i in range(len(next(iter(by_context.values()))))
+            for label, tokens in ctx
+            for row in plan(shape, [by_context[tokens][i]], [(label, tokens)], batch=batch, gpus=gpus,
+                            gpu_mem_bytes=mem, recipe=loaded)]
     print(format_table(shape, rows, gpus, gpu_mem.strip()))
     result = {"model": shape.name, "rows": rows}
     if json_out:
