@@ -1,5 +1,5 @@
 """`evaluate` with a checkpoint: a stopped evaluation resumes after its last finished window and returns what an
-uninterrupted one does; a checkpoint of other windows or methods is refused."""
+uninterrupted one does; a checkpoint of other windows, methods or recipes is refused."""
 
 import pytest
 import torch
@@ -44,11 +44,15 @@ def test_a_checkpoint_of_other_windows_or_methods_is_refused(tiny_llama, tiny_re
     windows = _windows()
     ckpt = tmp_path / "cell.safetensors"
     P.evaluate(tiny_llama, windows[:2], parse_methods("fp16,nuq3-1%"), tiny_recipe, progress=False, checkpoint=ckpt)
-    with pytest.raises(ValueError, match="other windows or methods"):
+    with pytest.raises(ValueError, match="other windows, methods or recipes"):
         P.evaluate(tiny_llama, windows, parse_methods("fp16,nuq3-1%"), tiny_recipe, progress=False, checkpoint=ckpt)
-    with pytest.raises(ValueError, match="other windows or methods"):
+    with pytest.raises(ValueError, match="other windows, methods or recipes"):
         P.evaluate(tiny_llama, windows[:2], parse_methods("fp16,nuq4-1%"), tiny_recipe, progress=False,
                    checkpoint=ckpt)
+    # the same windows and methods over a recipe of other content (calibrated again between the two runs)
+    other = type(tiny_recipe)({**tiny_recipe.meta, "tensors_sha256": "0" * 64}, tiny_recipe.tensors)
+    with pytest.raises(ValueError, match="other windows, methods or recipes"):
+        P.evaluate(tiny_llama, windows[:2], parse_methods("fp16,nuq3-1%"), other, progress=False, checkpoint=ckpt)
     ckpt.write_bytes(b"not a checkpoint")
     with pytest.raises(ValueError, match="cannot be read"):
         P.evaluate(tiny_llama, windows[:2], parse_methods("fp16,nuq3-1%"), tiny_recipe, progress=False,

@@ -161,14 +161,17 @@ def evaluate(
 
     `checkpoint`: a safetensors file that keeps every finished window's results (rewritten whole after each window, never
     half-written); a call given the same file, windows and methods resumes after the last window it holds and
-    returns what one uninterrupted call would. A file made for other windows or methods is refused.
+    returns what one uninterrupted call would. A file made for other windows, methods or recipes (by content) is
+    refused.
     """
     recipes = recipes or {}
     fp16 = parse_method("fp16")
     names = [s.name for s in specs]
     acc = {n: {"nll": [], "tok": [], "kld": [], "top1": 0, "bits": 0.0, "elems": 0.0} for n in names}
     base_nll = []
-    saved = _Checkpoint(checkpoint, windows, names) if checkpoint is not None else None
+    used = {s.name: recipes.get(s.name, recipe) for s in specs}  # whose tables each method's numbers come from
+    digests = {n: (r.meta.get("tensors_sha256") if r is not None else None) for n, r in used.items()}
+    saved = _Checkpoint(checkpoint, windows, names, digests) if checkpoint is not None else None
     done = saved.restore(acc, base_nll) if saved is not None else 0
     # quantizers built (and the recipe checked) once per method; each window only installs the hooks
     sims = {s.name: SimulatedQuantization(model, s, recipes.get(s.name, recipe)) for s in specs}
@@ -207,11 +210,12 @@ class _Checkpoint:
     """`evaluate`'s finished windows in one safetensors file: each window's per-token KL divergences as tensors,
     the running sums as JSON in its metadata, tied to its windows and methods."""
 
-    def __init__(self, path: str | Path, windows: torch.Tensor, names: list[str]):
+    def __init__(self, path: str | Path, windows: torch.Tensor, names: list[str], recipes: dict[str, str | None]):
         self.path = Path(path)
         self.names = names
         digest = hashlib.sha256(windows.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()
-        self.key = {"windows": list(windows.shape), "ids_sha256": digest, "methods": names}
+        # each method's recipe by content: a recipe calibrated again between two runs must not join their windows
+        self.key = {"windows": list(windows.shape), "ids_sha256": digest, "methods": names, "recipes": recipes}
 
     def restore(self, acc: dict, base_nll: list) -> int:
         """Fill the running sums from the file; the number of windows it holds (0 without a file)."""
@@ -222,8 +226,8 @@ class _Checkpoint:
         except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same advice
             raise ValueError(f"checkpoint {self.path} cannot be read ({exc}); delete it to start again") from exc
         if held.get("key") != self.key:
-            raise ValueError(f"checkpoint {self.path} was made for other windows or methods ({held.get('key')}); "
-                             f"delete it or give another file")
+            raise ValueError(f"checkpoint {self.path} was made for other windows, methods or recipes "
+                             f"({held.get('key')}); delete it or give another file")
         for i, name in enumerate(self.names):
             acc[name].update(held["acc"][name])
             acc[name]["kld"] = [tensors[f"kld.{i}.{w}"] for w in range(len(held["base_nll"]))]
