@@ -20,13 +20,15 @@ Each (length, window, method) is one forward of up to 32K tokens (about 10-15 mi
 cores), appended to `<json stem>_windows.jsonl` as it finishes; a run resumes from there. The fp16 reference of
 the window in progress (its final hidden states, one more such forward) is kept in `--reference-store` until
 every method has been scored on that window, so a run stopped in between does not compute it again. Each record
-names the recipe's content digest (`recipe_sha256`); a run given a recipe other than the one the records name stops
-before the model loads.
+names the recipe's content digest (`recipe_sha256`), the text and its window's token ids (`ids_sha256`); a run
+given a recipe other than the one the records name, or another `--text` / `--tokens` than the JSON's, stops before
+the model loads, and a window whose ids differ from its records' stops before it is scored.
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import sys
@@ -128,6 +130,13 @@ def main(argv: list[str] | None = None) -> int:
     digest = recipe.meta.get("tensors_sha256")
     same_recipe(args.recipe, digest, (r.get("recipe_sha256") for r in records),
                 f"the windows in {log} were scored with", "Run with that recipe, or with another --json for this one")
+    if out.is_file():  # the windows of another text or spread are other windows under the same (length, index)
+        before = json.loads(out.read_text())
+        held = (before.get("text", "bbc"), before.get("tokens_per_length", 65536))
+        if held != (args.text, args.tokens):
+            raise SystemExit(f"{out} holds windows of --text {held[0]} --tokens {held[1]}, this run asks for --text "
+                             f"{args.text} --tokens {args.tokens}: its windows would be paired with those; run with "
+                             "those settings, or with another --json")
     model, tok = load_model(args.model)
     text = load_text(args.text)
     fp16 = preset_for("fp16", 2)
@@ -156,6 +165,12 @@ def main(argv: list[str] | None = None) -> int:
         result.setdefault("windows", {})[str(length)] = {"windows": int(ew.ids.shape[0]), "of": ew.available}
         for w, ids in enumerate(ew.ids):
             ids = ids.view(1, -1)
+            ids_sha = hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:16]
+            other = {r["ids_sha256"] for r in records
+                     if (r["length"], r["window"]) == (length, w) and "ids_sha256" in r}
+            if other - {ids_sha}:
+                raise SystemExit(f"window {w} of {length} tokens was scored on other token ids ({sorted(other)}) than "
+                                 f"this run's ({ids_sha}): another text or tokenizer; run with another --json")
             todo = [m for m in methods if (length, w, m) not in done]
             need_check = length == args.check_length and w == 0 and not result.get("cache_check")
             if not todo and not need_check:
@@ -183,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
                 score.held_bits, score.elements = held, 2 * length * shape.channels * shape.layers
                 seconds = (time.perf_counter() - t1) + (ref_s if method == "fp16" else 0.0)
                 rec = {"length": length, "window": w, "method": method, "resolved": spec.name,
-                       "seconds": round(seconds, 1), "recipe_sha256": digest, "machine": here, **score.as_dict()}
+                       "seconds": round(seconds, 1), "recipe_sha256": digest, "text": args.text,
+                       "ids_sha256": ids_sha, "machine": here, **score.as_dict()}
                 records.append(rec)
                 done.add((length, w, method))
                 with log.open("a") as f:

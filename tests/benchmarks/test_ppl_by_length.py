@@ -65,6 +65,28 @@ def test_a_recipe_other_than_the_one_of_the_logged_windows_is_refused_before_loa
         assert stop is Reached or "not the one the windows" in str(stopped.value)
 
 
+def test_a_run_of_another_text_or_spread_than_the_json_s_is_refused_before_loading(tiny_recipe, tmp_path,
+                                                                                    monkeypatch):
+    """A JSON's windows are indexed by (length, window); another --text or --tokens picks other windows under
+    the same indices, which would be paired with the logged ones: refused before the model loads, and the same
+    settings go on to the model."""
+    import json
+
+    pbl = _load()
+    recipe_dir = tiny_recipe.save(tmp_path / "recipe")
+    out = tmp_path / "p.json"
+    out.write_text(json.dumps({"text": "bbc", "tokens_per_length": 128}))
+    from test_ruler_benchmark import Reached, _reached
+
+    monkeypatch.setattr("kvsqueeze.integrations.loading.load_model", _reached)
+    base = ["--model", "no-such-model", "--recipe", str(recipe_dir), "--lengths", "64", "--json", str(out)]
+    for extra in (["--text", "plays", "--tokens", "128"], ["--text", "bbc", "--tokens", "256"]):
+        with pytest.raises(SystemExit, match="holds windows of --text bbc --tokens 128"):
+            pbl.main(base + extra)
+    with pytest.raises(Reached):
+        pbl.main(base + ["--text", "bbc", "--tokens", "128"])
+
+
 def test_each_length_names_the_machines_its_windows_were_measured_on():
     """A length's machines come from its own window records, not from the lengths a later run was given."""
     pbl = _load()
