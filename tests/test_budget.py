@@ -523,3 +523,22 @@ def test_channel_widths_the_kernels_cannot_read_and_broken_tables_are_refused(ti
     broken.tensors[key] = broken.tensors[key].clone().fill_(float("nan"))
     with pytest.raises(Exception, match="NaN"):
         allocate_channels(broken, 3.0)
+
+
+def test_measuring_kl_sensitivities_again_drops_only_the_choices_made_from_that_table(tiny_recipe):
+    """A `:kl` budget stored (or computed in this process) from one sink count's table is forgotten when that
+    table is measured again; the Fisher choices and another sink count's `:kl` choices stay."""
+    import copy
+
+    from kvsqueeze.methods.budget import _COMPUTED, drop_kl_budgets
+
+    recipe = copy.deepcopy(tiny_recipe)
+    recipe.meta["budgets"] = {k: {} for k in ("3.5", "3.5:chan", "3.5:kl", "3.5:kl:chan", "3.5:r32:kl:chan:ctx32k",
+                                              "3.5:sink4:kl", "2.5:sink4:kl:chan")}
+    _COMPUTED[(id(recipe), 3.5, 1, "kl", "channel", 0, 2048)] = (recipe, None)
+    _COMPUTED[(id(recipe), 3.5, 1, "fisher", "channel", 0, 2048)] = (recipe, None)
+    assert sorted(drop_kl_budgets(recipe, 1)) == ["3.5:kl", "3.5:kl:chan", "3.5:r32:kl:chan:ctx32k"]
+    assert set(recipe.meta["budgets"]) == {"3.5", "3.5:chan", "3.5:sink4:kl", "2.5:sink4:kl:chan"}
+    assert (id(recipe), 3.5, 1, "kl", "channel", 0, 2048) not in _COMPUTED
+    assert _COMPUTED.pop((id(recipe), 3.5, 1, "fisher", "channel", 0, 2048))[0] is recipe
+    assert sorted(drop_kl_budgets(recipe, 4)) == ["2.5:sink4:kl:chan", "3.5:sink4:kl"]

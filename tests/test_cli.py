@@ -256,8 +256,12 @@ def test_calibrate_kl_measures_what_budget_measures(tiny_model_dir, text_file, t
     assert stored["keys"] == now.as_dict()["keys"] and stored["values"] == now.as_dict()["values"]
     assert main(["budget", "--model", str(tiny_model_dir), "--text", str(text_file), "--recipe", str(out),
                  "--seqlen", "48"]) == 0
-    again = Recipe.load(out).meta["sensitivity"][sensitivity_key(1)]
+    measured_again = Recipe.load(out)
+    again = measured_again.meta["sensitivity"][sensitivity_key(1)]
     assert again["kl"].keys() == table["kl"].keys()
+    # the choices made from the table it replaced are not kept (the Fisher ones do not read it)
+    assert {"3.5", "3.5:chan"} <= set(measured_again.meta["budgets"])
+    assert not {"3.5:kl", "3.5:kl:chan"} & set(measured_again.meta["budgets"])
     for key, value in table["kl"].items():
         assert again["kl"][key] == pytest.approx(value, rel=1e-6), key
     assert main(["budget", "--model", str(tiny_model_dir), "--text", str(text_file), "--recipe", str(out),

@@ -176,7 +176,7 @@ def _measure_sensitivities(model, tok, recipe, text, args) -> dict:
     """`kvsqueeze budget` / `calibrate --kl`: each layer's K and V measured at the chosen widths and outlier
     fractions (default: the recipe's middle width, with none and its largest fraction) on calibration windows;
     the table goes into the recipe."""
-    from .methods.budget import _options, sensitivity_key
+    from .methods.budget import _options, drop_kl_budgets, sensitivity_key
     from .calibrate.sensitivity import measure_sensitivity
     from .eval.texts import calibration_windows
 
@@ -196,6 +196,10 @@ def _measure_sensitivities(model, tok, recipe, text, args) -> dict:
     table = measure_sensitivity(model, recipe, windows, sinks=args.kl_sinks, fractions=fractions, bits=bits)
     table["seconds"] = round(time.perf_counter() - t0, 1)
     recipe.meta.setdefault("sensitivity", {})[sensitivity_key(args.kl_sinks)] = table
+    dropped = drop_kl_budgets(recipe, args.kl_sinks)  # chosen from the table this one replaces
+    if dropped:
+        print(f"  dropped the stored choices of {', '.join('nuq@' + k for k in dropped)} (made from the table this "
+              "one replaces; chosen again from it when used, or stored with --avg-bits)")
     return table
 
 

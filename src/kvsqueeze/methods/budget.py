@@ -500,6 +500,22 @@ def recipe_allocation(recipe: Recipe, avg_bits: float, sinks: int = 1, proxy: st
 _COMPUTED: dict[tuple, tuple[Recipe, Allocation]] = {}  # (recipe id, budget, ..., tokens) -> (recipe, choice)
 
 
+def drop_kl_budgets(recipe: Recipe, sinks: int) -> list[str]:
+    """Forget every choice made from the recipe's KL sensitivities of `sinks` sinks (stored in it, or computed in
+    this process): called when that table is measured again, so that no `:kl` budget keeps a choice of the old
+    one. The stored names dropped."""
+    sink = f"sink{sinks}" if sinks != 1 else None
+    budgets = recipe.meta.get("budgets", {})
+    dropped = [k for k in budgets
+               if "kl" in k.split(":") and (sink in k.split(":") if sink else not any(
+                   p.startswith("sink") for p in k.split(":")))]
+    for k in dropped:
+        del budgets[k]
+    for key in [k for k, (r, _) in _COMPUTED.items() if r is recipe and k[2] == sinks and k[3] == "kl"]:
+        del _COMPUTED[key]
+    return dropped
+
+
 def budget_key(avg_bits: float, sinks: int, proxy: str = "fisher", unit: str = "layer", window: int = 0,
                tokens: int = DEFAULT_CONTEXT) -> str:
     """The name a choice is stored under in a recipe: the budget's method name without 'nuq@'."""
