@@ -262,6 +262,9 @@ def test_calibrate_kl_measures_what_budget_measures(tiny_model_dir, text_file, t
     # the choices made from the table it replaced are not kept (the Fisher ones do not read it)
     assert {"3.5", "3.5:chan"} <= set(measured_again.meta["budgets"])
     assert not {"3.5:kl", "3.5:kl:chan"} & set(measured_again.meta["budgets"])
+    # without --text, on the text the recipe was calibrated on (named in the table)
+    assert main(["budget", "--model", str(tiny_model_dir), "--recipe", str(out), "--seqlen", "48"]) == 0
+    assert Recipe.load(out).meta["sensitivity"][sensitivity_key(1)]["text"] == again["text"] == str(text_file)
     for key, value in table["kl"].items():
         assert again["kl"][key] == pytest.approx(value, rel=1e-6), key
     assert main(["budget", "--model", str(tiny_model_dir), "--text", str(text_file), "--recipe", str(out),

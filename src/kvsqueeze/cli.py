@@ -195,6 +195,7 @@ def _measure_sensitivities(model, tok, recipe, text, args) -> dict:
     t0 = time.perf_counter()
     table = measure_sensitivity(model, recipe, windows, sinks=args.kl_sinks, fractions=fractions, bits=bits)
     table["seconds"] = round(time.perf_counter() - t0, 1)
+    table["text"] = text.name  # what the KL was measured on
     recipe.meta.setdefault("sensitivity", {})[sensitivity_key(args.kl_sinks)] = table
     dropped = drop_kl_budgets(recipe, args.kl_sinks)  # chosen from the table this one replaces
     if dropped:
@@ -343,7 +344,11 @@ def cmd_budget(args) -> None:
     recipe = Recipe.load(args.recipe)
     model, tok = load_model(args.model, args.dtype, args.device)
     check_recipe(recipe, model)
-    table = _measure_sensitivities(model, tok, recipe, load_text(args.text, args.encoding), args)
+    calibrated_on = recipe.meta.get("text") or DEFAULT_TEXT
+    if args.text is not None and args.text != calibrated_on:
+        print(f"note: the recipe was calibrated on {calibrated_on!r}; its sensitivities are measured on "
+              f"{args.text!r}, as asked")
+    table = _measure_sensitivities(model, tok, recipe, load_text(args.text or calibrated_on, args.encoding), args)
     _store_budgets(recipe, budgets, args.kl_sinks, ("kl",))
     out = recipe.save(args.recipe)
     print(f"sensitivities of {len(table['kl'])} choices in {table['seconds']:.0f}s, written to {out}; methods "
@@ -569,7 +574,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--model", default=DEFAULT_MODEL)
     _add_loading(b)
     b.add_argument("--recipe", required=True, help="the model's recipe; the measurements are added to it")
-    b.add_argument("--text", default=DEFAULT_TEXT, help=TEXT_HELP.format(part="calibration part"))
+    b.add_argument("--text", default=None, help=TEXT_HELP.format(part="calibration part")
+                   + " (default: the text the recipe was calibrated on)")
     _add_sensitivity(b, standalone=True)
     b.add_argument("--avg-bits", help="also store the choices of these budgets, e.g. 2.6,3.5")
     b.set_defaults(fn=cmd_budget)
