@@ -189,13 +189,14 @@ def main(argv: list[str] | None = None) -> int:
                 spec = preset_for(method, length)
                 t1 = time.perf_counter()
                 if method == "fp16":
-                    hidden, held, shape = reference, 8 * sum(ref_sim.storage(length).values()), ref_sim.shape
+                    hidden, elements = reference, ref_sim.elements(length)
+                    held = 8 * sum(ref_sim.storage(length).values())
                 else:
                     with SimulatedQuantization(model, spec, recipe) as sim:
                         hidden = hidden_states(model, ids, sim.new_cache())
-                        held, shape = 8 * sum(sim.storage(length).values()), sim.shape  # the outliers it kept
+                        held, elements = 8 * sum(sim.storage(length).values()), sim.elements(length)  # outliers kept
                 score = score_window(model, ids, hidden, reference, args.segment)
-                score.held_bits, score.elements = held, 2 * length * shape.channels * shape.layers
+                score.held_bits, score.elements = held, elements
                 seconds = (time.perf_counter() - t1) + (ref_s if method == "fp16" else 0.0)
                 rec = {"length": length, "window": w, "method": method, "resolved": spec.name,
                        "seconds": round(seconds, 1), "recipe_sha256": digest, "text": args.text,

@@ -172,7 +172,7 @@ def main() -> None:
                 with SimulatedQuantization(model, preset_for(method, 2048), recipe) as sim:
                     logp = window_logits(model, window, sim)[0]
                     bits = 8 * sum(sim.storage(window.numel()).values())
-                    elements = 2 * window.numel() * sim.shape.channels * sim.shape.layers
+                    elements = sim.elements(window.numel())
                 nll, kld, top1 = against_reference(ref, ref_top, logp, target)  # in pieces of its own: no 2 GB copies
                 del logp
                 done[key] = {"nll": nll, "tokens": int(target.numel()), "kld_sum": float(kld.sum()),

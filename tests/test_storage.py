@@ -192,6 +192,65 @@ def test_a_budget_holds_its_bits_at_the_context_it_is_chosen_for(tiny_recipe):
     assert short < long <= 3.49  # chosen for 2K, it leaves bits unspent at 32K; chosen for 32K, it spends them
 
 
+def test_a_budget_holds_its_bits_on_a_model_with_sliding_window_layers(monkeypatch):
+    """Gemma-3's local layers hold their last window - 1 tokens: a budget charges each layer for what it holds,
+    so the compressed cache after a 600-token forward holds exactly the bits the choice says (a recipe without
+    outliers: nothing left to the text), per element held. Charged as if every layer held every token, the same
+    budgets claim other bits than the cache holds."""
+    from kvsqueeze.methods import budget as B
+
+    model = _model("gemma3")
+    acts = collect(model, random_ids(2, 64, seed=5), sinks=1, progress=False)
+    recipe = fit_recipe(model, acts, CalibrationConfig(samples=2, seqlen=64, bits=(2, 3, 4), fractions=(0.0,)),
+                        "tiny-gemma3", "random", progress=False)
+    assert recipe.meta["model"]["fingerprint"]["layer_windows"] == [8, None]
+    ids = random_ids(1, 600, seed=9)
+
+    def held_and_claimed(spec) -> tuple[float, float]:
+        B._COMPUTED.clear()
+        claimed = B.spec_allocation(spec, recipe).bits
+        with kvsqueeze.cache_for(model, recipe, spec) as cache:
+            with torch.no_grad():
+                model(ids, cache=cache, use_cache=True)
+            return cache.memory_report().avg_bits, claimed
+
+    names = ("nuq@3.5:chan:ctx600", "nuq@3.5:r4:chan:ctx600", "nuq@2.7:r4:ctx600")
+    for name in names:
+        held, claimed = held_and_claimed(parse_method(name))
+        assert held == pytest.approx(claimed, rel=1e-12) and held <= parse_method(name).budget, name
+    monkeypatch.setattr(B, "held_tokens", lambda recipe, tokens: [tokens] * 2)  # every layer charged as full
+    for name in names:
+        held, claimed = held_and_claimed(parse_method(name))
+        assert abs(held - claimed) > 0.05, name
+    B._COMPUTED.clear()
+
+
+def test_the_simulated_count_equals_the_memory_report_on_sliding_window_layers():
+    """The evaluation's bits (`SimulatedQuantization.storage` over `elements`) count a sliding layer as holding its
+    last window - 1 tokens, as the compressed cache holds them: after the same 300-token forward both give the
+    same bytes and bits per element held (a recipe without outliers: no estimate involved)."""
+    from kvsqueeze.integrations.simulate import SimulatedQuantization
+
+    model = _model("gemma3")
+    acts = collect(model, random_ids(2, 64, seed=5), sinks=1, progress=False)
+    recipe = fit_recipe(model, acts, CalibrationConfig(samples=2, seqlen=64, bits=(2, 3, 4), fractions=(0.0,)),
+                        "tiny-gemma3", "random", progress=False)
+    ids = random_ids(1, 300, seed=4)
+    for name in ("nuq3", "nuq@3.5:r4:chan:ctx300", "fp16"):
+        spec = parse_method(name)
+        with kvsqueeze.cache_for(model, recipe, spec) as cache:
+            with torch.no_grad():
+                model(ids, cache=cache, use_cache=True)
+            report = cache.memory_report()
+        with SimulatedQuantization(model, spec, recipe) as sim:
+            with torch.no_grad():
+                model(ids, cache=sim.new_cache(), use_cache=True)
+            counted = sim.storage(300)
+            bits = 8 * sum(counted.values()) / sim.elements(300)
+        assert sum(counted.values()) == report.total_bytes, name
+        assert bits == pytest.approx(report.avg_bits, rel=1e-12), name
+
+
 def test_a_budget_names_its_context():
     spec = parse_method("nuq@3.5:r32:chan:ctx32k")
     assert spec.budget_context == 32768 and spec.name == "nuq@3.5:r32:chan:ctx32k"

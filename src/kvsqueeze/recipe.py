@@ -76,6 +76,17 @@ def _close(a, b) -> bool:
     return bool(((x - y).abs() <= PROBE_RTOL * torch.maximum(x.abs(), y.abs()) + PROBE_ATOL).all())
 
 
+def key_digest(layer: int, weight: torch.Tensor) -> tuple[str, list[float]]:
+    """Layer `layer`'s entry of a fingerprint from its key projection's weights [C, hidden]: a hash of them in
+    float32 and `PROBES` of them evenly spaced over the matrix (what `recipe.same_weights` compares)."""
+    flat = weight.detach().float().cpu().contiguous().view(-1)
+    if not torch.isfinite(flat).all():
+        raise RecipeError(f"layer {layer}'s key projection holds NaN/Inf weights: the model's weights are broken "
+                          "(a bad download or conversion); load a sound copy of the model")
+    probe = flat[torch.linspace(0, flat.numel() - 1, min(PROBES, flat.numel())).round().long()].tolist()
+    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16], probe
+
+
 def same_weights(recipe_fp: dict, model_fp: dict) -> list[int]:
     """The layers whose key weights differ between two fingerprints of equal shapes (empty: the same weights,
     possibly at another precision).
@@ -136,8 +147,11 @@ class Recipe:
         bf16, fp16); `kvsqueeze.integrations.fingerprint.check_recipe` takes the model itself."""
         want = self.meta.get("model", {}).get("fingerprint", {})
         weights = ("layers_sha256", "layers_probe")
+        # a recipe from before the fingerprint named each layer's sliding window: the same weights are the same
+        # model, whose windows it takes (what its bit budgets charge each layer for), below, once they match
+        unnamed = "layer_windows" in have and "layer_windows" not in want
         diff = [f"{k}: recipe {want.get(k)} vs model {have[k]}" for k in have
-                if k not in weights and want.get(k) != have[k]]
+                if k not in weights and want.get(k) != have[k] and not (k == "layer_windows" and unnamed)]
         if not diff:
             layers = same_weights(want, have)
             if layers:
@@ -149,6 +163,8 @@ class Recipe:
                 f"recipe was calibrated on model {self.meta.get('model', {}).get('id')!r}, not on this one "
                 f"({'; '.join(diff)}); run `kvsqueeze calibrate` for this model"
             )
+        if unnamed:
+            want["layer_windows"] = list(have["layer_windows"])
 
     # ---- files ---------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
@@ -345,6 +361,13 @@ def _check_meta(meta: dict) -> None:
         _kind(h, str, f"model.fingerprint.layers_sha256[{i}]")
         for j, v in enumerate(_kind(pr, list, f"model.fingerprint.layers_probe[{i}]")):
             _number(v, f"model.fingerprint.layers_probe[{i}][{j}]")
+    if "layer_windows" in fp:  # recipes from before it have only full layers, or take it from their model
+        windows = _kind(fp["layer_windows"], list, "model.fingerprint.layer_windows")
+        if len(windows) != layers:
+            _fail("model.fingerprint.layer_windows", f"covers {len(windows)} layers, not {layers}")
+        for i, w in enumerate(windows):
+            if w is not None:
+                _int(w, f"model.fingerprint.layer_windows[{i}]", 2)
     settings = _kind(meta.get("settings"), dict, "settings")
     for k in ("samples", "seqlen", "bins"):
         _int(settings.get(k), f"settings.{k}", 1)

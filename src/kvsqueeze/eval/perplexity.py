@@ -196,7 +196,7 @@ def evaluate(
             a["tok"].append(int(target.numel()))
             a["kld"].append(kld)
             a["top1"] += top1
-            a["bits"], a["elems"] = a["bits"] + held, a["elems"] + 2 * w.numel() * sim.shape.channels * sim.shape.layers
+            a["bits"], a["elems"] = a["bits"] + held, a["elems"] + sim.elements(w.numel())
             bar.update(1)
         if saved is not None:
             saved.write(acc, base_nll)

@@ -2,24 +2,9 @@
 
 from __future__ import annotations
 
-import hashlib
-
-import torch
-
-from ..recipe import PROBES, Recipe, RecipeError
+from ..recipe import Recipe, key_digest
 from ..shape import kv_shape
-from .parts import attention_modules, key_weight
-
-
-def key_digest(layer: int, weight: torch.Tensor) -> tuple[str, list[float]]:
-    """Layer `layer`'s entry of a fingerprint from its key projection's weights [C, hidden]: a hash of them in
-    float32 and `PROBES` of them evenly spaced over the matrix (what `recipe.same_weights` compares)."""
-    flat = weight.detach().float().cpu().contiguous().view(-1)
-    if not torch.isfinite(flat).all():
-        raise RecipeError(f"layer {layer}'s key projection holds NaN/Inf weights: the model's weights are broken "
-                          "(a bad download or conversion); load a sound copy of the model")
-    probe = flat[torch.linspace(0, flat.numel() - 1, min(PROBES, flat.numel())).round().long()].tolist()
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16], probe
+from .parts import attention_modules, key_weight, layer_windows
 
 
 def model_fingerprint(model) -> dict:
@@ -37,6 +22,8 @@ def model_fingerprint(model) -> dict:
         "vocab_size": int(model.config.vocab_size),
         "layers_sha256": hashes,
         "layers_probe": probes,
+        # each layer's sliding window (None: every token): what a bit budget charges each layer for holding
+        "layer_windows": layer_windows(model),
     }
 
 

@@ -40,7 +40,7 @@ from .attention import register_handler, switch_attention
 from .fingerprint import check_recipe
 from .kivi import forget, kivi_handler
 from .layers import QUANTIZED, WindowCopies, _positions, layer_cos_sin
-from .parts import attention_modules, hook_projections, layer_rotaries
+from .parts import attention_modules, hook_projections, layer_rotaries, layer_windows
 from .preflight import preflight
 
 
@@ -151,6 +151,7 @@ class SimulatedQuantization:
         if spec.reads_model_tensors:  # values (and pre-RoPE keys) read where the model makes them, or a refusal
             preflight(model, keys=spec.pre_rope_keys)
         self.attn = attention_modules(model)
+        self.windows = layer_windows(model)  # each layer's sliding window (None: every token)
         qs = [build_quantizers(spec, recipe, i, self.shape.channels, self.shape.head_dim)
               for i in range(self.shape.layers)]
         pre = spec.pre_rope_keys
@@ -287,14 +288,26 @@ class SimulatedQuantization:
                 q.reset()  # a quantizer that adapts to a prompt (turbo's split) starts over
         return Cache(layers=[SimulatedLayer(self, i) for i in range(self.shape.layers)])
 
+    def held(self, tokens: int) -> list[int | None]:
+        """Tokens each layer holds of a row of `tokens`: None for all of them, a sliding-window layer's last
+        window - 1 (as the compressed cache and `DynamicCache` keep them)."""
+        return [None if w is None else min(tokens, w - 1) for w in self.windows]
+
+    def elements(self, tokens: int, batch: int = 1) -> int:
+        """K and V elements the cache holds for `batch` rows of `tokens` tokens (what bits per element divide by)."""
+        return 2 * batch * self.shape.channels * sum(tokens if h is None else h for h in self.held(tokens))
+
     def storage(self, tokens: int, batch: int = 1) -> dict[str, float]:
         """Bytes the cache holds for `batch` rows of `tokens` tokens, by component, with the outliers this
         simulation kept (the method's `cache_bytes`: for a method the compressed cache holds, what its memory
-        report would say)."""
+        report would say). A sliding-window layer holds its last window - 1 tokens, and of the outliers kept
+        over every token its share of them."""
         shape = self.shape
-        outliers = [(self.counter.k[i], self.counter.v[i]) for i in range(shape.layers)]
+        held = self.held(tokens)
+        outliers = [tuple(n if h is None or n is None else round(n * h / max(tokens, 1)) for n in
+                          (self.counter.k[i], self.counter.v[i])) for i, h in enumerate(held)]
         return cache_bytes(self.spec, shape.layers, shape.channels, shape.head_dim, Rows(tokens, (0,) * batch),
-                           self.recipe, outliers=outliers)
+                           self.recipe, held=held if any(h is not None for h in held) else None, outliers=outliers)
 
 
 def window_handler(module, query, key, value, attention_mask, scaling, **kwargs):

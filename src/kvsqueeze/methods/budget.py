@@ -63,7 +63,8 @@ CHANNEL_BITS = (1, 2, 3, 4, 5, 6)  # widths a ':chan' budget gives channels (the
 CAPS = (4, 5, 6)  # the widest width a ':chan' unit may use: its decode table holds 2**cap levels per channel
 
 __all__ = ["Choice", "Allocation", "allocate", "allocate_channels", "recipe_allocation", "layer_choices",
-           "unit_bits", "shared_bits", "budget_key", "describe", "measured_scales", "check_widths", "CHANNEL_BITS"]
+           "unit_bits", "shared_bits", "held_tokens", "held_sinks", "sliding_layers", "budget_key", "describe", "measured_scales",
+           "check_widths", "CHANNEL_BITS"]
 
 
 @dataclass(frozen=True)
@@ -112,7 +113,8 @@ KEY_OUTLIER_HEADROOM = 1.2
 
 
 def unit_bits(kv: str, choice: Choice, tokens: int, channels: int, sinks: int) -> float:
-    """Bits one layer's keys ("k") or values ("v") hold in the compressed cache at `tokens` tokens (one row):
+    """Bits one layer's keys ("k") or values ("v") hold in the compressed cache when it holds `tokens` tokens of
+    one row, `sinks` of them sinks (a sliding layer: its window's, `held_tokens`, `held_sinks`):
     `storage.tensor_bytes`, the count the cache's memory report equals, the sink slots' share included, with the
     keys' outliers at `KEY_OUTLIER_HEADROOM` times their nominal count."""
     n_sinks = min(sinks, tokens)
@@ -123,27 +125,84 @@ def unit_bits(kv: str, choice: Choice, tokens: int, channels: int, sinks: int) -
     return 8.0 * storage.total(storage.tensor_bytes(layout, channels, tokens, n_sinks, held))
 
 
-def shared_bits(tokens: int, channels: int, layers: int, sinks: int, window: int) -> float:
-    """Bits every choice pays alike at `tokens` tokens (one row): each layer's fp16 sinks and window and its table
-    of their slots, and the cache's position log."""
-    rows = Rows(tokens)
-    n_sinks, n_window = rows.counts(sinks, window)
-    per_layer = 2 * storage.FP16_BYTES * (n_sinks + n_window) * channels + 4 * (sinks + window)
-    return 8.0 * (layers * per_layer + storage.positions_bytes(rows))
+def held_tokens(recipe: Recipe, tokens: int) -> list[int]:
+    """Tokens each layer holds of a row of `tokens` (one row): all of them, or on a sliding-window layer the last
+    window - 1, as the compressed cache keeps them (the recipe's `layer_windows`; a recipe without them: every
+    layer full)."""
+    fp = recipe.meta["model"]["fingerprint"]
+    windows = fp.get("layer_windows") or [None] * int(fp["layers"])
+    return [tokens if w is None else min(tokens, int(w) - 1) for w in windows]
 
 
-def _units_budget(avg_bits: float, tokens: int, channels: int, layers: int, sinks: int, window: int,
-                  name: str) -> float:
+def held_sinks(held: list[int], sinks: int, tokens: int | None = None) -> list[int]:
+    """Sink tokens each layer still holds of a row of `tokens` (default the most any layer holds; `held`: each
+    layer's tokens, `held_tokens`): a sliding layer that moved past a row's first tokens holds none of them."""
+    rows = Rows(max(held) if tokens is None else tokens)
+    return [rows.counts(sinks, 0, h)[0] for h in held]
+
+
+def sliding_layers(recipe: Recipe) -> list[bool]:
+    """Which layers slide (keep their own positions and drop old tokens), from the recipe's `layer_windows`."""
+    fp = recipe.meta["model"]["fingerprint"]
+    return [w is not None for w in (fp.get("layer_windows") or [None] * int(fp["layers"]))]
+
+
+def shared_bits(held: list[int], channels: int, sinks: int, window: int, sliding: list[bool] | None = None,
+                tokens: int | None = None) -> float:
+    """Bits every choice pays alike in a cache of `tokens` tokens (one row; default the most any layer holds):
+    each layer's fp16 sinks and window and its table of their slots, the full layers' shared position log and
+    each sliding layer's own (`held`: the tokens each layer holds, `held_tokens`; `sliding`: which layers slide,
+    `sliding_layers`), as `storage.cache_bytes` counts them."""
+    sliding = sliding or [False] * len(held)
+    rows = Rows(max(held) if tokens is None else tokens)
+    out = 0
+    for h, slides in zip(held, sliding):
+        n_sinks, n_window = rows.counts(sinks, window, h)
+        out += 2 * storage.FP16_BYTES * (n_sinks + n_window) * channels + 4 * (sinks + window)
+        if slides:
+            out += 4 * h  # a sliding layer's own positions
+    if not all(sliding):
+        out += storage.positions_bytes(rows)
+    return 8.0 * out
+
+
+@dataclass(frozen=True)
+class _Holding:
+    """What each layer of a cache of `tokens` tokens holds of a row: tokens, sinks, and whether it slides."""
+
+    tokens: int
+    held: list[int]
+    kept: list[int]
+    sliding: list[bool]
+
+    @classmethod
+    def of(cls, recipe: Recipe, tokens: int, sinks: int) -> _Holding:
+        held = held_tokens(recipe, tokens)
+        return cls(tokens, held, held_sinks(held, sinks, tokens), sliding_layers(recipe))
+
+    def shared(self, channels: int, sinks: int, window: int) -> float:
+        return shared_bits(self.held, channels, sinks, window, self.sliding, self.tokens)
+
+    def elements(self, channels: int) -> int:
+        return 2 * sum(self.held) * channels
+
+
+# a window's fp16 tokens count on every layer, on a sliding one against only the tokens it holds
+_SMALLER_WINDOW = {False: "", True: " or a smaller fp16 window (:rN)"}
+
+
+def _units_budget(avg_bits: float, hold: _Holding, channels: int, sinks: int, window: int, name: str) -> float:
     """What the units (every layer's keys and values) may store in all: the budget less the shared part."""
-    budget = avg_bits * 2 * tokens * channels * layers - shared_bits(tokens, channels, layers, sinks, window)
+    budget = avg_bits * hold.elements(channels) - hold.shared(channels, sinks, window)
     if budget <= 0:
         raise MethodError(f"{name}: the fp16 sinks and window alone store more than {avg_bits:g} bits per element at "
-                          f"{tokens} tokens; give a larger average, a smaller window or a longer context")
+                          f"{hold.tokens} tokens; give a larger average, a smaller window or a longer context")
     return budget
 
 
-def _average(spent_units: float, tokens: int, channels: int, layers: int, sinks: int, window: int) -> float:
-    return (spent_units + shared_bits(tokens, channels, layers, sinks, window)) / (2 * tokens * channels * layers)
+def _average(spent_units: float, hold: _Holding, channels: int, sinks: int, window: int) -> float:
+    """Bits per element the cache holds: every layer's elements held, a sliding layer's only its window's."""
+    return (spent_units + hold.shared(channels, sinks, window)) / hold.elements(channels)
 
 
 def _sensitivities(recipe: Recipe, sinks: int) -> dict:
@@ -209,13 +268,15 @@ def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = DEFA
     """
     fp = recipe.meta["model"]["fingerprint"]
     layers, channels = int(fp["layers"]), int(fp["kv_heads"]) * int(fp["head_dim"])
+    hold = _Holding.of(recipe, tokens, sinks)
+    held, sinks_at = hold.held, hold.kept
     options = _options(recipe)
     scales = measured_scales(recipe, sinks) if proxy == "kl" else np.ones((layers, 2))
     units = [(layer, kv) for layer in range(layers) for kv in ("k", "v")]
     # per unit, the options that are not dominated (less loss for no more bits); cost in bits, loss
     table = []
     for layer, kv in units:
-        rows = sorted(((unit_bits(kv, c, tokens, channels, sinks),
+        rows = sorted(((unit_bits(kv, c, held[layer], channels, sinks_at[layer]),
                         scales[layer, "kv".index(kv)] * _objective(recipe, layer, kv, c), c) for c in options),
                       key=lambda r: (r[0], r[1]))
         kept = []
@@ -224,12 +285,12 @@ def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = DEFA
                 kept.append((cost, loss, c))
         table.append(kept)
     name = f"nuq@{avg_bits:g}" + (f":r{window}" if window else "")
-    budget = _units_budget(avg_bits, tokens, channels, layers, sinks, window, name)
+    budget = _units_budget(avg_bits, hold, channels, sinks, window, name)
     cheapest = sum(rows[0][0] for rows in table)
     if cheapest > budget:
-        least = _average(cheapest, tokens, channels, layers, sinks, window)
+        least = _average(cheapest, hold, channels, sinks, window)
         raise MethodError(f"{name}: below what this recipe can store at {tokens} tokens ({least:.3f} bits with every "
-                          "layer at its cheapest choice); give a larger average")
+                          "layer at its cheapest choice); give a larger average" + _SMALLER_WINDOW[bool(window)])
 
     def pick(lam: float) -> list[int]:
         return [min(range(len(rows)), key=lambda j: rows[j][1] + lam * rows[j][0]) for rows in table]
@@ -255,7 +316,7 @@ def allocate(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: int = DEFA
     chosen = [rows[j][2] for rows, j in zip(table, idx)]
     predicted = sum(rows[j][1] for rows, j in zip(table, idx))
     return Allocation(float(avg_bits), tokens, tuple(chosen[0::2]), tuple(chosen[1::2]), predicted,
-                      _average(spent, tokens, channels, layers, sinks, window), window)
+                      _average(spent, hold, channels, sinks, window), window)
 
 
 def check_widths(widths, what: str) -> None:
@@ -319,8 +380,11 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
     """
     fp = recipe.meta["model"]["fingerprint"]
     layers, channels = int(fp["layers"]), int(fp["kv_heads"]) * int(fp["head_dim"])
+    hold = _Holding.of(recipe, tokens, sinks)
+    held, sinks_at = hold.held, hold.kept
     fractions = sorted(float(f) for f in recipe.meta.get("settings", {}).get("fractions", (0.0,)))
     units = [(layer, kv) for layer in range(layers) for kv in ("k", "v")]
+    held_u = np.array([float(held[layer]) for layer, _ in units])  # [U]: the tokens each unit holds
     rows = np.arange(len(units))
     # err [U, F, C, W]: each channel's Fisher-weighted error at each width
     err = np.stack([np.stack([recipe.channel_errors(layer, kv, f).double().numpy() for f in fractions])
@@ -334,39 +398,42 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
         raise RecipeError("the recipe's per-channel errors hold NaN, Inf or negative values: recalibrate it")
     if proxy == "kl":
         err = err * measured_scales(recipe, sinks).reshape(-1)[:, None, None, None]
-    # per-channel variants: (fraction, cap); a slot's codes cost `tokens` bits per bit, rounded up to whole words
+    # per-channel variants: (fraction, cap); a slot's codes cost a unit's held tokens in bits per bit, rounded up
+    # to whole words
     variants = [(fi, cap) for fi in range(len(fractions)) for cap in CAPS if cap <= widths[-1]]
     v_frac = np.array([fi for fi, _ in variants])
     allowed = np.array([widths <= cap for _, cap in variants])  # [V, W]
     var_err = np.where(allowed[None, :, None, :], err[:, v_frac], np.inf)  # [U, V, C, W]
-    word = 32.0 * tokens  # one more int32 word in every slot
+    word = 32.0 * held_u  # [U]: one more int32 word in every slot a unit holds
 
     def reference(cap: int) -> tuple[int, ...]:  # widths that use every codebook up to `cap`
         return tuple(range(1, cap + 1)) + (1,) * (channels - cap)
 
-    fixed = np.array([[unit_bits(kv, Choice(cap, fractions[fi], reference(cap)), tokens, channels, sinks)
-                       - word * storage.slot_words(channels, Choice(cap, 0.0, reference(cap)))
-                       for fi, cap in variants] for _, kv in units])  # [U, V]: all but the codes
+    fixed = np.array([[unit_bits(kv, Choice(cap, fractions[fi], reference(cap)), held[layer], channels, sinks_at[layer])
+                       - 32.0 * held[layer] * storage.slot_words(channels, Choice(cap, 0.0, reference(cap)))
+                       for fi, cap in variants] for layer, kv in units])  # [U, V]: all but the codes
     # one width for the whole unit [U, F, W]: its loss and everything it stores (read where `whole` allows it)
     uniform_loss = err.sum(2)
-    uniform_cost = np.array([[[unit_bits(kv, Choice(int(w), f), tokens, channels, sinks) for w in widths]
-                              for f in fractions] for _, kv in units])
+    uniform_cost = np.array([[[unit_bits(kv, Choice(int(w), f), held[layer], channels, sinks_at[layer]) for w in widths]
+                              for f in fractions] for layer, kv in units])
     name = f"nuq@{avg_bits:g}" + (f":r{window}" if window else "") + ":chan"
-    budget = _units_budget(avg_bits, tokens, channels, layers, sinks, window, name)
-    cheapest = float(np.minimum((fixed + word * math.ceil(channels * widths[0] / 32)).min(1),
+    budget = _units_budget(avg_bits, hold, channels, sinks, window, name)
+    cheapest = float(np.minimum((fixed + (word * math.ceil(channels * widths[0] / 32))[:, None]).min(1),
                                 uniform_cost[..., whole].min((1, 2))).sum())
     if cheapest > budget:
-        least = _average(cheapest, tokens, channels, layers, sinks, window)
+        least = _average(cheapest, hold, channels, sinks, window)
         raise MethodError(f"{name}: below what this recipe can store at {tokens} tokens ({least:.3f} bits with every "
-                          f"channel at {widths[0]} bit); give a larger average")
+                          f"channel at {widths[0]} bit); give a larger average" + _SMALLER_WINDOW[bool(window)])
 
     def channel_cost(w_idx: np.ndarray) -> np.ndarray:
-        return word * np.ceil(widths[w_idx].sum(-1) / 32)
+        """What the codes of widths w_idx [U, ..., C] cost each unit [U, ...]."""
+        words = np.ceil(widths[w_idx].sum(-1) / 32)
+        return word.reshape((-1,) + (1,) * (words.ndim - 1)) * words
 
     def pick(lam: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Per unit: its variant (or, taking one width for all, its fraction) [U], its channels' widths [U, C] and
         whether it takes one width for all [U]."""
-        w_idx = np.argmin(var_err + lam * tokens * widths, axis=-1)  # [U, V, C]
+        w_idx = np.argmin(var_err + lam * held_u[:, None, None, None] * widths, axis=-1)  # [U, V, C]
         per_channel = np.take_along_axis(var_err, w_idx[..., None], -1)[..., 0].sum(-1) + lam * (
             channel_cost(w_idx) + fixed)  # [U, V]
         v_idx = per_channel.argmin(1)
@@ -409,18 +476,20 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
         return w
 
     def exact(u: int, w: np.ndarray) -> float:
-        kv, f = units[u][1], fractions[frac[u]]
-        return unit_bits(kv, Choice(int(widths[w].max()), f, tuple(int(x) for x in widths[w])), tokens, channels, sinks)
+        (layer, kv), f = units[u], fractions[frac[u]]
+        return unit_bits(kv, Choice(int(widths[w].max()), f, tuple(int(x) for x in widths[w])), held[layer],
+                         channels, sinks_at[layer])
 
     def loss(u: int, w: np.ndarray) -> float:
         return float(np.take_along_axis(chosen[u], w[:, None], -1).sum())
 
-    held = np.array([float(uniform_cost[u, frac[u], w_idx[u, 0]]) if uniform[u] else 0.0 for u in range(len(units))])
+    spends = np.array([float(uniform_cost[u, frac[u], w_idx[u, 0]]) if uniform[u] else 0.0
+                       for u in range(len(units))])
     for u in np.flatnonzero(~uniform):
         w_idx[u] = filled(u, w_idx[u])
-        held[u] = exact(u, w_idx[u])
+        spends[u] = exact(u, w_idx[u])
     while True:
-        spent = float(held.sum())
+        spent = float(spends.sum())
         best = None  # (loss saved per bit, unit, new widths or new plain (fraction, width), its cost)
         for u in range(len(units)):
             if uniform[u]:
@@ -440,13 +509,13 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
             w = w_idx[u].copy()
             w[int(g.argmax())] += 1
             w = filled(u, w)
-            extra = exact(u, w) - held[u]
+            extra = exact(u, w) - spends[u]
             saved = loss(u, w_idx[u]) - loss(u, w)
             if extra > 0 and saved > 0 and spent + extra <= budget and (best is None or saved / extra > best[0]):
                 best = (saved / extra, u, w, exact(u, w))
         if best is None:
             break
-        _, u, new, held[u] = best
+        _, u, new, spends[u] = best
         if uniform[u]:
             frac[u], w_idx[u] = new
         else:
@@ -461,12 +530,13 @@ def allocate_channels(recipe: Recipe, avg_bits: float, sinks: int = 1, tokens: i
             w = widths[w_idx[u]]
             picks.append(Choice(int(w.max()), fractions[frac[u]], tuple(int(x) for x in w)))
     # what the choice holds: the codebooks and the table of the widths it uses (charged above up to each cap)
-    spent = sum(unit_bits(kv, c, tokens, channels, sinks) for (_, kv), c in zip(units, picks))
+    spent = sum(unit_bits(kv, c, held[layer], channels, sinks_at[layer]) for (layer, kv), c in zip(units, picks))
     return Allocation(float(avg_bits), tokens, tuple(picks[0::2]), tuple(picks[1::2]), predicted,
-                      _average(spent, tokens, channels, layers, sinks, window), window)
+                      _average(spent, hold, channels, sinks, window), window)
 
 
-STORAGE_VERSION = 3  # stored choices counted as `unit_bits` counts (words, tables, key headroom); older ones are redone
+STORAGE_VERSION = 4  # stored choices counted as `unit_bits` counts (words, tables, key headroom) at each layer's
+# held tokens (a sliding layer's window); older ones are redone
 
 
 def recipe_allocation(recipe: Recipe, avg_bits: float, sinks: int = 1, proxy: str = "fisher",
@@ -480,15 +550,18 @@ def recipe_allocation(recipe: Recipe, avg_bits: float, sinks: int = 1, proxy: st
         alloc = Allocation.from_dict(stored)
         fp = recipe.meta["model"]["fingerprint"]
         channels = fp["kv_heads"] * fp["head_dim"]
-        spent = sum(unit_bits(kv, c, alloc.tokens, channels, sinks)
-                    for k, v in zip(alloc.keys, alloc.values) for kv, c in (("k", k), ("v", v)))
-        held = _average(spent, alloc.tokens, channels, fp["layers"], sinks, alloc.window)
+        hold = _Holding.of(recipe, alloc.tokens, sinks)
+        spent = sum(unit_bits(kv, c, n, channels, s) for k, v, n, s in zip(alloc.keys, alloc.values, hold.held,
+                                                                           hold.kept)
+                    for kv, c in (("k", k), ("v", v)))
+        held = _average(spent, hold, channels, sinks, alloc.window)
         if alloc.tokens != tokens or alloc.window != window or not math.isclose(held, alloc.bits, rel_tol=1e-9):
             raise RecipeError(f"recipe field budgets.{name} does not add up: its choices store {held:.4f} bits at "
                               f"{alloc.tokens} tokens, it records {alloc.bits:.4f} (an edited or half-written "
                               "recipe); recalibrate, or drop that entry to have the budget chosen again")
         return alloc
-    key = (id(recipe), float(avg_bits), sinks, proxy, unit, window, tokens)
+    windows = tuple(recipe.meta["model"]["fingerprint"].get("layer_windows") or ())  # named by the model later
+    key = (id(recipe), float(avg_bits), sinks, proxy, unit, window, tokens, windows)
     held = _COMPUTED.get(key)
     if held is None or held[0] is not recipe:
         fn = allocate_channels if unit == "channel" else allocate

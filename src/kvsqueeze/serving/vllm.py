@@ -207,7 +207,7 @@ def _check_key_weights_as_loaded() -> None:
         if KeyWeights.recipe is None:
             yield from original(self, model_config, model)
             return
-        from ..integrations.fingerprint import key_digest
+        from ..recipe import key_digest
 
         digests = {}
         for name, tensor in original(self, model_config, model):
