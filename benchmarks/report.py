@@ -443,10 +443,14 @@ def transfer(data: dict, methods: tuple[str, ...] | None = None) -> str:
             if r is None:
                 cells.append("–")
                 continue
+            if "refused" in r:  # the model's cache cannot hold it as named
+                cells.append("refused")
+                continue
             cell = f"{r['delta_pct']:+.2f}%" + (f" ({r['ci95'][0]:+.2f} … {r['ci95'][1]:+.2f})" if r["ci95"] else "")
             cells.append(f"**{cell}**" if r["in_domain"] else cell)
-        bits = sum(r["avg_bits"] for r in mine.values()) / len(mine)
-        out.append(f"| {model} | {calib} | `{method}` | {bits:.2f} | " + " | ".join(cells) + " |")
+        held = [r["avg_bits"] for r in mine.values() if "refused" not in r]
+        bits = f"{sum(held) / len(held):.2f}" if held else "–"
+        out.append(f"| {model} | {calib} | `{method}` | {bits} | " + " | ".join(cells) + " |")
     return "\n".join(out)
 
 

@@ -87,6 +87,7 @@ def summary(rows: list[dict]) -> list[dict]:
     calibration text's own domain (the mean over its texts for the mix) and the ratio of the worst
     out-of-domain loss to it."""
     out = []
+    rows = [r for r in rows if "refused" not in r]  # a method a model's cache cannot hold has no numbers
     keys = sorted({(r["model"], r["calib_text"], r["method"]) for r in rows if r["method"] != "fp16"})
     for model, calib, method in keys:
         mine = [r for r in rows if (r["model"], r["calib_text"], r["method"]) == (model, calib, method)]
@@ -113,15 +114,34 @@ def evaluate_cell(model, tok, recipe, text, methods: list[str], windows: int, se
     from kvsqueeze.methods import preset_for
 
     ew = evaluation_windows(tok, text, seqlen, windows)
-    specs = [preset_for(name, seqlen) for name in methods]
+    refused = refusals(model, recipe, methods, seqlen)
+    kept = [name for name in methods if name not in refused]
+    specs = [preset_for(name, seqlen) for name in kept]
     found = checkpoint_windows(checkpoint) if checkpoint is not None else 0
     t0 = time.perf_counter()
     rows = evaluate(model, ew.ids, specs, recipe, progress=False, checkpoint=checkpoint)
     seconds = time.perf_counter() - t0
     described = ew.describe()
-    return [(name, r) for name, r in zip(methods, rows)], {"windows": described["windows"], "of": described["of"],
-                                                          "pieces": described["pieces"], "seconds": round(seconds, 1),
-                                                          **({"resumed_after": found} if found else {})}
+    return [(name, r) for name, r in zip(kept, rows)], {"windows": described["windows"], "of": described["of"],
+                                                       "pieces": described["pieces"], "seconds": round(seconds, 1),
+                                                       **({"resumed_after": found} if found else {}),
+                                                       **({"refused": refused} if refused else {})}
+
+
+def refusals(model, recipe, methods: list[str], seqlen: int) -> dict[str, str]:
+    """The methods this model's cache cannot hold as named at `seqlen` tokens (a budget below what its layers
+    must store, e.g. an fp16 window on sliding-window layers that hold few tokens), each with the refusal a user
+    gets; they are left out of the cell and recorded with it."""
+    from kvsqueeze.integrations.simulate import SimulatedQuantization
+    from kvsqueeze.methods import MethodError, preset_for
+
+    out = {}
+    for name in methods:
+        try:
+            SimulatedQuantization(model, preset_for(name, seqlen), recipe)
+        except MethodError as exc:
+            out[name] = str(exc)
+    return out
 
 
 def outlier_shares(model, recipe, ids, method: str = "nuq3-1%") -> dict:
@@ -238,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
                                  "ci95": None if r.ci95 is None else [round(x, 3) for x in r.ci95],
                                  "kld_mean": round(r.kld_mean, 5), "top1": round(r.top1, 4),
                                  "tokens": r.tokens, "windows": cell["windows"]})
+                for name, why in cell.get("refused", {}).items():
+                    rows.append({"model": model_name, "calib_text": calib, "eval_text": evaluated, "method": name,
+                                 "resolved": preset_for(name, args.seqlen).name,
+                                 "in_domain": in_domain(calib, evaluated), "refused": why})
                 result["cells"][f"{model_name}/{calib}/{evaluated}"] = {**cell, "machine": machine()}
                 done.add((model_name, calib, evaluated))
                 write()

@@ -90,6 +90,25 @@ def test_a_stopped_cell_resumes_from_its_checkpoint(tiny_llama, tiny_recipe, tmp
     assert resumed == whole
 
 
+def test_a_method_the_model_s_cache_cannot_hold_is_recorded_as_refused_and_the_rest_evaluated(tiny_llama,
+                                                                                               tiny_recipe):
+    """A budget below what the model's layers must store at the cell's length is refused as a user's cache would
+    refuse it; the cell evaluates the other methods, and the summary has no numbers for it."""
+    from kvsqueeze.eval.texts import Text
+    from tests.conftest import byte_tokenizer, sample_text
+
+    transfer = _load()
+    tok, text = byte_tokenizer(), Text("t", "", sample_text(400, seed=2))
+    pairs, cell = transfer.evaluate_cell(tiny_llama, tok, tiny_recipe, text, ["fp16", "nuq@2.01:r32", "nuq3-1%"],
+                                         2, 64)
+    assert [name for name, _ in pairs] == ["fp16", "nuq3-1%"]
+    assert list(cell["refused"]) == ["nuq@2.01:r32"] and "below what this recipe can store" in cell["refused"][
+        "nuq@2.01:r32"]
+    rows = [{"model": "m", "calib_text": "bbc", "eval_text": "t", "method": "nuq@2.01:r32", "in_domain": True,
+             "refused": "..."}]
+    assert transfer.summary(rows) == []
+
+
 def test_a_recipe_other_than_the_one_of_a_model_s_cells_is_refused_before_loading(tiny_recipe, tmp_path, monkeypatch):
     """The JSON names each recipe's content digest; a run whose recipe for a model and calibration text has another
     digest than the one its cells were measured with stops before loading the model (its cells would mix two
