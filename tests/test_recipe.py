@@ -206,6 +206,23 @@ def test_recipe_serves_the_same_model_at_another_precision(tiny_recipe, tiny_rec
         check_recipe(tiny_recipe, model)
 
 
+def test_a_fine_tune_that_left_the_key_projections_alone_is_refused(tiny_recipe, tiny_recipe_dir):
+    """A fine-tune of the query projection (LoRA's usual targets leave the keys' own weights alone) changes the
+    hidden states every later layer's keys and values come from: the recipe is refused naming the tensor, after a
+    JSON round trip too; the same model in bf16 is still served. A recipe from before every tensor was probed
+    cannot tell."""
+    model = tiny_model("llama", seed=0)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.weight.mul_(1.01)
+    for recipe in (tiny_recipe, Recipe.load(tiny_recipe_dir)):
+        with pytest.raises(RecipeError, match="model.layers.0.self_attn.q_proj.weight differ"):
+            check_recipe(recipe, model)
+    check_recipe(tiny_recipe, tiny_model("llama", seed=0).to(torch.bfloat16))
+    old = Recipe(meta=json.loads(json.dumps(tiny_recipe.meta)), tensors=tiny_recipe.tensors)
+    del old.meta["model"]["fingerprint"]["weights_probe"]
+    check_recipe(old, model)
+
+
 def test_recipe_with_broken_probes_needs_the_exact_weights(tiny_recipe):
     old = Recipe(meta=json.loads(json.dumps(tiny_recipe.meta)), tensors=tiny_recipe.tensors)
     old.meta["model"]["fingerprint"]["layers_probe"] = [["x"] * 16] * LAYERS  # an edited file: an error, no crash

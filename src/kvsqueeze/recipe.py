@@ -87,6 +87,20 @@ def key_digest(layer: int, weight: torch.Tensor) -> tuple[str, list[float]]:
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16], probe
 
 
+def tensor_probe(weight: torch.Tensor) -> list[float]:
+    """`PROBES` elements of a weight tensor, evenly spaced over it in float32 (what `other_tensors` compares)."""
+    flat = weight.detach().reshape(-1)
+    index = torch.linspace(0, flat.numel() - 1, min(PROBES, flat.numel())).round().long()
+    return flat[index.to(flat.device)].float().cpu().tolist()
+
+
+def other_tensors(recipe_probes: dict, model_probes: dict) -> list[str]:
+    """The tensors, by name, whose probed elements differ between a recipe's fingerprint and a model's by more than
+    a change of precision would (only names both hold are compared: a checkpoint may name a tied head or not)."""
+    return [name for name in sorted(set(recipe_probes) & set(model_probes))
+            if not _close(recipe_probes[name], model_probes[name])]
+
+
 def same_weights(recipe_fp: dict, model_fp: dict) -> list[int]:
     """The layers whose key weights differ between two fingerprints of equal shapes (empty: the same weights,
     possibly at another precision).
@@ -146,7 +160,7 @@ class Recipe:
         """Raise RecipeError unless this recipe was calibrated on the model of fingerprint `have` (at any of fp32,
         bf16, fp16); `kvsqueeze.integrations.fingerprint.check_recipe` takes the model itself."""
         want = self.meta.get("model", {}).get("fingerprint", {})
-        weights = ("layers_sha256", "layers_probe")
+        weights = ("layers_sha256", "layers_probe", "weights_probe")
         # a recipe from before the fingerprint named each layer's sliding window: the same weights are the same
         # model, whose windows it takes (what its bit budgets charge each layer for), below, once they match
         unnamed = "layer_windows" in have and "layer_windows" not in want
@@ -158,6 +172,11 @@ class Recipe:
                 shown = ", ".join(map(str, layers[:8])) + (" ..." if len(layers) > 8 else "")
                 diff = [f"the key weights of layer(s) {shown} differ by more than a change of precision would "
                         "(layers_sha256)"]
+        if not diff and isinstance(want.get("weights_probe"), dict) and "weights_probe" in have:
+            names = other_tensors(want["weights_probe"], have["weights_probe"])
+            if names:  # e.g. a fine-tune that left the key projections alone (LoRA on queries and values)
+                shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+                diff = [f"the weights of {shown} differ by more than a change of precision would (weights_probe)"]
         if diff:
             raise RecipeError(
                 f"recipe was calibrated on model {self.meta.get('model', {}).get('id')!r}, not on this one "
@@ -361,6 +380,10 @@ def _check_meta(meta: dict) -> None:
         _kind(h, str, f"model.fingerprint.layers_sha256[{i}]")
         for j, v in enumerate(_kind(pr, list, f"model.fingerprint.layers_probe[{i}]")):
             _number(v, f"model.fingerprint.layers_probe[{i}][{j}]")
+    if "weights_probe" in fp:  # every tensor's probed elements (recipes from before it have none)
+        for name, pr in _kind(fp["weights_probe"], dict, "model.fingerprint.weights_probe").items():
+            for j, v in enumerate(_kind(pr, list, f"model.fingerprint.weights_probe.{name}")):
+                _number(v, f"model.fingerprint.weights_probe.{name}[{j}]")
     if "layer_windows" in fp:  # recipes from before it have only full layers, or take it from their model
         windows = _kind(fp["layer_windows"], list, "model.fingerprint.layer_windows")
         if len(windows) != layers:

@@ -258,16 +258,18 @@ def test_vllm_refuses_a_recipe_of_another_model(tiny_model_dir, tmp_path):
 
 def test_vllm_refuses_a_recipe_of_a_model_of_the_same_shape_with_other_key_weights(tiny_llama, tokenizer,
                                                                                      tiny_recipe_dir, tmp_path):
-    """A fine-tune of the calibrated model (one layer's key weights moved by 1%) has every shape of the recipe's
-    model: the key weights vLLM loads are checked against the recipe's fingerprint, and the engine refuses it
-    naming the layer; the same model saved in bf16 (a change of precision, not of model) is served."""
+    """A fine-tune of the calibrated model (one layer's key weights moved by 1%, or only a query projection) has
+    every shape of the recipe's model: the weights vLLM loads are checked against the recipe's fingerprint, and
+    the engine refuses it naming the layer or tensor; the same model saved in bf16 (a change of precision, not of
+    model) is served."""
     import copy
 
-    other = copy.deepcopy(tiny_llama)
+    other, queries = copy.deepcopy(tiny_llama), copy.deepcopy(tiny_llama)
     with torch.no_grad():
         other.model.layers[1].self_attn.k_proj.weight.mul_(1.01)
+        queries.model.layers[0].self_attn.q_proj.weight.mul_(1.01)  # the keys' own weights left alone
     runs = {}
-    for name, model in (("tuned", other), ("bf16", copy.deepcopy(tiny_llama).to(torch.bfloat16))):
+    for name, model in (("tuned", other), ("queries", queries), ("bf16", copy.deepcopy(tiny_llama).to(torch.bfloat16))):
         d = tmp_path / name
         model.save_pretrained(d)
         tokenizer.save_pretrained(d)
@@ -282,6 +284,9 @@ def test_vllm_refuses_a_recipe_of_a_model_of_the_same_shape_with_other_key_weigh
     tuned = runs["tuned"].stdout + runs["tuned"].stderr
     assert runs["tuned"].returncode != 0 and "key weights of layer(s) 1 differ" in tuned, tuned[-3000:]
     assert "kvsqueeze calibrate" in tuned
+    queried = runs["queries"].stdout + runs["queries"].stderr
+    assert runs["queries"].returncode != 0 and "model.layers.0.self_attn.q_proj.weight differ" in queried, \
+        queried[-3000:]
     assert runs["bf16"].returncode == 0, (runs["bf16"].stdout + runs["bf16"].stderr)[-3000:]
 
 

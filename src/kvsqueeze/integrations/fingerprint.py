@@ -1,8 +1,9 @@
-"""A model's fingerprint for its recipe: shapes, and a hash and a few probed weights of every layer's keys."""
+"""A model's fingerprint for its recipe: shapes, a hash and a few probed weights of every layer's keys, and a few
+probed elements of every tensor."""
 
 from __future__ import annotations
 
-from ..recipe import Recipe, key_digest
+from ..recipe import Recipe, key_digest, tensor_probe
 from ..shape import kv_shape
 from .parts import attention_modules, key_weight, layer_windows
 
@@ -24,6 +25,9 @@ def model_fingerprint(model) -> dict:
         "layers_probe": probes,
         # each layer's sliding window (None: every token): what a bit budget charges each layer for holding
         "layer_windows": layer_windows(model),
+        # a few elements of every tensor: a fine-tune that left the key projections alone changes the keys and
+        # values the recipe was fitted to through every layer before them
+        "weights_probe": {name: tensor_probe(p) for name, p in model.named_parameters()},
     }
 
 

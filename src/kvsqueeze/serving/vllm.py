@@ -169,8 +169,8 @@ class KeyWeights:
     NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.k_proj\.weight$")
 
     @classmethod
-    def check(cls, digests: dict[int, tuple[str, list[float]]]) -> None:
-        from ..recipe import same_weights
+    def check(cls, digests: dict[int, tuple[str, list[float]]], probes: dict[str, list[float]] | None = None) -> None:
+        from ..recipe import other_tensors, same_weights
 
         want = cls.recipe.meta["model"]["fingerprint"]
         model = cls.recipe.meta["model"].get("id")
@@ -189,6 +189,13 @@ class KeyWeights:
                                f"layer(s) {shown} differ by more than a change of precision would (a fine-tune or "
                                "another model of the same shape); calibrate one for this model with "
                                "`kvsqueeze calibrate --model ... --out DIR`")
+        if isinstance(want.get("weights_probe"), dict) and probes is not None:
+            others = other_tensors(want["weights_probe"], probes)
+            if others:
+                shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
+                raise ServingError(f"recipe was calibrated on model {model!r}, not on this one: the weights of "
+                                   f"{shown} differ by more than a change of precision would (a fine-tune of it); "
+                                   "calibrate one for this model with `kvsqueeze calibrate --model ... --out DIR`")
         cls.checked = True
 
 
@@ -207,15 +214,16 @@ def _check_key_weights_as_loaded() -> None:
         if KeyWeights.recipe is None:
             yield from original(self, model_config, model)
             return
-        from ..recipe import key_digest
+        from ..recipe import key_digest, tensor_probe
 
-        digests = {}
+        digests, probes = {}, {}
         for name, tensor in original(self, model_config, model):
             hit = KeyWeights.NAME.search(name)
             if hit:
                 digests[int(hit.group(1))] = key_digest(int(hit.group(1)), tensor)
+            probes[name] = tensor_probe(tensor)
             yield name, tensor
-        KeyWeights.check(digests)
+        KeyWeights.check(digests, probes)
 
     get_all_weights._kvsqueeze = True
     DefaultModelLoader.get_all_weights = get_all_weights
