@@ -26,6 +26,8 @@ Presets (`q4.5`, `q3.5`, `q2.5`: `kvsqueeze.methods.PRESETS`) are chosen for eac
 
 The run is sample-major (sample 0 at every length of every model, then sample 1, ...) and appends each answer
 to `--answers` as it is made: stopped anywhere, it resumes there, and what it has is balanced over lengths.
+Each answer names its context and question by a digest of their text (`context`), so answers made over another
+haystack, task set or layout are neither resumed from nor paired with this run's.
 A context's prefill waits in `--prefills` until every method has answered it, so a run stopped in between
 (a 32K prefill of the 0.5B model takes about 15 minutes) starts from it. `--summarize-only` rebuilds the JSON
 and the plot from the answers file. Each (model, length, sample)'s wall

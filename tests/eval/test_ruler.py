@@ -260,6 +260,24 @@ def test_a_run_resumes_from_its_answer_log(tiny_setup, tmp_path, monkeypatch):
     assert len(more) == 3 * len(TINY_TASKS) and more[:len(first)] == first
 
 
+def test_answers_of_another_haystack_are_not_taken_for_this_one_s(tiny_setup, tmp_path):
+    """The same seed, sample, tasks and length over another haystack make other questions: a log holding the
+    first haystack's answers answers them anew, and the two runs' answers are never paired with each other."""
+    from kvsqueeze.eval import ruler_eval as R
+
+    model, tok, recipe, contexts = tiny_setup
+    other = build_contexts(tok, sample_text(4000, seed=9) + " " + TEXT[-30000:], 900, 1, seed=4, tasks=TINY_TASKS)
+    assert [(c.length, c.sample, c.seed) for c in other] == [(c.length, c.sample, c.seed) for c in contexts]
+    log = tmp_path / "answers.jsonl"
+    first = _run(tiny_setup, "fp16,nuq3-1%", "dense-prefill", log=R.AnswerLog(log))
+    second = _run((model, tok, recipe, other), "fp16,nuq3-1%", "dense-prefill", log=R.AnswerLog(log))
+    assert len(log.read_text().splitlines()) == len(first) + len(second) == 4 * len(TINY_TASKS)
+    assert not {a.key for a in first} & {a.key for a in second}
+    assert all(a.context for a in first + second)
+    (p,) = R.paired(R.AnswerLog(log).answers)
+    assert p.questions == 2 * len(TINY_TASKS)  # each question with its own run's fp16 answer
+
+
 def test_a_stored_prefill_survives_a_stopped_run_and_goes_once_answered(tiny_setup, tmp_path, monkeypatch):
     from kvsqueeze.eval import ruler_eval as R
     from kvsqueeze.integrations.prefill import DensePrefill

@@ -54,6 +54,7 @@ __all__ = [
     "RulerError",
     "build_contexts",
     "score_answer",
+    "question_digest",
     "word_pool",
 ]
 
@@ -106,6 +107,12 @@ class Context:
     text: str
     n_tokens: int
     questions: tuple[Question, ...]
+
+
+def question_digest(context: Context, question: Question) -> str:
+    """What identifies a question across runs: a digest of its context's text and its own (the haystack, the task
+    set, the layout and the tokenizer all shape them), beside the seed and sample that built them."""
+    return hashlib.sha256((context.text + "\x00" + question.text).encode()).hexdigest()[:16]
 
 
 def score_answer(answer: str, expected: Sequence[str]) -> float:

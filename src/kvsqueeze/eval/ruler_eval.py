@@ -49,7 +49,7 @@ from ..integrations.prefill import DensePrefill, check_full_attention, compresse
 from ..integrations.simulate import SimulatedQuantization
 from ..methods import MethodSpec
 from ..recipe import Recipe
-from .ruler import TASKS, Context, Question, derive_seed, score_answer
+from .ruler import TASKS, Context, Question, derive_seed, question_digest, score_answer
 from .skinny import skinny_linears
 from .tables import text_table
 
@@ -72,15 +72,17 @@ class Answer:
     answer: str
     expected: tuple[str, ...]
     item: int = 0  # which of the context's questions of this task (`Question.item`)
+    context: str = ""  # `ruler.question_digest` of its context and question ("" in logs from before it)
 
     @property
     def key(self) -> tuple:
-        return (self.model, self.method, self.engine, self.task, self.length, self.sample, self.seed, self.item)
+        return (self.model, self.method, self.engine, self.task, self.length, self.sample, self.seed, self.item,
+                self.context)
 
     @property
     def question(self) -> tuple:
         """The question answered, whatever the method: what paired comparisons match on."""
-        return (self.model, self.engine, self.length, self.task, self.sample, self.seed, self.item)
+        return (self.model, self.engine, self.length, self.task, self.sample, self.seed, self.item, self.context)
 
 
 class AnswerLog:
@@ -310,7 +312,7 @@ def ruler_eval(model, tok, specs: Sequence[MethodSpec], contexts: Sequence[Conte
         return labels.get(spec.name, spec.name)
 
     def key(spec, c, q):
-        return (name, label(spec), engine, q.task, c.length, c.sample, c.seed, q.item)
+        return (name, label(spec), engine, q.task, c.length, c.sample, c.seed, q.item, question_digest(c, q))
 
     todo = [(c, [s for s in specs if any(not log.has(key(s, c, q)) for q in c.questions)]) for c in contexts]
     total = sum(len(ss) * len(c.questions) for c, ss in todo)
@@ -340,7 +342,7 @@ def ruler_eval(model, tok, specs: Sequence[MethodSpec], contexts: Sequence[Conte
                             for (q, _), text in zip(group, texts):
                                 log.add(Answer(name, label(spec), engine, q.task, c.length, c.sample, c.seed,
                                                ids.shape[1] + q_ids.shape[1], score_answer(text, q.answers), text,
-                                               q.answers, q.item))
+                                               q.answers, q.item, question_digest(c, q)))
                             bar.update(len(group))
                     finally:
                         m.close(cache)
