@@ -527,3 +527,13 @@ def test_a_format_1_recipe_is_upgraded_against_its_model_only(recipe_copy, tiny_
     upgraded = Recipe.load(recipe_copy)
     check_recipe(upgraded, tiny_llama)
     assert upgraded.meta["format_version"] == FORMAT_VERSION
+
+
+def test_a_tensor_past_2_24_elements_is_probed_within_its_bounds():
+    """Probe positions are computed in float64: in float32 the last one of a 136M-element embedding rounds past
+    its end."""
+    from kvsqueeze.recipe import tensor_probe
+
+    big = torch.arange(136_134_656, dtype=torch.float32)
+    probe = tensor_probe(big)
+    assert len(probe) == 16 and probe[0] == 0.0 and probe[-1] == float(big[-1])

@@ -90,7 +90,8 @@ def key_digest(layer: int, weight: torch.Tensor) -> tuple[str, list[float]]:
 def tensor_probe(weight: torch.Tensor) -> list[float]:
     """`PROBES` elements of a weight tensor, evenly spaced over it in float32 (what `other_tensors` compares)."""
     flat = weight.detach().reshape(-1)
-    index = torch.linspace(0, flat.numel() - 1, min(PROBES, flat.numel())).round().long()
+    # float64 positions: float32 rounds the last index of a tensor past 2**24 elements out of range
+    index = torch.linspace(0, flat.numel() - 1, min(PROBES, flat.numel()), dtype=torch.float64).round().long()
     return flat[index.to(flat.device)].float().cpu().tolist()
 
 
