@@ -567,3 +567,22 @@ def test_measuring_kl_sensitivities_again_drops_only_the_choices_made_from_that_
     assert (id(recipe), 3.5, 1, "kl", "channel", 0, 2048) not in _COMPUTED
     assert _COMPUTED.pop((id(recipe), 3.5, 1, "fisher", "channel", 0, 2048))[0] is recipe
     assert sorted(drop_kl_budgets(recipe, 4)) == ["2.5:sink4:kl:chan", "3.5:sink4:kl"]
+
+
+def test_fixed_key_slots_beyond_what_a_budget_paid_for_are_refused(tiny_recipe, monkeypatch):
+    """A budget charges a layer's key outliers at their headroom over the nominal count; ':kslotsN' with more
+    slots than that would hold more bits than the budget's name: refused naming the layer, and the slots it paid
+    for are served (a choice keeping 10% of the tiny model's 32 key channels exact in layer 1)."""
+    from kvsqueeze.methods import build_quantizers, family
+    from kvsqueeze.methods.budget import KEY_OUTLIER_HEADROOM
+
+    c, f = 32, 0.1
+    spec = parse_method("nuq@3.5:kslots1")
+    monkeypatch.setattr(type(family(spec)), "choices", lambda self, spec, recipe, layer: (Choice(3, f), Choice(3, 0.0)))
+    monkeypatch.setattr(tiny_recipe, "codebook", lambda *a: torch.linspace(-1, 1, 8))
+    monkeypatch.setattr(tiny_recipe, "channel_range", lambda *a: (-torch.ones(c), torch.ones(c)))
+    paid = math.ceil(KEY_OUTLIER_HEADROOM * f * c)
+    assert paid == 4
+    build_quantizers(parse_method(f"nuq@3.5:kslots{paid}"), tiny_recipe, 1, c, 16)
+    with pytest.raises(MethodError, match=f"layer 1's keys keep 10% of its 32 channels.*at most {paid}"):
+        build_quantizers(parse_method(f"nuq@3.5:kslots{paid + 1}"), tiny_recipe, 1, c, 16)

@@ -270,3 +270,26 @@ def test_calibrate_kl_measures_what_budget_measures(tiny_model_dir, text_file, t
     assert main(["budget", "--model", str(tiny_model_dir), "--text", str(text_file), "--recipe", str(out),
                  "--bits", "5"]) == 2
     assert "calibrated with" in capsys.readouterr().err
+
+
+def test_budget_is_refused_while_a_calibration_writes_its_recipe(tiny_recipe_dir, tiny_model_dir, tmp_path, capsys):
+    """`kvsqueeze budget` loads a recipe, measures for minutes and writes it back: a calibration into the same
+    directory meanwhile would be overwritten by the old recipe plus the new table. It holds the directory's run
+    lock as a calibration does, and is refused at once while another process holds it."""
+    import shutil
+    import subprocess
+    import sys
+
+    d = tmp_path / "r"
+    shutil.copytree(tiny_recipe_dir, d)
+    code = ("import time\nfrom kvsqueeze.recipe import RUN_LOCK_FILE, writing\n"
+            f"with writing({str(d)!r}, lock=RUN_LOCK_FILE, wait=False):\n    print('held', flush=True)\n"
+            "    time.sleep(120)\n")
+    holder = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert main(["budget", "--model", str(tiny_model_dir), "--recipe", str(d), "--seqlen", "48"]) == 2
+    finally:
+        holder.kill()
+        holder.wait()
+    assert "another kvsqueeze process is writing a recipe to" in capsys.readouterr().err

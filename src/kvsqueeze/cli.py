@@ -335,13 +335,19 @@ def cmd_upgrade_recipe(args) -> None:
 
 
 def cmd_budget(args) -> None:
+    from .recipe import RUN_LOCK_FILE, Recipe, writing
+
+    budgets = _budgets(args.avg_bits)
+    Recipe.load(args.recipe)  # a missing or broken recipe is named as such before any lock
+    with writing(args.recipe, lock=RUN_LOCK_FILE, wait=False):  # no calibration may rewrite it under this run
+        _budget(args, budgets, Recipe.load(args.recipe))
+
+
+def _budget(args, budgets, recipe) -> None:
     from .eval.texts import load_text
     from .integrations.fingerprint import check_recipe
     from .integrations.loading import load_model
-    from .recipe import Recipe
 
-    budgets = _budgets(args.avg_bits)
-    recipe = Recipe.load(args.recipe)
     model, tok = load_model(args.model, args.dtype, args.device)
     check_recipe(recipe, model)
     calibrated_on = recipe.meta.get("text") or DEFAULT_TEXT
