@@ -750,6 +750,10 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
                 self.keys_taken += 1
                 return kept
         self.keys_turned_back += 1
+        if self.keys_turned_back == 1:  # exact to float rounding: the RoPE was checked against vLLM's (`_check_rotary`)
+            logger.info("kvsqueeze: layer %s turns the post-RoPE keys back by their positions (the rotary step's own "
+                        "keys were not at hand: torch.compile, or a rotary step of another class)",
+                        getattr(self, "layer", None))
         return self._unturn(k, pos)
 
     def _unturn(self, k: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
