@@ -196,7 +196,7 @@ def test_calibrate_stores_bit_budgets_that_eval_and_inspect_read(tiny_model_dir,
 
     out = tmp_path / "recipe"
     assert main(["calibrate", "--model", str(tiny_model_dir), "--text", str(text_file), "--samples", "2",
-                 "--seqlen", "64", "--out", str(out), "--avg-bits", "2.8,3.5"]) == 0
+                 "--seqlen", "64", "--outliers", "1", "--out", str(out), "--avg-bits", "2.8,3.5"]) == 0
     assert "nuq@3.5:" in capsys.readouterr().out
     recipe = Recipe.load(out)
     assert set(recipe.meta["budgets"]) == {"2.8", "3.5", "2.8:chan", "3.5:chan"}  # a width per layer / channel
@@ -243,7 +243,8 @@ def test_calibrate_kl_measures_what_budget_measures(tiny_model_dir, text_file, t
 
     out = tmp_path / "recipe"
     assert main(["calibrate", "--model", str(tiny_model_dir), "--text", str(text_file), "--samples", "2",
-                 "--seqlen", "64", "--out", str(out), "--avg-bits", "3.5", "--kl", "--kl-seqlen", "48"]) == 0
+                 "--seqlen", "64", "--outliers", "1", "--out", str(out), "--avg-bits", "3.5", "--kl", "--kl-seqlen",
+                 "48"]) == 0
     assert "nuq@3.5:kl:chan" in capsys.readouterr().out
     recipe = Recipe.load(out)
     table = recipe.meta["sensitivity"][sensitivity_key(1)]
@@ -293,3 +294,16 @@ def test_budget_is_refused_while_a_calibration_writes_its_recipe(tiny_recipe_dir
         holder.kill()
         holder.wait()
     assert "another kvsqueeze process is writing a recipe to" in capsys.readouterr().err
+
+
+def test_a_calibration_too_short_for_an_outlier_fraction_is_refused_before_any_work(tiny_model_dir, tmp_path,
+                                                                                     capsys, monkeypatch):
+    """126 tokens leave no value outside a 0.1% range (the range would be the one without outliers, and
+    `nuq3-0.1%` a method keeping nothing exact): refused before the model loads, naming the fix."""
+    from kvsqueeze.integrations import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    assert main(["calibrate", "--model", str(tiny_model_dir), "--samples", "2", "--seqlen", "64",
+                 "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert "--outliers 0.1: 126 calibration tokens" in err and "more than 1000 tokens" in err

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -124,6 +125,14 @@ def cmd_calibrate(args) -> None:
     fractions = _percentages(args.outliers, "--outliers")
     cfg = CalibrationConfig(samples=args.samples, seqlen=args.seqlen, bits=bits,
                             fractions=tuple(sorted({0.0, *fractions})), sinks=args.sinks, ablation=args.ablation)
+    tokens = args.samples * max(0, args.seqlen - args.sinks)  # the values each channel's range is fitted on
+    few = [f for f in fractions if f and int(round(f / 2 * tokens)) == 0]  # as `numerics.outliers` counts them
+    if few:
+        f = min(few)
+        raise ValueError(f"--outliers {100 * f:g}: {tokens} calibration tokens (--samples {args.samples} x --seqlen "
+                         f"{args.seqlen}, less {args.sinks} sink(s) each) leave no value outside a {100 * f:g}% range, "
+                         f"so it would equal the range without outliers; give more than {math.ceil(1 / f)} tokens "
+                         f"(--samples, --seqlen), or leave {100 * f:g} out of --outliers")
     if args.kl_outliers:
         _percentages(args.kl_outliers, "--kl-outliers")
     budgets = _budgets(args.avg_bits)
