@@ -205,3 +205,33 @@ def test_a_preset_is_planned_as_chosen_for_each_context(tiny_model_dir, tiny_rec
     (held_2k_choice,) = run_memory_command(str(tiny_model_dir), "32K", "nuq@3.5:r32:chan",
                                            recipe=str(tiny_recipe_dir))["rows"]
     assert abs(held_2k_choice["avg_bits"] - rows[32768]["avg_bits"]) > 0.01
+
+
+def test_sliding_window_layers_are_planned_as_holding_their_window(tmp_path):
+    """A config with sliding-window layers (Gemma-3's local layers) is planned with each layer holding what the
+    cache holds: the planner's fp16 bytes equal a compressed fp16 cache's memory report after a 300-token forward
+    of that model, and bits per element divide by the elements held."""
+    import torch
+    import transformers
+
+    import kvsqueeze
+    from conftest import random_ids
+    from kvsqueeze.eval.planner import plan
+    from kvsqueeze.methods import parse_methods
+
+    cfg = transformers.Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                        query_pre_attn_scalar=256, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"])
+    cfg.save_pretrained(tmp_path)
+    shape = resolve_model(str(tmp_path))
+    assert shape.windows == (8, None) and shape.held(300) == [7, None]
+    (row,) = plan(shape, parse_methods("fp16"), [("300", 300)])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    with kvsqueeze.cache_for(model, None, "fp16") as cache:
+        with torch.no_grad():
+            model(random_ids(1, 300, seed=1), cache=cache, use_cache=True)
+        report = cache.memory_report()
+    assert row["kv_bytes"] == report.total_bytes
+    assert row["avg_bits"] == pytest.approx(report.avg_bits, rel=1e-12) == pytest.approx(16.0, abs=0.1)

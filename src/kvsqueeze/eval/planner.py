@@ -45,6 +45,19 @@ class ModelShape(KVShape):
 
     name: str = ""
     params: float = 0.0  # total parameter count, for weight bytes only
+    windows: tuple[int | None, ...] | None = None  # each layer's sliding window (None: every layer full)
+
+    def held(self, tokens: int) -> list[int | None] | None:
+        """Tokens each layer holds of a row of `tokens` (None: all of them), as the compressed cache and
+        `DynamicCache` keep them: a sliding layer its last window - 1; None for a model without sliding layers."""
+        if not self.windows or all(w is None for w in self.windows):
+            return None
+        return [None if w is None else min(tokens, w - 1) for w in self.windows]
+
+    def held_tokens(self, tokens: int) -> int:
+        """Tokens held of a row, summed over layers (what bits per element divide by)."""
+        held = self.held(tokens)
+        return self.layers * tokens if held is None else sum(tokens if h is None else h for h in held)
 
 
 # Parameter counts as published (LLaMA: 6.74B / 13.0B / 65.2B, the figures
@@ -117,7 +130,25 @@ def shape_from_config(path: str | Path) -> ModelShape:
     where = f"model config {str(p)!r}"
     shape = kv_shape(cfg, where)
     name = str(cfg.get("_name_or_path") or "").strip() or p.resolve().parent.name or p.stem
-    return ModelShape(**asdict(shape), name=name, params=float(estimate_params(cfg, where)))
+    return ModelShape(**asdict(shape), name=name, params=float(estimate_params(cfg, where)),
+                      windows=_layer_windows(p, shape.layers))
+
+
+def _layer_windows(path: Path, layers: int) -> tuple[int | None, ...] | None:
+    """Each layer's sliding window as transformers' `DynamicCache` keeps it for this config (the local file only);
+    None where transformers does not know the model type (every layer is then planned as full)."""
+    try:
+        from transformers import AutoConfig
+        from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+        cfg = AutoConfig.from_pretrained(str(path.parent), local_files_only=True)
+        cfg = getattr(cfg, "get_text_config", lambda: cfg)()
+        kinds = DynamicCache(config=cfg).layers
+    except Exception:  # noqa: BLE001 - an unknown model type: plan it as full layers, as before
+        return None
+    if len(kinds) != layers or not all(isinstance(k, (DynamicLayer, DynamicSlidingWindowLayer)) for k in kinds):
+        return None
+    return tuple(int(k.sliding_window) if isinstance(k, DynamicSlidingWindowLayer) else None for k in kinds)
 
 
 def estimate_params(cfg: dict, where: str = "model config") -> int:
@@ -223,7 +254,8 @@ def _kv_bytes(shape: ModelShape, spec: MethodSpec, tokens: int, batch: int, reci
     """Bytes of the whole cache for `batch` rows of `tokens` tokens: the method's `cache_bytes` (per-layer
     codebooks, key ranges and tables counted once for the batch, as the cache holds them)."""
     rows = Rows(tokens, (0,) * batch)
-    return float(sum(cache_bytes(spec, shape.layers, shape.channels, shape.head_dim, rows, recipe).values()))
+    held = shape.held(tokens) if isinstance(shape, ModelShape) else None
+    return float(sum(cache_bytes(spec, shape.layers, shape.channels, shape.head_dim, rows, recipe, held).values()))
 
 
 def kv_cache_bytes(shape: ModelShape, spec: MethodSpec, tokens: int, batch: int = 1, recipe=None) -> int:
@@ -273,7 +305,7 @@ def plan(
         for label, tokens in contexts:
             kv = kv_cache_bytes(shape, spec, tokens, batch, recipe)
             fp16 = kv_cache_bytes(shape, FP16, tokens, batch)
-            elements = 2 * batch * shape.layers * tokens * shape.channels
+            elements = 2 * batch * shape.held_tokens(tokens) * shape.channels  # a sliding layer: its window
             total = w16 + kv
             rows.append(dict(
                 method=spec.name,
