@@ -62,9 +62,20 @@ def _answer_rows(self, cache, ids, limits):
 
 
 def _logged(path: str, names: list[str]) -> dict:
-    """The committed log's answers of these methods, by (method, question)."""
+    """The committed log's answers of these methods, by (method, question), and by (method, question without its
+    context digest) for the keys this script wrote before answers named their context (one answer each, or an
+    error: a log holding one question over two contexts cannot be matched by those keys)."""
     wanted = {n.lower() for n in names}
-    return {(a.method, a.question): a for a in R.AnswerLog(path).answers if a.method in wanted}
+    out = {}
+    for a in R.AnswerLog(path).answers:
+        if a.method in wanted:
+            out[(a.method, a.question)] = a
+            legacy = (a.method, a.question[:-1])
+            if legacy in out and out[legacy].question != a.question:
+                raise SystemExit(f"{path} holds {legacy} over two contexts: rows without a context digest cannot be "
+                                 "matched; run this script again (without --compare-only)")
+            out[legacy] = a
+    return out
 
 
 def _compare_with_log(out: dict, path: str) -> dict:

@@ -192,6 +192,13 @@ def layer_bytes(k: Layout, v: Layout, channels: int, rows: Rows, sinks: int, win
     return out
 
 
+def held_by_layer(windows, tokens: int) -> list[int | None]:
+    """Slots each layer keeps of a row of `tokens` (what `cache_bytes`'s `held` takes): None for a full layer
+    (`windows` None there, every slot), a sliding layer's last window - 1, as the compressed cache and
+    transformers' `DynamicCache` keep them."""
+    return [None if w is None else min(tokens, int(w) - 1) for w in windows]
+
+
 def positions_bytes(rows: Rows) -> int:
     """The position log that every full layer of a cache shares, int32 [T, B]."""
     return 4 * rows.tokens * rows.batch

@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..config import MemoryConfig
 from ..methods import MethodError, MethodSpec, cache_bytes, parse_method, parse_methods
-from ..storage import Rows
+from ..storage import Rows, held_by_layer
 from ..shape import KVShape, kv_shape, positive_int
 from .tables import text_table
 
@@ -48,11 +48,9 @@ class ModelShape(KVShape):
     windows: tuple[int | None, ...] | None = None  # each layer's sliding window (None: every layer full)
 
     def held(self, tokens: int) -> list[int | None] | None:
-        """Tokens each layer holds of a row of `tokens` (None: all of them), as the compressed cache and
-        `DynamicCache` keep them: a sliding layer its last window - 1; None for a model without sliding layers."""
-        if not self.windows or all(w is None for w in self.windows):
-            return None
-        return [None if w is None else min(tokens, w - 1) for w in self.windows]
+        """Tokens each layer holds of a row of `tokens` (`storage.held_by_layer`: None for all of them); None for
+        a shape without layer windows (every layer full)."""
+        return None if self.windows is None else held_by_layer(self.windows, tokens)
 
     def held_tokens(self, tokens: int) -> int:
         """Tokens held of a row, summed over layers (what bits per element divide by)."""
@@ -254,8 +252,8 @@ def _kv_bytes(shape: ModelShape, spec: MethodSpec, tokens: int, batch: int, reci
     """Bytes of the whole cache for `batch` rows of `tokens` tokens: the method's `cache_bytes` (per-layer
     codebooks, key ranges and tables counted once for the batch, as the cache holds them)."""
     rows = Rows(tokens, (0,) * batch)
-    held = shape.held(tokens) if isinstance(shape, ModelShape) else None
-    return float(sum(cache_bytes(spec, shape.layers, shape.channels, shape.head_dim, rows, recipe, held).values()))
+    return float(sum(cache_bytes(spec, shape.layers, shape.channels, shape.head_dim, rows, recipe,
+                                 shape.held(tokens)).values()))
 
 
 def kv_cache_bytes(shape: ModelShape, spec: MethodSpec, tokens: int, batch: int = 1, recipe=None) -> int:
@@ -385,10 +383,11 @@ def run_memory_command(
     by_context = {tokens: parse_methods(methods, reaching=tokens) for _, tokens in ctx}
     loaded = _budget_recipe(shape, [s for specs in by_context.values() for s in specs], recipe)
     mem = parse_bytes(gpu_mem)
-    rows = [row for i in range(len(next(iter(by_context.values()))))
-            for label, tokens in ctx
-            for row in plan(shape, [by_context[tokens][i]], [(label, tokens)], batch=batch, gpus=gpus,
-                            gpu_mem_bytes=mem, recipe=loaded)]
+    rows = []
+    for i in range(len(by_context[ctx[0][1]])):  # method by method, each at every context
+        for label, tokens in ctx:
+            rows += plan(shape, [by_context[tokens][i]], [(label, tokens)], batch=batch, gpus=gpus, gpu_mem_bytes=mem,
+                         recipe=loaded)
     print(format_table(shape, rows, gpus, gpu_mem.strip()))
     result = {"model": shape.name, "rows": rows}
     if json_out:

@@ -34,6 +34,7 @@ from ..methods import MethodError, MethodSpec, family, parse_method
 from ..methods import build_quantizers
 from ..numerics.quantizer import VectorQuantizer
 from ..recipe import Recipe
+from ..storage import held_by_layer
 from ..shape import KVShape, kv_shape
 from .attention import register_handler, switch_attention
 from .capture import ForwardCapture
@@ -182,7 +183,7 @@ class CompressedCache(Cache):
             capacity += self.positions.capacity_nbytes
         seq = self.get_seq_length()
         held = sum(layer.kept_tokens() for layer in self.layers)
-        dynamic = sum(seq if layer.window is None else min(seq, layer.window - 1) for layer in self.layers)
+        dynamic = sum(seq if h is None else h for h in held_by_layer([layer.window for layer in self.layers], seq))
         return MemoryReport(self.spec.name, self.shape.layers, self.layers[0].batch_size, seq, self.shape.channels,
                             comps, capacity, held, dynamic)
 

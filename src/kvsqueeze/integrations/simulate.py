@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from ..kernels.mixed import mixed_attention
 from ..numerics.affine import check_finite
 from ..methods import MethodSpec, build_quantizers, cache_bytes, family
-from ..storage import Rows
+from ..storage import Rows, held_by_layer
 from ..numerics.quantizer import VectorQuantizer
 from ..recipe import Recipe
 from ..shape import kv_shape
@@ -289,9 +289,8 @@ class SimulatedQuantization:
         return Cache(layers=[SimulatedLayer(self, i) for i in range(self.shape.layers)])
 
     def held(self, tokens: int) -> list[int | None]:
-        """Tokens each layer holds of a row of `tokens`: None for all of them, a sliding-window layer's last
-        window - 1 (as the compressed cache and `DynamicCache` keep them)."""
-        return [None if w is None else min(tokens, w - 1) for w in self.windows]
+        """Tokens each layer holds of a row of `tokens` (`storage.held_by_layer`: None for all of them)."""
+        return held_by_layer(self.windows, tokens)
 
     def elements(self, tokens: int, batch: int = 1) -> int:
         """K and V elements the cache holds for `batch` rows of `tokens` tokens (what bits per element divide by)."""
@@ -307,7 +306,7 @@ class SimulatedQuantization:
         outliers = [tuple(n if h is None or n is None else round(n * h / max(tokens, 1)) for n in
                           (self.counter.k[i], self.counter.v[i])) for i, h in enumerate(held)]
         return cache_bytes(self.spec, shape.layers, shape.channels, shape.head_dim, Rows(tokens, (0,) * batch),
-                           self.recipe, held=held if any(h is not None for h in held) else None, outliers=outliers)
+                           self.recipe, held=held, outliers=outliers)
 
 
 def window_handler(module, query, key, value, attention_mask, scaling, **kwargs):

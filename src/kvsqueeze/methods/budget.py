@@ -63,8 +63,8 @@ CHANNEL_BITS = (1, 2, 3, 4, 5, 6)  # widths a ':chan' budget gives channels (the
 CAPS = (4, 5, 6)  # the widest width a ':chan' unit may use: its decode table holds 2**cap levels per channel
 
 __all__ = ["Choice", "Allocation", "allocate", "allocate_channels", "recipe_allocation", "layer_choices",
-           "unit_bits", "shared_bits", "held_tokens", "held_sinks", "sliding_layers", "budget_key", "describe", "measured_scales",
-           "check_widths", "CHANNEL_BITS"]
+           "unit_bits", "shared_bits", "held_tokens", "held_sinks", "sliding_layers", "budget_key", "describe",
+           "measured_scales", "check_widths", "CHANNEL_BITS"]
 
 
 @dataclass(frozen=True)
@@ -125,13 +125,16 @@ def unit_bits(kv: str, choice: Choice, tokens: int, channels: int, sinks: int) -
     return 8.0 * storage.total(storage.tensor_bytes(layout, channels, tokens, n_sinks, held))
 
 
+def _layer_windows(recipe: Recipe) -> list[int | None]:
+    """Each layer's sliding window from the recipe's fingerprint (a recipe without them: every layer full)."""
+    fp = recipe.meta["model"]["fingerprint"]
+    return fp.get("layer_windows") or [None] * int(fp["layers"])
+
+
 def held_tokens(recipe: Recipe, tokens: int) -> list[int]:
     """Tokens each layer holds of a row of `tokens` (one row): all of them, or on a sliding-window layer the last
-    window - 1, as the compressed cache keeps them (the recipe's `layer_windows`; a recipe without them: every
-    layer full)."""
-    fp = recipe.meta["model"]["fingerprint"]
-    windows = fp.get("layer_windows") or [None] * int(fp["layers"])
-    return [tokens if w is None else min(tokens, int(w) - 1) for w in windows]
+    window - 1, as the compressed cache keeps them (`storage.held_by_layer`)."""
+    return [tokens if h is None else h for h in storage.held_by_layer(_layer_windows(recipe), tokens)]
 
 
 def held_sinks(held: list[int], sinks: int, tokens: int | None = None) -> list[int]:
@@ -143,8 +146,7 @@ def held_sinks(held: list[int], sinks: int, tokens: int | None = None) -> list[i
 
 def sliding_layers(recipe: Recipe) -> list[bool]:
     """Which layers slide (keep their own positions and drop old tokens), from the recipe's `layer_windows`."""
-    fp = recipe.meta["model"]["fingerprint"]
-    return [w is not None for w in (fp.get("layer_windows") or [None] * int(fp["layers"]))]
+    return [w is not None for w in _layer_windows(recipe)]
 
 
 def shared_bits(held: list[int], channels: int, sinks: int, window: int, sliding: list[bool] | None = None,
