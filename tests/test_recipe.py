@@ -530,10 +530,29 @@ def test_a_format_1_recipe_is_upgraded_against_its_model_only(recipe_copy, tiny_
 
 
 def test_a_tensor_past_2_24_elements_is_probed_within_its_bounds():
-    """Probe positions are computed in float64: in float32 the last one of a 136M-element embedding rounds past
-    its end."""
-    from kvsqueeze.recipe import tensor_probe
+    """In float32 the last probe position of a tensor past 2**24 elements (here 2**24 + 3, odd, rounds up to
+    2**24 + 4) lies past its end: both probes keep every position inside the tensor."""
+    from kvsqueeze.recipe import key_digest, tensor_probe
 
-    big = torch.arange(136_134_656, dtype=torch.float32)
+    big = torch.arange(2**24 + 4, dtype=torch.float32)
     probe = tensor_probe(big)
     assert len(probe) == 16 and probe[0] == 0.0 and probe[-1] == float(big[-1])
+    _, keys = key_digest(0, big.view(1, -1))
+    assert len(keys) == 16 and keys[0] == 0.0 and keys[-1] == float(big[-1])
+
+
+@pytest.mark.parametrize("default", [torch.bfloat16, torch.float16])
+def test_probes_do_not_depend_on_torchs_default_dtype(default):
+    """vLLM streams the weights with its model dtype as torch's default: the probes must be taken at the same
+    positions as under float32 (in bf16 they rounded past the end, in fp16 beyond 65,504 they overflowed)."""
+    from kvsqueeze.recipe import key_digest, tensor_probe
+
+    weight = torch.randn(128, 896, generator=torch.Generator().manual_seed(0))
+    want = key_digest(0, weight), tensor_probe(weight)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        got = key_digest(0, weight), tensor_probe(weight)
+    finally:
+        torch.set_default_dtype(before)
+    assert got == want

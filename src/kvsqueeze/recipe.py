@@ -83,16 +83,24 @@ def key_digest(layer: int, weight: torch.Tensor) -> tuple[str, list[float]]:
     if not torch.isfinite(flat).all():
         raise RecipeError(f"layer {layer}'s key projection holds NaN/Inf weights: the model's weights are broken "
                           "(a bad download or conversion); load a sound copy of the model")
-    probe = flat[torch.linspace(0, flat.numel() - 1, min(PROBES, flat.numel())).round().long()].tolist()
+    probe = flat[probe_positions(flat.numel(), torch.float32)].tolist()
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16], probe
+
+
+def probe_positions(n: int, dtype: torch.dtype) -> torch.Tensor:
+    """`PROBES` positions evenly spaced over n elements (int64), spaced in `dtype` and kept inside the tensor.
+
+    The dtype is always named: vLLM loads weights under its model dtype as torch's default, where bf16 or fp16
+    positions would round past the end or overflow, and differ from the ones the recipe was probed at. Key
+    probes are spaced in float32, as every recipe's were; tensor probes in float64. In float32 the last
+    position of a tensor past 2**24 elements rounds out of range, hence the clamp (it then equals float64's)."""
+    return torch.linspace(0, n - 1, min(PROBES, n), dtype=dtype).round().long().clamp_(0, n - 1)
 
 
 def tensor_probe(weight: torch.Tensor) -> list[float]:
     """`PROBES` elements of a weight tensor, evenly spaced over it in float32 (what `other_tensors` compares)."""
     flat = weight.detach().reshape(-1)
-    # float64 positions: float32 rounds the last index of a tensor past 2**24 elements out of range
-    index = torch.linspace(0, flat.numel() - 1, min(PROBES, flat.numel()), dtype=torch.float64).round().long()
-    return flat[index.to(flat.device)].float().cpu().tolist()
+    return flat[probe_positions(flat.numel(), torch.float64).to(flat.device)].float().cpu().tolist()
 
 
 def other_tensors(recipe_probes: dict, model_probes: dict) -> list[str]:

@@ -269,7 +269,10 @@ def test_vllm_refuses_a_recipe_of_a_model_of_the_same_shape_with_other_key_weigh
         other.model.layers[1].self_attn.k_proj.weight.mul_(1.01)
         queries.model.layers[0].self_attn.q_proj.weight.mul_(1.01)  # the keys' own weights left alone
     runs = {}
-    for name, model in (("tuned", other), ("queries", queries), ("bf16", copy.deepcopy(tiny_llama).to(torch.bfloat16))):
+    served = (("tuned", other, "float32"), ("queries", queries, "float32"),
+              ("bf16", copy.deepcopy(tiny_llama).to(torch.bfloat16), "float32"),
+              ("served_bf16", tiny_llama, "bfloat16"))  # loaded with bf16 as torch's default dtype, as vLLM does
+    for name, model, dtype in served:
         d = tmp_path / name
         model.save_pretrained(d)
         tokenizer.save_pretrained(d)
@@ -279,7 +282,7 @@ def test_vllm_refuses_a_recipe_of_a_model_of_the_same_shape_with_other_key_weigh
         runs[name] = subprocess.run([str(VLLM_PYTHON), "-m", "kvsqueeze.serving.vllm_run", "--model", str(d),
                                      "--recipe", str(tiny_recipe_dir), "--prompts", str(pf), "--max-model-len",
                                      "256", "--kv-bytes", str(64 << 20), "--skip-tokenizer-init", "--dtype",
-                                     "float32", "--out", str(tmp_path / f"{name}.json")],
+                                     dtype, "--out", str(tmp_path / f"{name}.json")],
                                     env=env, capture_output=True, text=True, timeout=900)
     tuned = runs["tuned"].stdout + runs["tuned"].stderr
     assert runs["tuned"].returncode != 0 and "key weights of layer(s) 1 differ" in tuned, tuned[-3000:]
@@ -288,6 +291,70 @@ def test_vllm_refuses_a_recipe_of_a_model_of_the_same_shape_with_other_key_weigh
     assert runs["queries"].returncode != 0 and "model.layers.0.self_attn.q_proj.weight differ" in queried, \
         queried[-3000:]
     assert runs["bf16"].returncode == 0, (runs["bf16"].stdout + runs["bf16"].stderr)[-3000:]
+    assert runs["served_bf16"].returncode == 0, (runs["served_bf16"].stdout + runs["served_bf16"].stderr)[-3000:]
+
+
+WEIGHTS_SNIPPET = """
+import types
+import torch
+from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding
+from vllm.config import VllmConfig, set_current_vllm_config
+from kvsqueeze.recipe import key_digest, tensor_probe
+from kvsqueeze.serving import vllm as kv
+
+kv.register()
+g = torch.Generator().manual_seed(0)
+k = [torch.randn(64, 128, generator=g) for _ in range(2)]
+names = [f"model.layers.{i}.self_attn.k_proj.weight" for i in range(2)]
+fp = {"layers": 2, "layers_sha256": [key_digest(i, w)[0] for i, w in enumerate(k)],
+      "layers_probe": [key_digest(i, w)[1] for i, w in enumerate(k)],
+      "weights_probe": {n: tensor_probe(w) for n, w in zip(names, k)}}
+recipe = types.SimpleNamespace(meta={"model": {"id": "tiny", "fingerprint": fp}})
+probes = {n: tensor_probe(w) for n, w in zip(names, k)}
+
+
+def refusal(found, probes=probes, refused=None):
+    try:
+        kv.KeyWeights.check(recipe, found, probes, refused)
+    except kv.ServingError as e:
+        return str(e)
+    return None
+
+
+own = {i: [(n, key_digest(i, w))] for i, (n, w) in enumerate(zip(names, k))}
+assert refusal(own) is None, "the recipe's own weights are served"
+tower = {i: [(f"vision_tower.encoder.layers.{i}.self_attn.k_proj.weight", key_digest(i, -w)), *own[i]]
+         for i, w in enumerate(k)}
+assert refusal(tower) is None, "another tower's key projections are told apart by the recipe's names"
+assert "several key projections for layer 0" in refusal({0: tower[0][:1] * 2, 1: own[1]})
+renamed = {f"language_model.{n}": v for n, v in probes.items()}
+assert "names 0 of the 2 tensors" in refusal(own, renamed), "no tensor to compare is not a pass"
+assert "quantized" in refusal(own, refused="the checkpoint is quantized (x.k_proj.qweight)")
+
+ours = kv.Rope(1.0 / 10000.0 ** (torch.arange(0, 64, 2, dtype=torch.float32) / 64))
+with set_current_vllm_config(VllmConfig()):
+    other = RotaryEmbedding(64, 64, 4096, 500000.0, True, torch.float32)  # an earlier engine's model
+    kv._ROTARIES_RUN.clear()  # this engine's model is built
+    mine = RotaryEmbedding(64, 64, 4096, 10000.0, True, torch.float32)
+    mine.forward_native(torch.arange(3), torch.randn(3, 64), torch.randn(3, 64))
+kv._check_rotary(ours, 64)  # only the module that turned this model's keys is compared
+kv._ROTARIES_RUN.clear()
+try:
+    kv._check_rotary(ours, 64)
+    raise AssertionError("with no module run, every module built is compared")
+except kv.ServingError as e:
+    assert "other angles" in str(e), e
+print("ok")
+"""
+
+
+def test_the_weight_check_tells_towers_apart_and_refuses_what_it_cannot_compare():
+    """A vision tower's key projections are told apart from the model's by the recipe's names; a checkpoint that
+    shares no tensor names with the recipe, or a quantized one, is refused rather than passed; the RoPE is
+    checked against the rotary modules that turned this model's keys, not an earlier engine's."""
+    run = subprocess.run([str(VLLM_PYTHON), "-c", WEIGHTS_SNIPPET], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert run.returncode == 0 and "ok" in run.stdout, run.stdout[-2000:] + run.stderr[-4000:]
 
 
 def test_vllm_refuses_speculative_decoding(tiny_model_dir, tiny_recipe_dir, tmp_path):

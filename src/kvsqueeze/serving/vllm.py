@@ -124,8 +124,11 @@ class PreRopeKeys:
         return keys
 
 
-# vLLM's rotary modules built in this process: the backend checks its own RoPE against each before serving
+# vLLM's rotary modules built in this process, and those that have turned keys since the model being served
+# was built (vLLM keeps rotary modules of earlier engines, whose RoPE may differ): the backend checks its own
+# RoPE against the second, or against the first when none ran through a method it wraps
 _ROTARIES: weakref.WeakSet = weakref.WeakSet()
+_ROTARIES_RUN: weakref.WeakSet = weakref.WeakSet()
 
 
 def _keep_pre_rope_keys() -> None:
@@ -150,6 +153,7 @@ def _keep_pre_rope_keys() -> None:
 
         def forward(self, positions, query, key=None, *args, _original=original, **kwargs):
             PreRopeKeys.keep(key)
+            _ROTARIES_RUN.add(self)
             return _original(self, positions, query, key, *args, **kwargs)
 
         forward._kvsqueeze = True
@@ -161,19 +165,48 @@ class KeyWeights:
 
     The engine's attention holds no weights; the checkpoint's key projections pass by as vLLM's default loader
     streams the checkpoint (HF names, whole tensors, before any sharding), and each is hashed and probed as the
-    HF path's `check_recipe` does with the model's. Set by the first kvsqueeze attention, as the model is built."""
+    HF path's `check_recipe` does with the model's. `checked` is cleared as each kvsqueeze attention is built
+    (a new engine's model), and set once its weights have passed."""
 
-    recipe = None  # the serving recipe (`Recipe`); None while no kvsqueeze attention exists
     checked = False
 
     NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.self_attn\.k_proj\.weight$")
+    QUANTIZED = re.compile(r"\.k_proj\.(qweight|qzeros|scales|weight_packed|weight_scale|weight_zero_point|absmax)$")
+
+    @staticmethod
+    def recipe_of(model):
+        """The recipe of the kvsqueeze attention in `model` (None: vLLM's own backend serves it)."""
+        for module in model.modules():
+            impl = getattr(module, "impl", None)
+            if isinstance(impl, KVSqueezeImpl):
+                return impl.config._recipe
+        return None
 
     @classmethod
-    def check(cls, digests: dict[int, tuple[str, list[float]]], probes: dict[str, list[float]] | None = None) -> None:
+    def check(cls, recipe, found: dict[int, list[tuple[str, tuple[str, list[float]]]]],
+              probes: dict[str, list[float]] | None = None, refused: str | None = None) -> None:
+        """Compare the streamed key projections (`found`: by layer, each (checkpoint name, `key_digest`)) and
+        tensor probes (by checkpoint name) with `recipe`'s fingerprint; `refused`: why the stream cannot be
+        compared at all (a quantized checkpoint), said before anything else."""
         from ..recipe import other_tensors, same_weights
 
-        want = cls.recipe.meta["model"]["fingerprint"]
-        model = cls.recipe.meta["model"].get("id")
+        want = recipe.meta["model"]["fingerprint"]
+        model = recipe.meta["model"].get("id")
+        if refused:
+            raise ServingError(f"{refused}: kvsqueeze checks the key weights against those the recipe was calibrated "
+                               f"on ({model!r}) and quantizes the keys they make; serve an unquantized checkpoint "
+                               "(fp32, bf16 or fp16), or this one with vLLM's own backend")
+        named = set(want.get("weights_probe") or ())
+        digests = {}
+        for layer, hits in found.items():
+            if len(hits) > 1:  # another tower's layers (a vision encoder): the recipe's own names pick the model's
+                hits = [h for h in hits if h[0] in named]
+            if len(hits) != 1:
+                names = ", ".join(h[0] for h in found[layer][:3])
+                raise ServingError(f"the checkpoint holds several key projections for layer {layer} ({names}) and "
+                                   "the recipe names none or several of them: kvsqueeze cannot tell which is the "
+                                   f"model its recipe was calibrated on ({model!r}); serve it with vLLM's own backend")
+            digests[layer] = hits[0][1]
         layers = int(want["layers"])
         if sorted(digests) != list(range(layers)):
             raise ServingError(f"the checkpoint's key projections (layers.N.self_attn.k_proj.weight) came for layers "
@@ -190,6 +223,13 @@ class KeyWeights:
                                "another model of the same shape); calibrate one for this model with "
                                "`kvsqueeze calibrate --model ... --out DIR`")
         if isinstance(want.get("weights_probe"), dict) and probes is not None:
+            shared = named & set(probes)
+            if 2 * len(shared) < len(named):  # a tied head may be missing; most of the model may not
+                missing = sorted(named - set(probes))
+                raise ServingError(f"the checkpoint names {len(shared)} of the {len(named)} tensors the recipe probed "
+                                   f"(missing e.g. {', '.join(missing[:3])}): kvsqueeze cannot check that it is the "
+                                   f"model the recipe was calibrated on ({model!r}); serve the checkpoint the recipe "
+                                   "was calibrated from, or this one with vLLM's own backend")
             others = other_tensors(want["weights_probe"], probes)
             if others:
                 shown = ", ".join(others[:4]) + (f" and {len(others) - 4} more" if len(others) > 4 else "")
@@ -197,6 +237,9 @@ class KeyWeights:
                                    f"{shown} differ by more than a change of precision would (a fine-tune of it); "
                                    "calibrate one for this model with `kvsqueeze calibrate --model ... --out DIR`")
         cls.checked = True
+
+
+FLOAT_WEIGHTS = (torch.float32, torch.bfloat16, torch.float16, torch.float64)  # weights kvsqueeze can check
 
 
 def _check_key_weights_as_loaded() -> None:
@@ -211,19 +254,24 @@ def _check_key_weights_as_loaded() -> None:
         return
 
     def get_all_weights(self, model_config, model):
-        if KeyWeights.recipe is None:
+        recipe = KeyWeights.recipe_of(model)
+        if recipe is None:
             yield from original(self, model_config, model)
             return
         from ..recipe import key_digest, tensor_probe
 
-        digests, probes = {}, {}
+        found, probes, refused = {}, {}, None
         for name, tensor in original(self, model_config, model):
             hit = KeyWeights.NAME.search(name)
             if hit:
-                digests[int(hit.group(1))] = key_digest(int(hit.group(1)), tensor)
+                found.setdefault(int(hit.group(1)), []).append((name, key_digest(int(hit.group(1)), tensor)))
+            if refused is None and KeyWeights.QUANTIZED.search(name):
+                refused = f"the checkpoint is quantized ({name})"
+            elif refused is None and tensor.is_floating_point() and tensor.dtype not in FLOAT_WEIGHTS:
+                refused = f"the checkpoint holds {name} in {str(tensor.dtype).replace('torch.', '')}"
             probes[name] = tensor_probe(tensor)
             yield name, tensor
-        KeyWeights.check(digests, probes)
+        KeyWeights.check(recipe, found, probes, refused)
 
     get_all_weights._kvsqueeze = True
     DefaultModelLoader.get_all_weights = get_all_weights
@@ -499,7 +547,7 @@ def _check_rotary(rope: Rope, head_size: int) -> None:
     table's dtype). The pages hold keys before RoPE and the kernels turn them by `rope` at read time against
     queries vLLM's rotary step turned, so any difference would change every attention score without an error.
     Checked once per module and RoPE, at a layer's first step (the model is built by then)."""
-    rotaries = list(_ROTARIES)
+    rotaries = list(_ROTARIES_RUN) or list(_ROTARIES)
     if not rotaries:
         raise ServingError("the kvsqueeze backend found no vLLM rotary module to check its RoPE against (a model "
                            "without RoPE, or a vLLM whose rotary modules it does not know); serve this model with "
@@ -522,9 +570,13 @@ def _check_rotary(rope: Rope, head_size: int) -> None:
                                "model with vLLM's own backend")
         table = cache.detach().float().cpu()
         cos, sin = rope.cos_sin(torch.arange(table.shape[0]), float32_angles=True)  # vLLM's angles: float32
-        tol = 2 * torch.finfo(cache.dtype).eps * max(1.0, rope.scaling) + 1e-5
+        # the table's rounding, plus what a frequency one or two float32 ulps off (another device's powf) turns
+        # into at each position: up to 2**-22 of the angle
+        angle = torch.arange(table.shape[0], dtype=torch.float64).view(-1, 1) * rope.inv_freq.double().view(1, -1)
+        tol = 2 * torch.finfo(cache.dtype).eps * max(1.0, rope.scaling) + 1e-5 + 2.0**-22 * angle
+        over = torch.maximum((table[:, :rope.half] - cos).abs() - tol, (table[:, rope.half:] - sin).abs() - tol)
         err = max(float((table[:, :rope.half] - cos).abs().max()), float((table[:, rope.half:] - sin).abs().max()))
-        if err > tol:
+        if float(over.max()) > 0:
             raise ServingError(f"vLLM's rotary module {name} turns keys by other angles than kvsqueeze's RoPE from the "
                                f"model config (cos / sin differ by up to {err:.3g} over {table.shape[0]} positions); "
                                "serve this model with vLLM's own backend")
@@ -562,7 +614,8 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         self.channels = model_heads * head_size  # every KV head's: what a token's keys and values are encoded over
         self.config = ServingConfig.from_env()
         _ = self.config.spec  # a bad method fails here, before any weight is loaded
-        KeyWeights.recipe = self.config._recipe  # the weights are checked against it as they load
+        KeyWeights.checked = False  # a model is being built: its weights are checked as they load
+        _ROTARIES_RUN.clear()  # and its RoPE against the rotary modules that turn its keys
         self.config.check_model(int(hf.num_hidden_layers), model_heads, head_size, int(hf.num_attention_heads),
                                 int(hf.hidden_size), getattr(hf, "vocab_size", None))
         self.rope = _rope(hf, head_size)
