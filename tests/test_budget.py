@@ -30,7 +30,7 @@ def test_units_and_the_shared_part_add_up_to_the_cache(bits, fraction, tokens, s
     coded = tokens - min(sinks, tokens)
     k_held = math.ceil(KEY_OUTLIER_HEADROOM * round(fraction * coded * c))
     whole = 8 * storage.total(cache_bytes(spec, layers, c, 64, Rows(tokens), outliers=[(k_held, None)] * layers))
-    assert units + shared_bits([tokens] * layers, c, sinks, window) == whole
+    assert units + shared_bits([tokens] * layers, c, sinks, window, tokens) == whole
     if fraction and coded * c >= 1000:
         assert whole > 8 * storage.total(cache_bytes(spec, layers, c, 64, Rows(tokens)))  # the headroom is charged
 
@@ -55,7 +55,7 @@ def test_on_sliding_window_layers_the_units_and_the_shared_part_add_up_to_the_ca
     sliding = [None if w is None else h for w, h in zip(windows, held)]
     whole = 8 * storage.total(cache_bytes(spec, 3, c, 64, Rows(tokens), held=sliding,
                                           outliers=[(k, None) for k in k_held]))
-    assert units + shared_bits(held, c, sinks, window, [w is not None for w in windows], tokens) == whole
+    assert units + shared_bits(held, c, sinks, window, tokens, [w is not None for w in windows]) == whole
     if tokens > 64 + sinks:
         assert kept == [0, sinks, 0]
 
@@ -78,7 +78,7 @@ def _avg_bits(recipe, spec, tokens=2048) -> float:
     c, layers = fp["kv_heads"] * fp["head_dim"], fp["layers"]
     choice = Choice(spec.k_bits, spec.outlier_fraction)
     units = layers * sum(unit_bits(kv, choice, tokens, c, spec.sinks) for kv in "kv")
-    bits = (units + shared_bits([tokens] * layers, c, spec.sinks, 0)) / (2 * tokens * c * layers)
+    bits = (units + shared_bits([tokens] * layers, c, spec.sinks, 0, tokens)) / (2 * tokens * c * layers)
     nominal = average_bits(spec, layers, c, fp["head_dim"], tokens)
     assert bits > nominal if spec.outlier_fraction else bits == nominal  # key outliers charged above their count
     return bits
@@ -353,7 +353,7 @@ def test_channel_budgets_fit_and_predict_no_more_loss_than_layer_budgets(tiny_re
     fp = tiny_recipe.meta["model"]["fingerprint"]
     c = fp["kv_heads"] * fp["head_dim"]
     spent = sum(unit_bits(kv, ch, 2048, c, 1) for k, v in zip(chan.keys, chan.values)
-                for kv, ch in (("k", k), ("v", v))) + shared_bits([2048] * fp["layers"], c, 1, 0)
+                for kv, ch in (("k", k), ("v", v))) + shared_bits([2048] * fp["layers"], c, 1, 0, 2048)
     assert spent / (2 * 2048 * c * fp["layers"]) == pytest.approx(chan.bits)
 
 
@@ -461,7 +461,7 @@ def _mixed(recipe, avg: float):
     values = alloc.values[:1] + (Choice(5, 0.0, tuple(2 + i % 4 for i in range(c))),)
     layers = len(keys)
     spent = sum(unit_bits(kv, ch, alloc.tokens, c, 1) for k, v in zip(keys, values) for kv, ch in (("k", k), ("v", v)))
-    bits = (spent + shared_bits([alloc.tokens] * layers, c, 1, 0)) / (2 * alloc.tokens * c * layers)  # what they hold
+    bits = (spent + shared_bits([alloc.tokens] * layers, c, 1, 0, alloc.tokens)) / (2 * alloc.tokens * c * layers)  # what they hold
     out = copy.deepcopy(recipe)
     out.meta.setdefault("budgets", {})[budget_key(avg, 1, unit="channel")] = dataclasses.replace(
         alloc, keys=keys, values=values, bits=bits).as_dict()

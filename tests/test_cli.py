@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 from kvsqueeze.cli import main
@@ -217,6 +219,19 @@ def test_calibrate_stores_bit_budgets_that_eval_and_inspect_read(tiny_model_dir,
     assert "nuq@3.5:chan" in capsys.readouterr().out
     assert main(["inspect", "--avg-bits", "3.5", "--out", str(tmp_path / "plots")]) == 2
     assert "pass --recipe" in capsys.readouterr().err
+    # a recipe from before its fingerprint named each layer's window takes them from its model, checked first
+    old = Recipe.load(out)
+    del old.meta["model"]["fingerprint"]["layer_windows"]
+    old.save(tmp_path / "old")
+    from conftest import tiny_model
+
+    shutil.copytree(tiny_model_dir, tmp_path / "other")  # its tokenizer; other weights of the same shape
+    tiny_model("llama", seed=5).save_pretrained(tmp_path / "other")
+    assert main(["inspect", "--model", str(tmp_path / "other"), "--recipe", str(tmp_path / "old"), "--avg-bits",
+                 "3.5", "--out", str(tmp_path / "plots")]) == 2  # not the recipe's model
+    assert "calibrated on model" in capsys.readouterr().err
+    assert main(["inspect", "--model", str(tiny_model_dir), "--recipe", str(tmp_path / "old"), "--avg-bits", "3.5",
+                 "--out", str(tmp_path / "plots")]) == 0
     # measured sensitivities: refused until `kvsqueeze budget` adds them, then read by ':kl:chan'
     assert main(["inspect", "--recipe", str(out), "--avg-bits", "3.5", "--kl", "--chan", "--out",
                  str(tmp_path / "plots")]) == 2

@@ -269,3 +269,16 @@ def test_padding_words_are_filled_with_upgrades(tiny_recipe):
     for c in (*alloc.keys, *alloc.values):
         if c.widths is not None and sum(c.widths) % 32:
             assert max(c.widths) == 6 or all(w == max(c.widths) for w in c.widths), c
+
+
+@pytest.mark.parametrize("name", ["int3:sink4", "nf3:sink2", "turbo3:sink4"])
+def test_modelled_methods_count_no_sinks_a_sliding_layer_has_moved_past(name):
+    """A sliding layer holding its last 7 tokens of a 600-token row keeps none of the row's first tokens: a
+    method no kvsqueeze cache holds is charged for its sinks on the full layer only, and for the same sinks on
+    both layers while the row is shorter than the window."""
+    spec = parse_method(name)
+    c, fp16 = 256, storage.FP16_BYTES
+    sliding = cache_bytes(spec, 2, c, 64, Rows(600), held=[7, None])
+    assert sliding["sinks"] == 2 * fp16 * spec.sinks * c  # keys and values of the full layer's sinks
+    short = cache_bytes(spec, 2, c, 64, Rows(6), held=[6, None])
+    assert short["sinks"] == 2 * 2 * fp16 * spec.sinks * c

@@ -382,6 +382,13 @@ def cmd_inspect(args) -> None:
         if not args.recipe:
             raise ValueError("--avg-bits plots a recipe's bit budget: pass --recipe DIR as well")
         recipe = Recipe.load(args.recipe)
+        if "layer_windows" not in recipe.meta["model"]["fingerprint"]:
+            # a recipe from before its fingerprint named each layer's window: a budget charges each layer for
+            # what it holds, so the windows come from its model, once checked to be that model (--model)
+            from .integrations.fingerprint import check_recipe
+            from .integrations.loading import load_model
+
+            check_recipe(recipe, load_model(args.model, args.dtype, args.device)[0])
         unit, tag = ("channel", ":chan") if args.chan else ("layer", "")
         proxy, tag = ("kl", ":kl" + tag) if args.kl else ("fisher", tag)
         for avg in budgets:

@@ -117,3 +117,31 @@ def test_window_logits_normalises_the_models_own_float32_logits_in_place():
     want = torch.randn(1, P.ROWS + 40, 11, generator=torch.Generator().manual_seed(5))[:, :-1].log_softmax(-1)
     got = P.window_logits(Fake(), torch.zeros(1, P.ROWS + 40, dtype=torch.long), sim)
     assert got.data_ptr() == made[0].data_ptr() and torch.equal(got, want)
+
+
+def test_a_sliding_model_s_checkpoint_counted_another_way_is_refused(tiny_llama, tiny_recipe, tmp_path,
+                                                                     monkeypatch):
+    """Bits on sliding-window layers are counted by what the layers hold since storage version 4: a checkpoint of
+    a sliding model written under another count is refused; one of a model without sliding layers is not."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from kvsqueeze.methods import budget
+
+    cfg = transformers.Gemma3TextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                        query_pre_attn_scalar=256, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"])
+    torch.manual_seed(0)
+    gemma = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").eval()
+    windows, specs = _windows()[:2], parse_methods("fp16,int4")
+    for model, recipe, refused in ((gemma, None, True), (tiny_llama, tiny_recipe, False)):
+        ckpt = tmp_path / f"{refused}.safetensors"
+        monkeypatch.setattr(budget, "STORAGE_VERSION", budget.STORAGE_VERSION - 1)
+        first = P.evaluate(model, windows, specs, recipe, progress=False, checkpoint=ckpt)
+        monkeypatch.undo()
+        if refused:
+            with pytest.raises(ValueError, match="other windows, methods or recipes"):
+                P.evaluate(model, windows, specs, recipe, progress=False, checkpoint=ckpt)
+        else:
+            assert P.evaluate(model, windows, specs, recipe, progress=False, checkpoint=ckpt) == first

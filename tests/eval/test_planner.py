@@ -235,3 +235,50 @@ def test_sliding_window_layers_are_planned_as_holding_their_window(tmp_path):
         report = cache.memory_report()
     assert row["kv_bytes"] == report.total_bytes
     assert row["avg_bits"] == pytest.approx(report.avg_bits, rel=1e-12) == pytest.approx(16.0, abs=0.1)
+
+
+def test_the_windows_come_from_the_config_file_named(tmp_path):
+    """A config passed by its own file name is read for its windows, not the directory's config.json; a config
+    that asks for sliding layers in a way the planner cannot read is refused rather than planned as full."""
+    import transformers
+
+    cfg = transformers.Gemma3TextConfig(vocab_size=300, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                                        query_pre_attn_scalar=256, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"])
+    (tmp_path / "gemma.json").write_text(cfg.to_json_string())
+    assert resolve_model(str(tmp_path / "gemma.json")).windows == (8, None)  # no config.json beside it
+    unknown = {**json.loads(cfg.to_json_string()), "model_type": "not_a_transformers_model"}
+    (tmp_path / "unknown.json").write_text(json.dumps(unknown))
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        resolve_model(str(tmp_path / "unknown.json"))
+    full = {k: v for k, v in unknown.items() if k not in ("layer_types", "sliding_window")}
+    (tmp_path / "full.json").write_text(json.dumps(full))
+    assert resolve_model(str(tmp_path / "full.json")).windows is None  # unknown type, nothing sliding: full
+
+
+def test_a_budget_is_planned_with_the_windows_of_the_model_planned(tiny_model_dir, tiny_recipe_dir, tmp_path):
+    """A recipe from before its fingerprint named its layers' windows takes the planned model's; a recipe whose
+    windows differ from the planned model's is refused, so a budget is never chosen for tokens the plan does
+    not count."""
+    import dataclasses
+    import shutil
+
+    from kvsqueeze.eval.planner import _budget_recipe
+    from kvsqueeze.methods import MethodError, parse_methods
+    from kvsqueeze.recipe import Recipe
+
+    shape = resolve_model(str(tiny_model_dir))
+    specs = parse_methods("nuq@3.5:chan")
+    assert _budget_recipe(shape, specs, str(tiny_recipe_dir)).meta["model"]["fingerprint"]["layer_windows"] == \
+        [None] * shape.layers
+    old = tmp_path / "old"
+    shutil.copytree(tiny_recipe_dir, old)
+    recipe = Recipe.load(old)
+    del recipe.meta["model"]["fingerprint"]["layer_windows"]
+    recipe.save(old)
+    sliding = dataclasses.replace(shape, windows=(8,) + (None,) * (shape.layers - 1))
+    assert _budget_recipe(sliding, specs, str(old)).meta["model"]["fingerprint"]["layer_windows"] == \
+        [8] + [None] * (shape.layers - 1)
+    with pytest.raises(MethodError, match="hold windows"):
+        _budget_recipe(sliding, specs, str(tiny_recipe_dir))

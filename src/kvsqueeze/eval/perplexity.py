@@ -171,6 +171,15 @@ def evaluate(
     base_nll = []
     used = {s.name: recipes.get(s.name, recipe) for s in specs}  # whose tables each method's numbers come from
     digests = {n: (r.meta.get("tensors_sha256") if r is not None else None) for n, r in used.items()}
+    if checkpoint is not None:
+        from ..integrations.parts import layer_windows
+        from ..methods.budget import STORAGE_VERSION
+
+        # bits on sliding-window layers are counted by what they hold (storage version 4 on): windows of a
+        # sliding model counted another way, or for other windows, must not join these
+        slides = layer_windows(model)
+        if any(w is not None for w in slides):
+            digests = {**digests, "sliding": {"layer_windows": slides, "storage_version": STORAGE_VERSION}}
     saved = _Checkpoint(checkpoint, windows, names, digests) if checkpoint is not None else None
     done = saved.restore(acc, base_nll) if saved is not None else 0
     # quantizers built (and the recipe checked) once per method; each window only installs the hooks

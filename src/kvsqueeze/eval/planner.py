@@ -129,24 +129,43 @@ def shape_from_config(path: str | Path) -> ModelShape:
     shape = kv_shape(cfg, where)
     name = str(cfg.get("_name_or_path") or "").strip() or p.resolve().parent.name or p.stem
     return ModelShape(**asdict(shape), name=name, params=float(estimate_params(cfg, where)),
-                      windows=_layer_windows(p, shape.layers))
+                      windows=_layer_windows(cfg, shape.layers, where))
 
 
-def _layer_windows(path: Path, layers: int) -> tuple[int | None, ...] | None:
-    """Each layer's sliding window as transformers' `DynamicCache` keeps it for this config (the local file only);
-    None where transformers does not know the model type (every layer is then planned as full)."""
+def _slides(cfg: dict) -> bool:
+    """Whether a config asks for sliding-window layers in any of the ways transformers reads."""
+    kinds = cfg.get("layer_types") or ()
+    return (any("sliding" in str(k) or "chunk" in str(k) for k in kinds) or bool(cfg.get("attention_chunk_size"))
+            or (cfg.get("sliding_window") is not None and cfg.get("use_sliding_window", True) is not False))
+
+
+def _layer_windows(cfg: dict, layers: int, where: str) -> tuple[int | None, ...] | None:
+    """Each layer's sliding window as transformers' `DynamicCache` keeps it for the config read (`cfg`, the
+    language model's); None for every layer full. A config that asks for sliding layers in a way this cannot
+    read (a model type transformers does not know, chunked attention) is refused: planned as full layers, its
+    memory would be overstated and a bit budget's choices made for tokens its layers do not hold."""
+    from transformers import AutoConfig
+    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
     try:
-        from transformers import AutoConfig
-        from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
-
-        cfg = AutoConfig.from_pretrained(str(path.parent), local_files_only=True)
-        cfg = getattr(cfg, "get_text_config", lambda: cfg)()
-        kinds = DynamicCache(config=cfg).layers
-    except Exception:  # noqa: BLE001 - an unknown model type: plan it as full layers, as before
+        config = AutoConfig.for_model(**cfg)
+        kinds = DynamicCache(config=config).layers
+    except Exception as exc:  # noqa: BLE001 - an unknown or unreadable model type
+        if _slides(cfg):
+            raise ValueError(f"{where} asks for sliding-window layers, but transformers cannot build its cache "
+                             f"({type(exc).__name__}: {exc}); plan a built-in shape or a config of a model type "
+                             "transformers knows") from exc
         return None
-    if len(kinds) != layers or not all(isinstance(k, (DynamicLayer, DynamicSlidingWindowLayer)) for k in kinds):
+    chunked = [t for t in (cfg.get("layer_types") or ()) if "chunk" in str(t)]
+    if chunked or len(kinds) != layers or not all(isinstance(k, (DynamicLayer, DynamicSlidingWindowLayer))
+                                                   for k in kinds):
+        if _slides(cfg):
+            raise ValueError(f"{where}: its layers' caches ({', '.join(sorted({type(k).__name__ for k in kinds}))}"
+                             f"{', chunked attention' if chunked else ''}) are not full or sliding-window layers "
+                             "the planner can count; plan a built-in shape instead")
         return None
-    return tuple(int(k.sliding_window) if isinstance(k, DynamicSlidingWindowLayer) else None for k in kinds)
+    windows = tuple(int(k.sliding_window) if isinstance(k, DynamicSlidingWindowLayer) else None for k in kinds)
+    return windows if any(w is not None for w in windows) else None
 
 
 def estimate_params(cfg: dict, where: str = "model config") -> int:
@@ -415,6 +434,14 @@ def _budget_recipe(shape: ModelShape, specs: list[MethodSpec], recipe: str | Non
         raise MethodError(f"recipe {recipe} is of a model with {have[0]} layers, {have[1]} KV heads of {have[2]} "
                           f"channels; {shape.name} has {shape.layers}, {shape.kv_heads} of {shape.head_dim}: plan "
                           "budgets with a recipe of the model planned")
+    # the budget charges each layer for what it holds: its windows must be the ones the plan counts
+    planned = list(shape.windows) if shape.windows is not None else [None] * shape.layers
+    if "layer_windows" not in fp:  # a recipe from before its fingerprint named them: the planned model's
+        fp["layer_windows"] = planned
+    elif list(fp["layer_windows"]) != planned:
+        raise MethodError(f"recipe {recipe} is of a model whose layers hold windows {fp['layer_windows']}; "
+                          f"{shape.name} is planned with {planned}: plan its budgets with the config.json of the "
+                          "model the recipe was calibrated on")
     return loaded
 
 

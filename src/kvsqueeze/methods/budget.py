@@ -137,10 +137,10 @@ def held_tokens(recipe: Recipe, tokens: int) -> list[int]:
     return [tokens if h is None else h for h in storage.held_by_layer(_layer_windows(recipe), tokens)]
 
 
-def held_sinks(held: list[int], sinks: int, tokens: int | None = None) -> list[int]:
-    """Sink tokens each layer still holds of a row of `tokens` (default the most any layer holds; `held`: each
-    layer's tokens, `held_tokens`): a sliding layer that moved past a row's first tokens holds none of them."""
-    rows = Rows(max(held) if tokens is None else tokens)
+def held_sinks(held: list[int], sinks: int, tokens: int) -> list[int]:
+    """Sink tokens each layer still holds of a row of `tokens` (`held`: each layer's tokens, `held_tokens`): a
+    sliding layer that moved past a row's first tokens holds none of them."""
+    rows = Rows(tokens)
     return [rows.counts(sinks, 0, h)[0] for h in held]
 
 
@@ -149,14 +149,15 @@ def sliding_layers(recipe: Recipe) -> list[bool]:
     return [w is not None for w in _layer_windows(recipe)]
 
 
-def shared_bits(held: list[int], channels: int, sinks: int, window: int, sliding: list[bool] | None = None,
-                tokens: int | None = None) -> float:
-    """Bits every choice pays alike in a cache of `tokens` tokens (one row; default the most any layer holds):
+def shared_bits(held: list[int], channels: int, sinks: int, window: int, tokens: int,
+                sliding: list[bool] | None = None) -> float:
+    """Bits every choice pays alike in a cache of `tokens` tokens (one row; the row's length, not what a layer
+    holds: on a sliding layer its sinks are gone once the row is longer than the layer's window):
     each layer's fp16 sinks and window and its table of their slots, the full layers' shared position log and
     each sliding layer's own (`held`: the tokens each layer holds, `held_tokens`; `sliding`: which layers slide,
     `sliding_layers`), as `storage.cache_bytes` counts them."""
     sliding = sliding or [False] * len(held)
-    rows = Rows(max(held) if tokens is None else tokens)
+    rows = Rows(tokens)
     out = 0
     for h, slides in zip(held, sliding):
         n_sinks, n_window = rows.counts(sinks, window, h)
@@ -183,7 +184,7 @@ class _Holding:
         return cls(tokens, held, held_sinks(held, sinks, tokens), sliding_layers(recipe))
 
     def shared(self, channels: int, sinks: int, window: int) -> float:
-        return shared_bits(self.held, channels, sinks, window, self.sliding, self.tokens)
+        return shared_bits(self.held, channels, sinks, window, self.tokens, self.sliding)
 
     def elements(self, channels: int) -> int:
         return 2 * sum(self.held) * channels
@@ -197,8 +198,10 @@ def _units_budget(avg_bits: float, hold: _Holding, channels: int, sinks: int, wi
     """What the units (every layer's keys and values) may store in all: the budget less the shared part."""
     budget = avg_bits * hold.elements(channels) - hold.shared(channels, sinks, window)
     if budget <= 0:
+        # a longer context dilutes the sinks and window only on layers that hold every token
+        longer = "" if all(hold.sliding) and all(h < hold.tokens for h in hold.held) else " or a longer context"
         raise MethodError(f"{name}: the fp16 sinks and window alone store more than {avg_bits:g} bits per element at "
-                          f"{hold.tokens} tokens; give a larger average, a smaller window or a longer context")
+                          f"{hold.tokens} tokens; give a larger average or a smaller window{longer}")
     return budget
 
 

@@ -466,18 +466,20 @@ def _modelled(spec: MethodSpec, channels: int, rows: Rows, held: int | None, k_o
     tokens = rows.tokens if held is None else held
     k_each = None if k_outliers is None else k_outliers / rows.batch
     v_each = None if v_outliers is None else v_outliers / rows.batch
-    bits = _modelled_bits(spec, tokens, channels, k_each, v_each, head_dim)
+    kept = rows.counts(spec.sinks, spec.window, held)  # a sliding layer past a row's first tokens holds no sinks
+    bits = _modelled_bits(spec, tokens, channels, k_each, v_each, head_dim, kept[0] / rows.batch,
+                          kept[1] / rows.batch)
     out = dict.fromkeys(storage.COMPONENTS, 0)
     for name, b in bits.items():
         out[name] = rows.batch * b / 8
     return out
 
 
-def _modelled_bits(spec: MethodSpec, tokens: int, channels: int, k_outliers, v_outliers, head_dim) -> dict:
+def _modelled_bits(spec: MethodSpec, tokens: int, channels: int, k_outliers, v_outliers, head_dim, sinks: float,
+                   window: float) -> dict:
+    """Bits of one row of `tokens` held tokens, `sinks` and `window` of them in fp16 (`Rows.counts`)."""
     out = dict(codes=0.0, scales=0.0, outlier_values=0.0, outlier_indices=0.0, pointers=0.0, sinks=0.0,
                fp16_window=0.0, codebook=0.0)
-    sinks = min(spec.sinks, tokens)
-    window = min(spec.window, tokens - sinks)
     fam = family(spec)
     q = tokens - sinks - (0 if fam.window_beside_codes else window)  # tokens held as codes (nuq: the window's too)
     out["sinks"] = 2.0 * sinks * channels * FP16_BITS
