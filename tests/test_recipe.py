@@ -556,3 +556,29 @@ def test_probes_do_not_depend_on_torchs_default_dtype(default):
     finally:
         torch.set_default_dtype(before)
     assert got == want
+
+
+def test_a_model_is_fingerprinted_once_per_state_of_its_weights(tiny_llama, monkeypatch):
+    """The fingerprint is taken once for the same weights (every cache checks its recipe against it), and taken
+    again once any weight changes in place; what it returns may be changed by its caller."""
+    import kvsqueeze.integrations.fingerprint as F
+
+    taken = []
+    real = F._fingerprint
+    monkeypatch.setattr(F, "_fingerprint", lambda m: taken.append(1) or real(m))
+    F._TAKEN.pop(tiny_llama, None)
+    first = F.model_fingerprint(tiny_llama)
+    first["layers_sha256"][0] = "changed by a caller"
+    again = F.model_fingerprint(tiny_llama)
+    assert len(taken) == 1 and again["layers_sha256"][0] != "changed by a caller"
+    layer = tiny_llama.model.layers[0].self_attn.k_proj.weight
+    saved = layer.detach().clone()
+    with torch.no_grad():
+        layer.mul_(1.01)
+    try:
+        moved = F.model_fingerprint(tiny_llama)
+        assert len(taken) == 2 and moved["layers_sha256"][0] != again["layers_sha256"][0]
+    finally:
+        with torch.no_grad():
+            layer.copy_(saved)  # the shared model exactly as it was
+    assert F.model_fingerprint(tiny_llama) == again and len(taken) == 3

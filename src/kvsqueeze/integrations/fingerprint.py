@@ -3,14 +3,37 @@ probed elements of every tensor."""
 
 from __future__ import annotations
 
+import copy
+import weakref
+
 from ..recipe import Recipe, key_digest, tensor_probe
 from ..shape import kv_shape
 from .parts import attention_modules, key_weight, layer_windows
 
+# each model's fingerprint, with the state of its parameters it was taken from: hashing every key projection
+# and probing every tensor again for each cache or evaluation of the same weights costs seconds on a large model
+_TAKEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _state(model) -> tuple:
+    """What a fingerprint depends on: each parameter's storage, version counter (bumped by any in-place change),
+    dtype and shape, and the config's sizes."""
+    return (tuple((n, p.data_ptr(), p._version, p.dtype, tuple(p.shape)) for n, p in model.named_parameters()),
+            model.config.to_json_string(use_diff=False))
+
 
 def model_fingerprint(model) -> dict:
     """Shapes, and for every layer a hash of its key projection's weights and a few of those weights, evenly
-    spaced over the matrix (`recipe.same_weights` compares them across a change of precision)."""
+    spaced over the matrix (`recipe.same_weights` compares them across a change of precision). Taken once per
+    state of the model's weights (a copy is returned: callers may keep and change it)."""
+    state = _state(model)
+    hit = _TAKEN.get(model)
+    if hit is None or hit[0] != state:
+        hit = _TAKEN[model] = (state, _fingerprint(model))
+    return copy.deepcopy(hit[1])
+
+
+def _fingerprint(model) -> dict:
     shape = kv_shape(model.config)
     digests = [key_digest(i, key_weight(attn, shape.channels)) for i, attn in enumerate(attention_modules(model))]
     hashes, probes = [d[0] for d in digests], [d[1] for d in digests]
