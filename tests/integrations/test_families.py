@@ -38,7 +38,7 @@ SMALL_CAL = CalibrationConfig(samples=2, seqlen=64, bits=(3,), fractions=(0.0, 0
 CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
            "olmo2": "Olmo2Config", "olmo": "OlmoConfig", "smollm3": "SmolLM3Config", "phi3": "Phi3Config",
            "gemma3": "Gemma3TextConfig", "cohere": "CohereConfig", "phi": "PhiConfig", "gemma2": "Gemma2Config",
-           "gpt_neox": "GPTNeoXConfig", "gpt_oss": "GptOssConfig"}
+           "gpt_neox": "GPTNeoXConfig", "gpt_oss": "GptOssConfig", "llama4": "Llama4TextConfig"}
 
 
 def family_model(arch: str, seed: int = 0, attn: str = "sdpa", **overrides):
@@ -155,12 +155,15 @@ def test_fused_decode_equals_dense_with_a_left_padded_batch(supported, method):
     assert fused.shape == (2, 22) and torch.equal(fused, dense)
 
 
+LLAMA4 = dict(intermediate_size_mlp=2 * HIDDEN, num_local_experts=1, interleave_moe_layer_step=1)
 REFUSED = {  # arch, config overrides, what the refusal must say
     "olmo": ("olmo", dict(clip_qkv=2.0, head_dim=None), "clip_qkv"),
     "cohere": ("cohere", dict(head_dim=None), "not its `k_proj` output turned by rotate-half RoPE"),
     "gpt_neox": ("gpt_neox", dict(head_dim=None, num_key_value_heads=None), "query_key_value"),
     "dynamic": ("llama", dict(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}),
                 "changes its frequencies"),
+    "llama4": ("llama4", dict(LLAMA4, attention_chunk_size=8), "chunked attention"),
+    "llama4_full": ("llama4", dict(LLAMA4, layer_types=["full_attention"] * LAYERS), "complex frequencies"),
 }
 
 

@@ -241,7 +241,12 @@ def layer_windows(model) -> list[int | None]:
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     out = []
+    kinds = list(getattr(model.config, "layer_types", None) or ())
     for i, layer in enumerate(DynamicCache(config=model.config).layers):
+        if i < len(kinds) and "chunk" in str(kinds[i]):  # cached as a sliding window, read within its chunk
+            raise ValueError(f"layer {i} of {type(model).__name__} attends within chunks of its tokens (chunked "
+                             "attention), a layer kind kvsqueeze caches do not implement (full and sliding-window "
+                             "layers only)")
         if isinstance(layer, DynamicSlidingWindowLayer):
             out.append(int(layer.sliding_window))
         elif type(layer) is DynamicLayer:

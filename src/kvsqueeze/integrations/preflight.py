@@ -84,6 +84,10 @@ def preflight(model, keys: bool = True) -> None:
             f"{type(model).__name__} holds NaN/Inf weights ({', '.join(broken[:3])}"
             f"{' ...' if len(broken) > 3 else ''}): the checkpoint is broken (a bad download or conversion); "
             "load a sound copy of the model")
+    chunked = [i for i, kind in enumerate(getattr(model.config, "layer_types", None) or ()) if "chunk" in str(kind)]
+    if chunked:  # transformers caches them as sliding windows, but a query reads only its own chunk
+        raise _refuse(model, chunked[0], "it attends within chunks of its tokens (chunked attention), which kvsqueeze "
+                      "caches do not implement (full and sliding-window layers only)")
     read, cache = read_forward(model, ids)
     t, h, d = PREFLIGHT_TOKENS, shape.kv_heads, shape.head_dim
     if keys:
@@ -107,6 +111,15 @@ def preflight(model, keys: bool = True) -> None:
         except TypeError as exc:
             raise _refuse(model, 0, f"its rotary module cannot be called with positions (and a layer type) "
                           f"alone ({exc})") from exc
+        for i, turn in enumerate(turns):
+            pair = isinstance(turn, (tuple, list)) and len(turn) == 2 and all(
+                isinstance(c, torch.Tensor) and not c.is_complex() for c in turn)
+            if turn is not None and not pair:
+                what = ("complex frequencies (keys turned in interleaved pairs, as Llama-4 does)"
+                        if isinstance(turn, torch.Tensor) and turn.is_complex() else f"a {type(turn).__name__}")
+                raise _refuse(model, i, f"its rotary module gives {what}, not the (cos, sin) pair of rotate-half "
+                              "RoPE that kvsqueeze turns keys by", "use a method that quantizes keys after RoPE "
+                              "(e.g. int4, kivi2)")
     eps = torch.finfo(next(model.parameters()).dtype).eps
     for i in range(len(attn)):
         cached_k, cached_v = cache.layers[i].keys.float(), cache.layers[i].values.float()  # [1, H, T, D]
