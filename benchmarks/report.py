@@ -243,8 +243,10 @@ def ruler(data: dict, task: str = "average") -> str:
 def ruler_paired(data: dict) -> str:
     """Each method against fp16 on the same questions: the mean difference in points and its 95% interval."""
     cfg = data["config"]
-    out = ["Score difference against fp16 on the same questions, in points (95% bootstrap interval over "
-           "questions)\n"]
+    out = ["Score difference against fp16 on the same questions, in points (a 95% bootstrap interval over "
+           "questions, as this run was first summarised: it takes the questions of one prefill as independent, "
+           "which overstates the precision; the run with many questions per context, below, gives intervals over "
+           "samples)\n"]
     for run in cfg["runs"]:
         mine = [r for r in data.get("paired", []) if r["model"] == run["model"]]
         if not mine:
@@ -270,14 +272,14 @@ def ruler_questions(data: dict) -> str:
     cfg = data["config"]
     paired = {(r["model"], r["method"], r["length"]): r for r in data.get("paired", [])}
     split = {(r["model"], r["method"], r["length"], r["answers"]): r for r in data.get("paired_by_answers", [])}
-    out = [f"Points against fp16 on the same questions (95% bootstrap interval over contexts: a prefill's questions "
-           f"are drawn together); {cfg['engine']} engine, greedy answers ({cfg['machine']})\n"]
+    out = [f"Points against fp16 on the same questions ({OVER_SAMPLES}); {cfg['engine']} engine, greedy answers "
+           f"({cfg['machine']})\n"]
     for run in cfg["runs"]:
         lengths = sorted({n for m, _, n in paired if m == run["model"]})
         for n in lengths:
             ref = next((r for (m, _, k), r in paired.items() if m == run["model"] and k == n), None)
             out += [f"`{run['model']}` at {n // 1024}K (fp16 scores {ref['fp16_score']:.1f}; answers fully "
-                    f"{ref['fp16_right']} of {ref['questions']} questions, asked on {ref['contexts']} contexts):\n",
+                    f"{ref['fp16_right']} of {ref['questions']} questions, asked on {_drawn(ref)}):\n",
                     "| method | questions | score | vs fp16 | share | on fp16's right | one answer | several |",
                     "|---|---:|---:|---:|---:|---:|---:|---:|"]
             for meth in cfg["methods"]:
@@ -287,8 +289,7 @@ def ruler_questions(data: dict) -> str:
                 one, several = (split.get((run["model"], meth, n, g)) for g in ("one", "several"))
                 share = "–" if r["share"] is None else f"{100 * r['share']:.0f}%"
                 right = "–" if r["on_fp16_right"] is None else f"{r['on_fp16_right']:.1f}"
-                out.append(f"| `{meth}` | {r['questions']} | {r['score']:.1f} | {r['diff']:+.1f} ({r['ci95'][0]:+.1f} "
-                           f"… {r['ci95'][1]:+.1f}) | {share} | {right} | "
+                out.append(f"| `{meth}` | {r['questions']} | {r['score']:.1f} | {_points(r)} | {share} | {right} | "
                            + " | ".join("–" if g is None else f"{g['diff']:+.1f} (n={g['questions']})"
                                         for g in (one, several)) + " |")
             out.append("")
@@ -297,13 +298,13 @@ def ruler_questions(data: dict) -> str:
 
 def ruler_pooled(data: dict) -> str:
     """`ruler.json`: each method against fp16 on every length's questions pooled, and against KVQuant's
-    `nuq3-1%` on the same questions, per length and pooled (points, 95% bootstrap interval over contexts)."""
+    `nuq3-1%` on the same questions, per length and pooled (points, 95% interval over samples)."""
     cfg = data["config"]
     pooled = {(r["model"], r["method"]): r for r in data.get("paired_all_lengths", [])}
     head = {(r["model"], r["method"], r["length"]): r for r in data.get("against_kvquant", [])}
 
     def cell(r: dict | None) -> str:
-        return "–" if r is None else f"{r['diff']:+.1f} ({r['ci95'][0]:+.1f} … {r['ci95'][1]:+.1f})"
+        return "–" if r is None else _points(r)
 
     out = []
     for run in cfg["runs"]:
@@ -311,7 +312,7 @@ def ruler_pooled(data: dict) -> str:
         if not lengths:
             continue
         out += [f"`{run['model']}`, every length pooled against fp16, and against `nuq3-1%` on the same questions "
-                "(95% bootstrap interval over contexts):\n",
+                f"({OVER_SAMPLES}):\n",
                 "| method | questions | vs fp16, all lengths | "
                 + " | ".join(f"vs `nuq3-1%` {n // 1024}K" for n in lengths) + " | vs `nuq3-1%`, all |",
                 "|---|---:|---:|" + "---:|" * (len(lengths) + 1)]
@@ -500,7 +501,19 @@ def _pct(delta: float, ci) -> str:
 
 
 def _points(r: dict) -> str:
-    return f"{_signed(r['diff'], 1)} ({_signed(r['ci95'][0], 1)} … {_signed(r['ci95'][1], 1)})"
+    """A paired RULER difference in points with its interval over samples (none over a single sample)."""
+    ci = r.get("ci95")
+    return f"{_signed(r['diff'], 1)} " + ("(one sample: no interval)" if ci is None
+                                          else f"({_signed(ci[0], 1)} … {_signed(ci[1], 1)})")
+
+
+def _drawn(r: dict) -> str:
+    """What a paired RULER row's questions were asked on: samples (the interval's unit) and contexts."""
+    return f"{r['samples']} samples ({r['contexts']} contexts)" if "samples" in r else f"{r['contexts']} contexts"
+
+
+OVER_SAMPLES = ("95% interval over samples: a sample's contexts share their quantized caches, so their questions "
+                "count together; Student's t on the samples' spread")
 
 
 def _short(model: str) -> str:
@@ -564,7 +577,7 @@ def headline_compare(results: Path) -> str:
             if None in pair:
                 continue
             out.append(f"| {_short(m)}, RULER {n // 1024}K, points from fp16 ({pair[0]['fp16_score']:.1f}), "
-                       f"{pair[0]['questions']} paired questions on {pair[0]['contexts']} contexts | "
+                       f"{pair[0]['questions']} paired questions on {_drawn(pair[0])} | "
                        + " | ".join(map(_points, pair))
                        + " | ruler.json |")
         pooled = {r["method"]: r for r in ruler.get("paired_all_lengths", []) if r["model"] == m}
@@ -572,7 +585,7 @@ def headline_compare(results: Path) -> str:
             lengths = sorted({k[2] for k in paired if k[0] == m})
             span = f"{lengths[0] // 1024}K–{lengths[-1] // 1024}K"
             out.append(f"| {_short(m)}, RULER {span} pooled, points from fp16, {pooled[COMPARED[0]]['questions']} "
-                       f"paired questions on {pooled[COMPARED[0]]['contexts']} contexts | "
+                       f"paired questions on {_drawn(pooled[COMPARED[0]])} | "
                        + " | ".join(_points(pooled[meth]) for meth in COMPARED)
                        + " | ruler.json |")
             against = next((r for r in ruler.get("against_kvquant", []) if r["model"] == m

@@ -38,8 +38,9 @@ recipe under the same method names (`experiments/ruler_recipe_check.py` tells wh
 answers as the logged one did).
 
 Per (model, method, length) the JSON's `paired` rows give: the questions answered by both the method and fp16,
-the mean difference in points with its 95% bootstrap interval over contexts (`contexts`: the questions of one
-prefill are drawn together, since they share its quantized cache), the share of fp16's mean score,
+the mean difference in points with its 95% interval over samples (`samples`: a sample's contexts, one prefill
+each, share their quantized caches, so their questions count together; Student's t on the samples' spread, none
+with one sample), the share of fp16's mean score,
 and the method's score on the questions fp16 answers fully (`on_fp16_right`, out of `fp16_right`);
 `paired_by_answers` splits them into the questions asking for one string and those asking for several.
 
@@ -98,11 +99,15 @@ def ratios(scores) -> dict:
     return out
 
 
+def _ci(ci) -> list | None:
+    return None if ci is None else list(ci)
+
+
 def _paired_row(p) -> dict:
     """A `Paired` as the JSON gives it (length 0: every length pooled)."""
     return {"model": p.model, "method": p.method, "length": p.length or "all", "questions": p.questions,
-            "score": p.score, "reference_score": p.reference_score, "diff": p.diff, "ci95": list(p.ci95),
-            "contexts": p.contexts}
+            "score": p.score, "reference_score": p.reference_score, "diff": p.diff, "ci95": _ci(p.ci95),
+            "contexts": p.contexts, "samples": p.samples}
 
 
 def _records(path: Path) -> list[dict]:
@@ -227,8 +232,9 @@ def main() -> None:
             "runs": [{"model": m, "recipe": r, "lengths": ls, "layout": lay} for m, r, ls, lay in runs],
             "haystack": "BBC corpus, evaluation part (articles held out from calibration)",
             "scoring": "share of the expected strings in the greedy answer (RULER's string_match_all), x100; "
-                       "average = mean over tasks, ci95 = bootstrap over samples (each sample's mean over tasks); "
-                       "paired: bootstrap over contexts, see the module docstring",
+                       "average = mean over samples of each sample's mean over tasks, ci95 over samples (Student's t "
+                       "on their spread); paired: the same over samples (a sample's contexts together), "
+                       "see the module docstring",
             "questions": "those every method run on the model has answered",
             "answers_pending": pending,  # answers to questions some method has not answered yet: left out
         },
@@ -238,19 +244,19 @@ def main() -> None:
                   **({"tasks": n} if s.task == "average" and (n := covered[(s.model, s.method, s.length)]) < len(tasks)
                      else {})} for s in scores],
         "share_of_fp16": ratios(scores),
-        # the same questions answered by each method and by fp16: mean difference in points, 95% bootstrap
-        # interval over contexts, share of fp16's mean score
+        # the same questions answered by each method and by fp16: mean difference in points, 95% interval over
+        # samples, share of fp16's mean score
         "paired": [{"model": p.model, "method": p.method, "length": p.length, "questions": p.questions,
-                    "score": p.score, "fp16_score": p.reference_score, "diff": p.diff, "ci95": list(p.ci95),
+                    "score": p.score, "fp16_score": p.reference_score, "diff": p.diff, "ci95": _ci(p.ci95),
                     "share": p.share, "on_fp16_right": p.on_reference_right, "fp16_right": p.reference_right,
-                    "contexts": p.contexts}
+                    "contexts": p.contexts, "samples": p.samples}
                    for p in paired(kept)],
         # the same, split by what a question asks for: one string, or several (where a method's loss on Qwen's
         # first 4K context lay)
         "paired_by_answers": [{"answers": group, "model": p.model, "method": p.method, "length": p.length,
                                "questions": p.questions, "score": p.score, "fp16_score": p.reference_score,
-                               "diff": p.diff, "ci95": list(p.ci95), "on_fp16_right": p.on_reference_right,
-                               "fp16_right": p.reference_right, "contexts": p.contexts}
+                               "diff": p.diff, "ci95": _ci(p.ci95), "on_fp16_right": p.on_reference_right,
+                               "fp16_right": p.reference_right, "contexts": p.contexts, "samples": p.samples}
                               for group, members in ANSWER_GROUPS.items()
                               for p in paired([a for a in kept if a.task in members])],
         # every length's questions pooled, against fp16; and each method against KVQuant's `nuq3-1%` on the same

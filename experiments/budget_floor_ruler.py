@@ -88,7 +88,7 @@ def main() -> None:
     for group, keep in (("all", lambda t: True), ("one", lambda t: t not in SEVERAL), ("several", SEVERAL.__contains__)):
         for p in paired([a for a in answers if keep(a.task)]):
             rows.append({"questions": group, "method": p.method, "n": p.questions, "score": p.score,
-                         "fp16_score": p.reference_score, "diff": p.diff, "ci95": list(p.ci95)})
+                         "fp16_score": p.reference_score, "diff": p.diff, "ci95": None if p.ci95 is None else list(p.ci95)})
     d = int(recipe.meta["model"]["fingerprint"]["head_dim"])
 
     def fast_mean(alloc) -> float:

@@ -416,7 +416,7 @@ def test_paired_differences_match_questions_one_to_one():
             for (t, s), sc in zip([("vt", 0), ("cwe", 0), ("vt", 1), ("cwe", 1)], scores)]
     (p,) = paired(rows)
     assert p.method == "nuq3-1%" and p.questions == 4 and p.diff == -25.0
-    assert p.ci95[0] <= -25.0 <= p.ci95[1] and p.ci95[1] <= 0.0 and p.share == pytest.approx(1.5 / 2.5, abs=1e-3)
+    assert p.ci95[0] <= -25.0 <= p.ci95[1] and p.share == pytest.approx(1.5 / 2.5, abs=1e-3)
     assert (p.score, p.reference_score) == (37.5, 62.5)
     assert p.reference_right == 2 and p.on_reference_right == 50.0  # fp16 fully right on two; the method on one
 
@@ -460,8 +460,34 @@ def test_paired_intervals_draw_a_context_s_questions_together():
             for sample in (0, 1) for item in range(10)
             for meth, sc in (("fp16", 1.0), ("q3.5", 0.0 if sample == 0 else 1.0))]
     (p,) = paired(rows)
-    assert (p.questions, p.contexts, p.diff) == (20, 2, -50.0)
-    assert p.ci95 == (-100.0, 0.0)
+    assert (p.questions, p.contexts, p.samples, p.diff) == (20, 2, 2, -50.0)
+    assert p.ci95 == (-100.0, 100.0)  # -50 +- 12.7 * 50, clipped: two samples tell next to nothing
+    (one,) = paired([a for a in rows if a.sample == 0])
+    assert one.diff == -100.0 and one.ci95 is None  # one sample: no interval at all
+
+
+def test_a_sample_s_contexts_are_drawn_together():
+    """In layout `many` a sample asks 24 questions on its needles context and 2 on its words context (another
+    seed): the interval is over samples, so no draw holds only word questions, and with few samples it is as
+    wide as their spread says (Student's t), not the narrow range a percentile bootstrap gives."""
+    from kvsqueeze.eval.ruler_eval import Answer, cluster_interval, paired
+
+    rows = []
+    for sample, (needles, words) in enumerate(((-12.5, 0.0), (-12.5, 0.0), (-8.0, 5.0), (-16.0, -5.0))):
+        for meth in ("fp16", "q3.5"):
+            lost = round(-needles / 100 * 24) if meth == "q3.5" else 0
+            rows += [Answer("m", meth, "e", "niah_single_number", 4096, sample, 100 + sample, 100,
+                            0.0 if i < lost else 1.0, "", ("x",), i) for i in range(24)]
+            rows += [Answer("m", meth, "e", "cwe", 4096, sample, 900 + sample, 100,
+                            0.5 + (words / 100 if meth == "q3.5" else 0.0), "", ("x",), i) for i in range(2)]
+    (p,) = paired(rows)
+    assert (p.samples, p.contexts, p.questions) == (4, 8, 104)
+    sums = {s: sum(100 * (a.score - b.score) for a, b in zip(
+        [r for r in rows if r.method == "q3.5" and r.sample == s], [r for r in rows if r.method == "fp16"
+                                                                    and r.sample == s])) for s in range(4)}
+    assert p.ci95 == tuple(round(x, 2) for x in cluster_interval(list(sums.values()), [26] * 4, -100.0, 100.0))
+    means = [sums[s] / 26 for s in range(4)]
+    assert p.ci95[0] < min(means) and p.ci95[1] > max(means) and p.ci95[1] < 0.0
 
 
 def test_the_average_s_interval_is_about_the_average_it_is_shown_with():
@@ -474,7 +500,8 @@ def test_the_average_s_interval_is_about_the_average_it_is_shown_with():
             for s in range(4) for i in range(24)]
     rows += [Answer("m", "fp16", "e", "cwe", 4096, s, s, 100, 0.1 + 0.1 * (s % 2), "", ("x",)) for s in range(4)]
     (avg,) = [s for s in summarize(rows) if s.task == "average"]
-    assert avg.score == 57.5 and avg.ci95[0] <= 57.5 <= avg.ci95[1] and avg.ci95[1] - avg.ci95[0] <= 5.0
+    # samples average 55 and 60 in turn: 57.5 +- 3.182 * 2.887 / 2
+    assert avg.score == 57.5 and avg.ci95 == (52.91, 62.09)
 
 
 def test_paired_questions_are_told_apart_by_item():

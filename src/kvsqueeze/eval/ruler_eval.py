@@ -49,7 +49,7 @@ from ..integrations.prefill import DensePrefill, check_full_attention, compresse
 from ..integrations.simulate import SimulatedQuantization
 from ..methods import MethodSpec
 from ..recipe import Recipe
-from .ruler import TASKS, Context, Question, derive_seed, question_digest, score_answer
+from .ruler import TASKS, Context, Question, question_digest, score_answer
 from .skinny import skinny_linears
 from .tables import text_table
 
@@ -374,23 +374,42 @@ class Score:
     ci95: tuple[float, float] | None = None  # "average" rows: a bootstrap over samples
 
 
-def _bootstrap(per_sample: list[float], reps: int = 2000, seed: int = 0) -> tuple[float, float]:
-    import random
+# Student's t, 97.5th percentile, by degrees of freedom (beyond the table: its expansion in 1 / df)
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
 
-    if len(per_sample) < 2:
-        return (per_sample[0], per_sample[0]) if per_sample else (math.nan, math.nan)
-    rng = random.Random(seed)
-    n = len(per_sample)
-    means = sorted(sum(rng.choice(per_sample) for _ in range(n)) / n for _ in range(reps))
-    return means[int(0.025 * reps)], means[int(0.975 * reps) - 1]
+
+def t975(df: int) -> float:
+    """Student's t quantile 0.975 with `df` degrees of freedom (df >= 1)."""
+    if df <= len(_T975):
+        return _T975[df - 1]
+    z = 1.959964
+    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+
+
+def cluster_interval(sums: Sequence[float], counts: Sequence[int], lo: float = -math.inf,
+                     hi: float = math.inf) -> tuple[float, float] | None:
+    """95% interval of sum(sums) / sum(counts), a mean over questions drawn in clusters (cluster i: its values'
+    sum and count), from the clusters' spread: the cluster-robust standard error of a ratio, with Student's t on
+    clusters - 1 degrees of freedom, clipped to [lo, hi]. With few clusters a percentile bootstrap over them is
+    far narrower than their spread warrants (over three clusters it spans little more than their range); t is
+    not. None for fewer than two clusters."""
+    n = len(sums)
+    if n < 2:
+        return None
+    total = sum(counts)
+    mean = sum(sums) / total
+    var = n / (n - 1) * sum((s - mean * k) ** 2 for s, k in zip(sums, counts)) / total**2
+    half = t975(n - 1) * math.sqrt(var)
+    return max(lo, mean - half), min(hi, mean + half)
 
 
 def summarize(answers: Sequence[Answer]) -> list[Score]:
-    """Task rows (mean over samples) and an "average" row (mean over tasks) per (model, method, engine, length).
+    """Task rows (mean over samples) and an "average" row per (model, method, engine, length).
 
-    The average's interval resamples whole samples, each sample's average taken as the average is (the mean of
-    its task means, every task counting once however many questions it asks), so that the interval is about the
-    number it is shown with.
+    The average is the mean over samples of each sample's average (the mean of its task means, every task
+    counting once however many questions it asks), and its interval is over samples (`cluster_interval`), so
+    that the interval is about the number it is shown with, also where a sample lacks a task.
     """
     groups: dict[tuple, list[Answer]] = {}
     for a in answers:
@@ -412,19 +431,20 @@ def summarize(answers: Sequence[Answer]) -> list[Score]:
                 if got:
                     means.append(100 * sum(got) / len(got))
             per_sample.append(sum(means) / len(means))
-        lo, hi = _bootstrap(per_sample)
-        avg = sum(task_means.values()) / len(task_means)
+        ci = cluster_interval(per_sample, [1] * len(per_sample), 0.0, 100.0)
+        avg = sum(per_sample) / len(per_sample)
         out.append(Score(model, method, engine, "average", length, len(samples), round(avg, 2),
-                         (round(lo, 2), round(hi, 2))))
+                         None if ci is None else (round(ci[0], 2), round(ci[1], 2))))
     return out
 
 
 @dataclass(frozen=True)
 class Paired:
     """A method against the reference on the very same questions: the mean score difference in points, its 95%
-    bootstrap interval over contexts (the questions asked on one context share its prefill and its quantized
-    cache, so they are not independent draws), the method's share of the reference's mean score, and its mean
-    score (0-100) on the questions the reference answers fully (so the reference's own failures do not blur it)."""
+    interval over samples (the questions of one sample's contexts share their prefills and quantized caches, so
+    they are not independent draws; None with fewer than two samples), the method's share of the reference's
+    mean score, and its mean score (0-100) on the questions the reference answers fully (so the reference's own
+    failures do not blur it)."""
 
     model: str
     method: str
@@ -432,27 +452,24 @@ class Paired:
     length: int
     questions: int
     diff: float
-    ci95: tuple[float, float]
+    ci95: tuple[float, float] | None
     share: float | None
     score: float = math.nan  # the method's mean score (0-100) on these questions
     reference_score: float = math.nan
     on_reference_right: float | None = None  # mean score (0-100) where the reference scores 1
     reference_right: int = 0  # how many such questions
-    contexts: int = 0  # the contexts the questions were asked on: what the interval resamples
+    contexts: int = 0  # the contexts (prefills) the questions were asked on
+    samples: int = 0  # the samples (each length's contexts of one seed): what the interval is over
 
 
-def paired(answers: Sequence[Answer], reference: str = "fp16", reps: int = 2000, seed: int = 0,
-           by_length: bool = True) -> list[Paired]:
+def paired(answers: Sequence[Answer], reference: str = "fp16", by_length: bool = True) -> list[Paired]:
     """Each method's answers against the reference's to the same questions, per (model, engine, length); with
     `by_length` False, the questions of every length pooled (their rows' `length` is 0).
 
-    The interval is a cluster bootstrap: each draw takes the cell's contexts (model, engine, length, sample and
-    seed: one prefill) with replacement, every question of a context drawn with it, and gives the mean
-    difference over the questions drawn. With few contexts it is still optimistic; `contexts` says how many.
-    Each cell's bootstrap draws from a generator of its own, seeded by `seed` and the cell, over its contexts in
-    order: its interval depends on its own pairs alone, not on other cells or the order answers were written in."""
-    import random
-
+    The interval is over samples (`cluster_interval`): a sample is one length's contexts of one seed (in layout
+    `many` a needles context of 24 questions and a words context of 2), whose questions go together. Sampling
+    contexts instead would let a draw hold only the 2-question word contexts; with two or three samples a
+    percentile bootstrap would be narrower than their spread. `samples` and `contexts` say how many."""
     ref = {a.question: a.score for a in answers if a.method == reference}
     groups: dict[tuple, list[tuple[tuple, float, float]]] = {}
     for a in answers:
@@ -464,25 +481,20 @@ def paired(answers: Sequence[Answer], reference: str = "fp16", reps: int = 2000,
     for (model, method, engine, length), questions in groups.items():
         questions = sorted(questions)  # in the questions' order, not the answers file's
         pairs = [(x, y) for _, x, y in questions]
-        rng = random.Random(derive_seed(seed, model, method, engine, length, reference))
         n = len(pairs)
         diffs = [100 * (x - y) for x, y in pairs]
-        clusters: dict[tuple, list[float]] = {}
-        for (q, x, y) in questions:  # q = (model, engine, length, task, sample, seed, item): a context's questions
-            clusters.setdefault((q[2], q[4], q[5]), []).append(100 * (x - y))
-        sums = [(sum(d), len(d)) for _, d in sorted(clusters.items())]
-        draws = []
-        for _ in range(reps):
-            picked = [rng.choice(sums) for _ in sums]
-            draws.append(sum(d for d, _ in picked) / sum(k for _, k in picked))
-        means = sorted(draws)
+        samples: dict[tuple, list[float]] = {}
+        for (q, x, y) in questions:  # q = (model, engine, length, task, sample, seed, item)
+            samples.setdefault((q[2], q[4]), []).append(100 * (x - y))
+        contexts = len({(q[2], q[4], q[5]) for q, _, _ in questions})
+        ci = cluster_interval([sum(d) for d in samples.values()], [len(d) for d in samples.values()], -100.0, 100.0)
         mean, ref_mean = sum(x for x, _ in pairs) / n, sum(y for _, y in pairs) / n
         right = [x for x, y in pairs if y == 1.0]
         out.append(Paired(model, method, engine, length, n, round(sum(diffs) / n, 2),
-                          (round(means[int(0.025 * reps)], 2), round(means[int(0.975 * reps) - 1], 2)),
+                          None if ci is None else (round(ci[0], 2), round(ci[1], 2)),
                           round(mean / ref_mean, 3) if ref_mean > 0 else None, round(100 * mean, 2),
                           round(100 * ref_mean, 2), round(100 * sum(right) / len(right), 2) if right else None,
-                          len(right), len(sums)))
+                          len(right), contexts, len(samples)))
     return out
 
 
