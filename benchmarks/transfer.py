@@ -159,6 +159,21 @@ def outlier_shares(model, recipe, ids, method: str = "nuq3-1%") -> dict:
             "key_share_max_layer": round(max(k), 5), "key_share_by_layer": [round(x, 5) for x in k]}
 
 
+OWN = ("machine", "threads", "settings", "command", "rows", "summary")  # what each run writes anew
+
+
+def carried(old: dict) -> dict:
+    """What a run keeps of the JSON it resumes: every entry but those it writes anew (`OWN`: its rows come back
+    through `load_rows`), so that the recipes, cells, outlier shares and superseded cells of earlier runs, and
+    anything a later version adds, are never dropped by a run that does not know them. Cells of a file that
+    named one machine for all name that one."""
+    kept = {k: v for k, v in old.items() if k not in OWN}
+    kept.setdefault("recipes", {})
+    for cell in kept.setdefault("cells", {}).values():
+        cell.setdefault("machine", old.get("machine"))
+    return kept
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default=MODELS)
@@ -203,12 +218,7 @@ def main(argv: list[str] | None = None) -> int:
               "command": "python benchmarks/transfer.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "recipes": {}, "cells": {}}
     if path.is_file() and rows:
-        old = json.loads(path.read_text())
-        result["recipes"], result["cells"] = old.get("recipes", {}), old.get("cells", {})
-        for cell in result["cells"].values():  # cells of a file that named one machine for all: that one
-            cell.setdefault("machine", old.get("machine"))
-        if "outliers" in old:
-            result["outliers"] = old["outliers"]
+        result.update(carried(json.loads(path.read_text())))
 
     def write() -> None:
         result["rows"], result["summary"] = rows, summary(rows)

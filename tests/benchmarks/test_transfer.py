@@ -130,3 +130,15 @@ def test_a_recipe_other_than_the_one_of_a_model_s_cells_is_refused_before_loadin
         with pytest.raises(stop) as stopped:
             tr.main(argv)
         assert stop is Reached or "not the one the JSON's cells" in str(stopped.value)
+
+
+def test_a_resumed_run_keeps_every_entry_of_the_json_it_does_not_write():
+    """Superseded cells, outlier shares and entries a later version adds stay in the file a resumed run rewrites;
+    only what it writes anew is left to it (a run once dropped the superseded Gemma cells)."""
+    old = {"machine": "A", "threads": 2, "settings": {}, "command": "c", "rows": [1], "summary": [2],
+           "recipes": {"m/bbc": {"tensors_sha256": "x"}}, "cells": {"m/bbc/bbc": {}, "m/bbc/code": {"machine": "B"}},
+           "outliers": {"m": 1}, "superseded": {"rows": [3], "why": "..."}, "added_later": [4]}
+    kept = _load().carried(old)
+    assert set(kept) == {"recipes", "cells", "outliers", "superseded", "added_later"}
+    assert kept["superseded"] == old["superseded"] and kept["added_later"] == [4]
+    assert {k: c["machine"] for k, c in kept["cells"].items()} == {"m/bbc/bbc": "A", "m/bbc/code": "B"}
