@@ -6,7 +6,8 @@
         [--json benchmarks/results/ppl_by_length.json]
 
 At each length, `--tokens` evaluation tokens of the text (`--text`, default the BBC evaluation part) in windows
-of that length spread evenly over it (32 windows of 2K, 2 of 32K), each one teacher-forced through every method's
+of that length spread evenly over it (32 windows of 2K, 2 of 32K; measured in an order where each next window
+halves the largest gap, so a stopped run covers the whole text), each one teacher-forced through every method's
 simulated cache (keys and values quantized as the method stores them; presets resolve for the window's length)
 and scored segment by segment against the fp16 cache on the same window (`kvsqueeze.eval.long_ppl`): PPL, its
 change with a paired 95% interval over `--segment`-token blocks, KL divergence, top-1, and the average bits the
@@ -22,7 +23,9 @@ the window in progress (its final hidden states, one more such forward) is kept 
 every method has been scored on that window, so a run stopped in between does not compute it again. Each record
 names the recipe's content digest (`recipe_sha256`), the text and its window's token ids (`ids_sha256`); a run
 given a recipe other than the one the records name, or another `--text` / `--tokens` than the JSON's, stops before
-the model loads, and a window whose ids differ from its records' stops before it is scored.
+the model loads, and a window whose ids differ from its records' stops before it is scored. Every method of a
+length is summarised over the windows all of them have. `--summarize-only` rebuilds the JSON's rows from the
+records, without the model.
 """
 
 from __future__ import annotations
@@ -42,17 +45,22 @@ METHODS = "fp16,nuq3-1%,q4.5,q3.5,q2.5,kivi2"
 
 
 def aggregate(records: list[dict], methods: list[str], lengths: list[int]) -> list[dict]:
-    """Per (method, length): PPL over all its windows, the change against fp16 with the paired interval over
-    segments, mean KL divergence, top-1 and average held bits (only windows fp16 was also measured on)."""
+    """Per (method, length): PPL over its windows, the change against fp16 with the paired interval over
+    segments, mean KL divergence, top-1 and average held bits. At each length every method is taken over the
+    same windows, those every method measured there has (fp16 among them), so that two rows of a length compare
+    methods on the same text; `methods` come first, then any other the records hold."""
     import torch
 
     from kvsqueeze.eval.perplexity import paired_interval
 
     rows = []
+    methods = list(dict.fromkeys([*methods, *(r["method"] for r in records)]))
     for length in lengths:
         at = {(r["method"], r["window"]): r for r in records if r["length"] == length}
+        present = [m for m in methods if any(k[0] == m for k in at)]
+        shared = set.intersection(*({w for (m, w) in at if m == meth} for meth in present)) if present else set()
         for method in methods:
-            windows = sorted(w for (m, w) in at if m == method and ("fp16", w) in at)
+            windows = sorted(shared) if "fp16" in present and method in present else []
             if not windows:
                 continue
             mine = [at[(method, w)] for w in windows]
@@ -73,6 +81,15 @@ def aggregate(records: list[dict], methods: list[str], lengths: list[int]) -> li
     return rows
 
 
+def spread_order(n: int) -> list[int]:
+    """The indices 0 .. n - 1 of evenly spread windows in the order a stopped run should measure them: each next
+    one halves the largest gap (bit-reversed order), so that a partial run covers the whole text, not its start
+    (the BBC evaluation part runs topic by topic)."""
+    bits = max(1, (n - 1).bit_length())
+    rev = sorted(range(1 << bits), key=lambda i: int(f"{i:0{bits}b}"[::-1], 2))
+    return [i for i in rev if i < n]
+
+
 def machines_by_length(records: list[dict]) -> dict[str, str]:
     """{length: the machines its windows were measured on, '; '-joined}; a window without a machine is refused
     (every record names one)."""
@@ -84,9 +101,27 @@ def machines_by_length(records: list[dict]) -> dict[str, str]:
     return {n: "; ".join(sorted(ms)) for n, ms in sorted(out.items(), key=lambda kv: int(kv[0]))}
 
 
+def summarize(result: dict, records: list[dict], methods: list[str], lengths: list[int], log: Path) -> None:
+    """The JSON's summary of the window records, into `result`."""
+    result["machines"] = machines_by_length(records)  # from the windows themselves: each names its machine
+    result["machine"] = "; ".join(sorted({r["machine"] for r in records}))
+    result["rows"] = aggregate(records, methods, sorted(set(lengths) | {r["length"] for r in records}))
+    result["windows_log"] = log.name
+    # windows scored before the records named their recipe and token ids: no run check covered them
+    result["unchecked_windows"] = sum(1 for r in records if not r.get("recipe_sha256") or not r.get("ids_sha256"))
+
+
+def write_json(out: Path, result: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=1) + "\n")
+    tmp.replace(out)  # never half-written
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-coder-0.5b")
+    ap.add_argument("--summarize-only", action="store_true", help="rebuild the JSON's rows from the window records")
     ap.add_argument("--recipe", default="out/models/qwen2.5-coder-0.5b/recipe")
     ap.add_argument("--text", default="bbc")
     ap.add_argument("--methods", default=METHODS)
@@ -137,6 +172,14 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{out} holds windows of --text {held[0]} --tokens {held[1]}, this run asks for --text "
                              f"{args.text} --tokens {args.tokens}: its windows would be paired with those; run with "
                              "those settings, or with another --json")
+    if args.summarize_only:
+        if not out.is_file():
+            raise SystemExit(f"no {out} to summarize")
+        result = json.loads(out.read_text())
+        summarize(result, records, methods, lengths, log)
+        write_json(out, result)
+        print(f"wrote {out}")
+        return 0
     model, tok = load_model(args.model)
     text = load_text(args.text)
     fp16 = preset_for("fp16", 2)
@@ -151,20 +194,14 @@ def main(argv: list[str] | None = None) -> int:
         result["windows"] = before.get("windows", {})
 
     def write() -> None:
-        result["machines"] = machines_by_length(records)  # from the windows themselves: each names its machine
-        result["machine"] = "; ".join(sorted({r["machine"] for r in records}))
-        result["rows"] = aggregate(records, methods, sorted(set(lengths) | {r["length"] for r in records}))
-        result["windows_log"] = log.name
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-        tmp.replace(out)
+        summarize(result, records, methods, lengths, log)
+        write_json(out, result)
 
     for length in lengths:
         ew = evaluation_windows(tok, text, length, max(1, args.tokens // length))
         result.setdefault("windows", {})[str(length)] = {"windows": int(ew.ids.shape[0]), "of": ew.available}
-        for w, ids in enumerate(ew.ids):
-            ids = ids.view(1, -1)
+        for w in spread_order(int(ew.ids.shape[0])):
+            ids = ew.ids[w].view(1, -1)
             ids_sha = hashlib.sha256(ids.to(torch.int64).contiguous().numpy().tobytes()).hexdigest()[:16]
             other = {r["ids_sha256"] for r in records
                      if (r["length"], r["window"]) == (length, w) and "ids_sha256" in r}

@@ -463,8 +463,13 @@ def ppl_by_length(data: dict) -> str:
     for n in lengths:
         lengths_on.setdefault(data.get("machines", {}).get(str(n), data["machine"]), []).append(f"{n // 1024}K")
     where = "; ".join(f"{m}: {', '.join(ns)}" for m, ns in lengths_on.items())
-    out = [f"{data['model']}, {data['text']} evaluation part, {data['tokens_per_length']:,} tokens per length; "
-           f"{where}", "",
+    measured = ", ".join(f"{n // 1024}K: {max(r['tokens'] for r in rows if r['length'] == n):,}" for n in lengths)
+    unchecked = data.get("unchecked_windows")
+    out = [f"{data['model']}, {data['text']} evaluation part, windows spread evenly over it (up to "
+           f"{data['tokens_per_length']:,} tokens a length; scored so far, {measured}); every method of a length on "
+           f"the same windows; {where}"
+           + (f". {unchecked} of the window records predate the recipe digest and token ids a run checks now"
+              if unchecked else ""), "",
            "| method | " + " | ".join(f"{n // 1024}K" for n in lengths) + " |", "|---|" + "---:|" * len(lengths)]
     for method in dict.fromkeys(r["method"] for r in rows):
         at = {r["length"]: r for r in rows if r["method"] == method}

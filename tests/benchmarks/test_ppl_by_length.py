@@ -21,18 +21,34 @@ def _rec(method, window, nll, length=4, bits=16.0):
 
 
 def test_rows_pair_each_method_with_fp16_on_the_same_windows():
+    """Every method of a length is summarised over the windows all of them have: kivi2 has only window 1, so
+    fp16 and q3.5 are taken over window 1 too (a row compared with another is on the same text)."""
     pbl = _load()
     records = [_rec("fp16", 0, [2.0, 2.0]), _rec("fp16", 1, [4.0, 4.0]),
                _rec("q3.5", 0, [2.2, 2.2], bits=3.5), _rec("q3.5", 1, [4.2, 4.2], bits=3.5),
-               _rec("kivi2", 1, [5.0, 5.0], bits=4.0)]  # its fp16-less window 0 is missing: only window 1 counts
+               _rec("kivi2", 1, [5.0, 5.0], bits=4.0)]
     rows = {r["method"]: r for r in pbl.aggregate(records, ["fp16", "q3.5", "kivi2"], [4])}
-    assert rows["fp16"]["ppl"] == pytest.approx(math.exp(12 / 8), rel=1e-4) and rows["fp16"]["ci95"] is None
+    assert rows["fp16"]["ppl"] == pytest.approx(math.exp(8 / 4), rel=1e-4) and rows["fp16"]["ci95"] is None
     q = rows["q3.5"]
-    assert q["windows"] == 2 and q["tokens"] == 8 and q["avg_bits"] == 3.5
-    assert q["delta_pct"] == pytest.approx(100 * math.expm1(0.8 / 8), abs=1e-3)
-    assert q["ci95"][0] <= q["delta_pct"] <= q["ci95"][1] and q["kld_mean"] == pytest.approx(0.4 / 8)
+    assert q["windows"] == 1 and q["tokens"] == 4 and q["avg_bits"] == 3.5
+    assert q["delta_pct"] == pytest.approx(100 * math.expm1(0.4 / 4), abs=1e-3)
+    assert q["ci95"][0] <= q["delta_pct"] <= q["ci95"][1] and q["kld_mean"] == pytest.approx(0.2 / 4)
     k = rows["kivi2"]
     assert k["windows"] == 1 and k["delta_pct"] == pytest.approx(100 * math.expm1(2.0 / 4), abs=1e-3)
+    both = {r["method"]: r["windows"] for r in pbl.aggregate(records[:4], ["fp16", "q3.5"], [4])}
+    assert both == {"fp16": 2, "q3.5": 2}
+    # a run over fewer methods keeps the other methods' rows of the records
+    assert [r["method"] for r in pbl.aggregate(records, ["fp16"], [4])] == ["fp16", "q3.5", "kivi2"]
+
+
+def test_windows_are_measured_so_that_a_stopped_run_covers_the_whole_text():
+    """Each next window halves the largest gap left, so the first few spread over the text (ordered by topic)."""
+    pbl = _load()
+    assert pbl.spread_order(8) == [0, 4, 2, 6, 1, 5, 3, 7]
+    for n in (1, 2, 5, 32):
+        order = pbl.spread_order(n)
+        assert sorted(order) == list(range(n))
+    assert max(pbl.spread_order(32)[:4]) >= 24  # four windows already reach the last quarter
 
 
 def test_bad_arguments_are_refused_before_loading():
