@@ -290,7 +290,7 @@ def ruler_questions(data: dict) -> str:
                 share = "–" if r["share"] is None else f"{100 * r['share']:.0f}%"
                 right = "–" if r["on_fp16_right"] is None else f"{r['on_fp16_right']:.1f}"
                 out.append(f"| `{meth}` | {r['questions']} | {r['score']:.1f} | {_points(r)} | {share} | {right} | "
-                           + " | ".join("–" if g is None else f"{g['diff']:+.1f} (n={g['questions']})"
+                           + " | ".join("–" if g is None else f"{_signed(g['diff'], 1)} (n={g['questions']})"
                                         for g in (one, several)) + " |")
             out.append("")
     return "\n".join(out).rstrip()

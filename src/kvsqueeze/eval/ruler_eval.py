@@ -371,7 +371,7 @@ class Score:
     length: int
     samples: int
     score: float
-    ci95: tuple[float, float] | None = None  # "average" rows: a bootstrap over samples
+    ci95: tuple[float, float] | None = None  # "average" rows: over samples (`cluster_interval`)
 
 
 # Student's t, 97.5th percentile, by degrees of freedom (beyond the table: its expansion in 1 / df)
@@ -421,7 +421,8 @@ def summarize(answers: Sequence[Answer]) -> list[Score]:
         for t in tasks:
             s = [a.score for a in rows if a.task == t]
             task_means[t] = 100 * sum(s) / len(s)
-            out.append(Score(model, method, engine, t, length, len(s), round(task_means[t], 2)))
+            out.append(Score(model, method, engine, t, length, len({a.sample for a in rows if a.task == t}),
+                             round(task_means[t], 2)))
         samples = sorted({a.sample for a in rows})
         per_sample = []
         for s in samples:
