@@ -331,12 +331,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def openai_server(py: Path, model_dir: str, recipe: str, method: str, log_path: Path, *extra: str):
+def openai_server(py: Path, model_dir: str, recipe: str, method: str, log_path: Path, *extra: str, dev: bool = False):
     """vLLM's OpenAI server with the plugin on a free loopback port, `extra` flags appended; yields
     (port, seconds it took to start); stopped (its whole process group) on the way out. Refuses a server that ran
-    vLLM's own backend."""
+    vLLM's own backend. `dev`: with vLLM's development endpoints (`/reset_prefix_cache`), loopback only."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
+    if dev:
+        env["VLLM_SERVER_DEV_MODE"] = "1"
     env.update(KVSQUEEZE_RECIPE=recipe, KVSQUEEZE_METHOD=method, VLLM_CPU_OMP_THREADS_BIND="nobind",
                NUMBA_CACHE_DIR=str(py.parent.parent / "kvsqueeze-numba-cache"))  # vLLM's numba keeps its own
     log = log_path.open("w")
@@ -421,11 +423,29 @@ def write_section(path: str | Path, key: str, result: dict) -> None:
     print(f"wrote {path}")
 
 
+def commit() -> str:
+    """The checkout's commit, with '+' when it has changes not committed ('unknown' outside a git checkout)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+" if dirty else "")
+
+
 def merge_json(path: str | Path, **parts) -> dict:
     """Write `parts` into the JSON at `path` as top-level keys, keeping what else it holds; the whole."""
     out = Path(path)
     whole = json.loads(out.read_text()) if out.is_file() else {}
     whole.update(parts)
+    # which code wrote each part, and when: a file gathers measurements of several runs and versions
+    stamp = {"commit": commit(), "date": time.strftime("%Y-%m-%d", time.gmtime())}
+    whole.setdefault("written", {}).update({key: stamp for key in parts})
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(whole, indent=1) + "\n")
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps(whole, indent=1) + "\n")
+    tmp.replace(out)  # never half-written: the file holds every other run's measurements
     return whole

@@ -14,10 +14,13 @@ that vLLM's scheduler must preempt), then `--requests` completion requests from 
   pages);
 * every other request must answer 200 with as many tokens as asked.
 
-Then: the KV pages in use, read from the server's metrics while one probe request runs, must equal what they were
-with the same probe before the load (`pages_freed`: every page of every finished, cancelled or preempted request
-returned); `--subset` fixed requests are sent again one at a time to the idle server, and their tokens must equal
-what they got under load (`subset_equal`). Preemptions are vLLM's own counter (`vllm:num_preemptions`).
+Then: the share of KV pages in use, read from the server's metrics once it is idle again (after one short probe
+request, which brings the gauge up to date), must equal what it was idle before the load (`pages_freed`: every
+page of every finished, cancelled or preempted request back in vLLM's pool, which also holds the fp16 window's
+pages; pages kept only for prefix hits count as free); the prefix cache is then emptied (vLLM's development
+endpoint, on loopback) and `--subset` fixed requests are sent again one at a time to the idle server, so they are
+computed afresh, not read from pages written under load, and their tokens must equal what they got under load
+(`subset_equal`). Preemptions are vLLM's own counter (`vllm:num_preemptions`).
 
 The result goes into `--json` under `load_test` (the file's other measurements are kept). The run ends by itself:
 every request has a timeout, and the server is stopped on the way out.
@@ -91,9 +94,19 @@ def metric(port: int, name: str) -> float:
     return sum(values)
 
 
+def reset_prefix_cache(port: int) -> None:
+    """Empty the server's prefix cache (a development endpoint: the server runs with VLLM_SERVER_DEV_MODE=1)."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/reset_prefix_cache", method="POST")
+    try:
+        urllib.request.urlopen(request, timeout=120).read()
+    except urllib.error.URLError as exc:
+        raise SystemExit(f"the server did not empty its prefix cache ({exc}): subset_equal would compare pages "
+                         "written under load with themselves") from exc
+
+
 def probe_usage(port: int, prompt: list[int]) -> float:
-    """KV pages in use (share of all) as the server reports them after one short request, the same every time:
-    the gauge is set as the scheduler runs, so a probe request makes it current."""
+    """KV pages in use (share of all) on the idle server, read after one short request has finished: the gauge is
+    set as the scheduler runs, so the probe makes it current."""
     complete(port, prompt, 4)
     return metric(port, "vllm:kv_cache_usage_perc")
 
@@ -135,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmpdir, openai_server(
             py, resolve_model_path(args.model), recipe, served, Path(tmpdir) / "serve.log", "--max-model-len",
-            str(args.max_model_len), "--kv-cache-memory-bytes", str(args.kv_mib << 20)) as (port, boot):
+            str(args.max_model_len), "--kv-cache-memory-bytes", str(args.kv_mib << 20), dev=True) as (port, boot):
         probe = ids[500:540]
         before = probe_usage(port, probe)
         preempt_before = metric(port, "vllm:num_preemptions_total")
@@ -166,6 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(2)  # aborts of dropped streams reach the engine
         after = probe_usage(port, probe)
         preemptions = metric(port, "vllm:num_preemptions_total") - preempt_before
+        reset_prefix_cache(port)  # the subset is computed again, not read back from pages written under load
         alone = {i: complete(port, plan[i]["prompt"], plan[i]["new"]) for i in subset}
         # where a token differs, how close the two choices were, given the same prefix, on the idle server: a gap
         # of float rounding means batched arithmetic broke a near-tie, a large one a cache that held other data
@@ -181,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         stats_log = (Path(tmpdir) / "serve.log").read_text()
     errors = [d for d in done if d.get("error")]
     equal = [alone[i] == done[i].get("tokens") for i in subset]
-    kv_tokens = re.findall(r"GPU KV cache size: ([\d,]+) tokens", stats_log)
+    kv_tokens = re.findall(r"KV cache size: ([\d,]+) tokens", stats_log)  # "CPU KV cache size" on this engine
     result = {
         "machine": machine(), "model": args.model, "recipe": args.recipe, "method": args.method,
         "served_method": served, "requests": len(plan), "clients": args.clients,
@@ -201,9 +215,9 @@ def main(argv: list[str] | None = None) -> int:
         "load_seconds": round(load_seconds, 1), "server_start_seconds": round(boot, 1),
         "seconds": round(time.perf_counter() - started, 1),
         "how": "requests from client threads at once against one server on 127.0.0.1; cancelled: streamed and "
-               "dropped after the second chunk; pages_freed: the KV usage gauge during the same probe request "
-               "before and after the load; subset_equal: those requests' greedy tokens sent again one at a time "
-               "to the idle server; subset_differences: each one's first differing token and the gap between the two "
+               "dropped after the second chunk; pages_freed: the KV usage gauge of the idle server (after one "
+               "short probe request) before and after the load; subset_equal: those requests' greedy tokens sent "
+               "again one at a time to the idle server, its prefix cache emptied first; subset_differences: each one's first differing token and the gap between the two "
                "choices' log-probabilities given the same prefix on the idle server",
     }
     write_section(args.json, "load_test", result)

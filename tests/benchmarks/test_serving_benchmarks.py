@@ -16,7 +16,11 @@ def test_each_serving_benchmark_writes_its_part_and_keeps_the_others(tmp_path):
     out.write_text(json.dumps({"capacity_ratio": 4.1, "quality": {"old": 1}}))
     whole = common.merge_json(out, load_test={"errors": 0}, quality={"new": 2})
     assert whole == json.loads(out.read_text())
+    written = whole.pop("written")
     assert whole == {"capacity_ratio": 4.1, "quality": {"new": 2}, "load_test": {"errors": 0}}
+    # each part names the code that wrote it; a part written before then names none
+    assert set(written) == {"load_test", "quality"} and written["quality"]["commit"] == common.commit() != "unknown"
+    assert not list(tmp_path.glob("*.tmp"))  # written whole, by a rename
 
 
 def test_serving_setup_refuses_a_missing_vllm_environment_and_resolves_the_served_name(tmp_path, tiny_recipe_dir):
