@@ -449,3 +449,29 @@ def test_every_entry_point_defaults_to_the_3_5_bit_preset(tiny_recipe_dir, monke
     assert defaults == {served.method} == {"q3.5"}
     spec = served.spec
     assert (spec.budget, spec.budget_unit, spec.window, spec.context) == (3.5, "channel", 32, 2048)
+
+
+def test_serving_a_budget_whose_layers_keep_different_key_outlier_shares(tiny_recipe_dir, monkeypatch):
+    """The default key slots of a served budget are what its most outlier-rich layer pays for; a layer that paid
+    for fewer holds fewer in its pages, not more than its budget paid for, and is served rather than refused
+    (layers keeping 10% and 1% of the tiny model's 32 key channels exact: 4 and 1 slots)."""
+    from kvsqueeze.methods import budget, family, parse_method
+    from kvsqueeze.methods.budget import Choice
+    from kvsqueeze.serving.settings import ServingConfig
+
+    shares = {0: 0.1, 1: 0.01}
+
+    def choices(spec, recipe, layer):
+        return Choice(3, shares[layer]), Choice(3, 0.0)
+
+    import torch
+
+    from kvsqueeze.recipe import Recipe
+
+    monkeypatch.setattr(budget, "layer_choices", choices)
+    monkeypatch.setattr(type(family(parse_method("nuq@3.5"))), "choices", lambda self, *a: choices(*a))
+    monkeypatch.setattr(Recipe, "codebook", lambda *a: torch.linspace(-1, 1, 8))  # no 10% tables in the recipe
+    monkeypatch.setattr(Recipe, "channel_range", lambda *a: (-torch.ones(32), torch.ones(32)))
+    config = ServingConfig(recipe=str(tiny_recipe_dir), method="nuq@3.5:r32")
+    assert config.spec.key_slots == 4  # ceil(10% of 32 channels)
+    assert [config.layout(layer, 32, 16, 16).key_slots for layer in shares] == [4, 1]

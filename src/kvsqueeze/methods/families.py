@@ -244,15 +244,10 @@ class Nuq(KVQuant):
         # a ':chan' choice is built at a supported width, then given its channels' own codebooks (up to 6 bits)
         kb, vb = (min(max(c.bits, min(SUPPORTED_BITS)), max(SUPPORTED_BITS)) for c in (k, v))
         slots = spec.key_slots if k.fraction else 0  # ':kslotsN': in the layers that keep key outliers
-        if slots:  # the choice paid for this layer's key outliers at their headroom, not for more fixed slots
+        if slots:  # the choice paid for this layer's key outliers at their headroom: no more slots than that
             from .budget import KEY_OUTLIER_HEADROOM
 
-            paid = math.ceil(KEY_OUTLIER_HEADROOM * k.fraction * channels - 1e-9)
-            if slots > paid:
-                raise MethodError(f"method {spec.name!r}: layer {layer}'s keys keep {100 * k.fraction:g}% of its "
-                                  f"{channels} channels exact, which the budget paid for as about {paid} per token; "
-                                  f"':kslots{slots}' would hold more bits than the budget's name says: give "
-                                  f"':kslotsN' with N at most {paid}, or a larger budget")
+            slots = min(slots, math.ceil(KEY_OUTLIER_HEADROOM * k.fraction * channels - 1e-9))
         kq = super().quantizers(dataclasses.replace(spec, k_bits=kb, v_bits=kb, outlier_fraction=k.fraction,
                                                     key_slots=slots, **plain), recipe, layer, channels, head_dim)[0]
         vq = super().quantizers(dataclasses.replace(spec, k_bits=vb, v_bits=vb, outlier_fraction=v.fraction, **plain),
