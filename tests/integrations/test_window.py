@@ -475,3 +475,6 @@ def test_serving_a_budget_whose_layers_keep_different_key_outlier_shares(tiny_re
     config = ServingConfig(recipe=str(tiny_recipe_dir), method="nuq@3.5:r32")
     assert config.spec.key_slots == 4  # ceil(10% of 32 channels)
     assert [config.layout(layer, 32, 16, 16).key_slots for layer in shares] == [4, 1]
+    # the registry counts the bytes of the same slots: a page's data is what the registry says it holds
+    spec, recipe = config.spec, config._recipe
+    assert [family(spec).layouts(spec, recipe, layer)[0].slots for layer in shares] == [4, 1]

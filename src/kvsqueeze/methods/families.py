@@ -233,6 +233,14 @@ class Nuq(KVQuant):
 
         return layer_choices(spec, recipe, layer)
 
+    def layouts(self, spec, recipe, layer):
+        if spec.budget is None or not spec.key_slots:
+            return super().layouts(spec, recipe, layer)
+        k, v = super().layouts(spec, recipe, layer)
+        fp = recipe.meta["model"]["fingerprint"]
+        slots = budget_key_slots(spec, k.choice.fraction, int(fp["kv_heads"]) * int(fp["head_dim"]))
+        return dataclasses.replace(k, slots=slots), v
+
     def quantizers(self, spec, recipe, layer, channels, head_dim):
         reason = self.why_not(spec, "simulated")
         if reason:
@@ -243,11 +251,7 @@ class Nuq(KVQuant):
         plain = dict(budget=None, outlier_scope="vector")
         # a ':chan' choice is built at a supported width, then given its channels' own codebooks (up to 6 bits)
         kb, vb = (min(max(c.bits, min(SUPPORTED_BITS)), max(SUPPORTED_BITS)) for c in (k, v))
-        slots = spec.key_slots if k.fraction else 0  # ':kslotsN': in the layers that keep key outliers
-        if slots:  # the choice paid for this layer's key outliers at their headroom: no more slots than that
-            from .budget import KEY_OUTLIER_HEADROOM
-
-            slots = min(slots, math.ceil(KEY_OUTLIER_HEADROOM * k.fraction * channels - 1e-9))
+        slots = budget_key_slots(spec, k.fraction, channels)
         kq = super().quantizers(dataclasses.replace(spec, k_bits=kb, v_bits=kb, outlier_fraction=k.fraction,
                                                     key_slots=slots, **plain), recipe, layer, channels, head_dim)[0]
         vq = super().quantizers(dataclasses.replace(spec, k_bits=vb, v_bits=vb, outlier_fraction=v.fraction, **plain),
@@ -450,6 +454,17 @@ def average_bits(spec: MethodSpec, layers: int, channels: int, head_dim: int, to
     rows = Rows(tokens, (0,) * batch)
     return 8 * storage.total(cache_bytes(spec, layers, channels, head_dim, rows, recipe)) / max(
         2 * tokens * batch * channels * layers, 1)
+
+
+def budget_key_slots(spec: MethodSpec, fraction: float, channels: int) -> int:
+    """A bit budget's fixed exact key elements per token in a layer keeping `fraction` of its `channels` key
+    channels exact (':kslotsN'): at most N, and no more than the layer paid for (its key outliers at their
+    headroom); none in a layer without key outliers. The pages and the registry's byte count both take it."""
+    if not spec.key_slots or not fraction:
+        return 0
+    from .budget import KEY_OUTLIER_HEADROOM
+
+    return min(spec.key_slots, math.ceil(KEY_OUTLIER_HEADROOM * fraction * channels - 1e-9))
 
 
 # ---- what families without a compressed cache would store --------------------------------------------------
