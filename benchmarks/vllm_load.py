@@ -206,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         "prompt_tokens": {"min": min(len(p["prompt"]) for p in plan), "max": max(len(p["prompt"]) for p in plan),
                           "sum": sum(len(p["prompt"]) for p in plan)},
         "new_tokens": sum(p["new"] for p in plan if not p["cancel"]),
-        "kv_space_bytes": args.kv_mib << 20, "kv_tokens": kv_tokens[-1] if kv_tokens else None,
+        "kv_space_bytes": args.kv_mib << 20, "kv_tokens": int(kv_tokens[-1].replace(",", "")) if kv_tokens else None,
         "max_model_len": args.max_model_len, "preemptions": int(preemptions),
         "kv_usage_with_probe_before": before, "kv_usage_with_probe_after": after, "pages_freed": before == after,
         "kv_usage_peak_during_load": peak[0],
