@@ -429,8 +429,10 @@ def commit() -> str:
     try:
         head = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, check=True).stdout.strip()
+        # the code only: results a run is appending to say nothing about what wrote them
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "src", "benchmarks",
+                                ":!benchmarks/results", "pyproject.toml"], cwd=root, capture_output=True, text=True,
+                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+" if dirty else "")

@@ -243,10 +243,10 @@ def ruler(data: dict, task: str = "average") -> str:
 def ruler_paired(data: dict) -> str:
     """Each method against fp16 on the same questions: the mean difference in points and its 95% interval."""
     cfg = data["config"]
-    out = ["Score difference against fp16 on the same questions, in points (a 95% bootstrap interval over "
-           "questions, as this run was first summarised: it takes the questions of one prefill as independent, "
-           "which overstates the precision; the run with many questions per context, below, gives intervals over "
-           "samples)\n"]
+    out = ["Score difference against fp16 on the same questions, in points (the intervals its JSON holds: a 95% "
+           "bootstrap over questions as this run was first summarised, which takes the questions of one prefill as "
+           "independent and overstates the precision; summarised again, one sample gives none; the run with many "
+           "questions per context, below, gives intervals over samples)\n"]
     for run in cfg["runs"]:
         mine = [r for r in data.get("paired", []) if r["model"] == run["model"]]
         if not mine:
@@ -258,8 +258,7 @@ def ruler_paired(data: dict) -> str:
         for m in cfg["methods"]:
             if m == "fp16":
                 continue
-            cells = [f"{c['diff']:+.1f} ({c['ci95'][0]:+.1f} … {c['ci95'][1]:+.1f}), n={c['questions']}"
-                     if (c := cell.get((m, n))) else "–" for n in lengths]
+            cells = [f"{_points(c)}, n={c['questions']}" if (c := cell.get((m, n))) else "–" for n in lengths]
             out.append(f"| `{m}` | " + " | ".join(cells) + " |")
         out.append("")
     return "\n".join(out).rstrip()

@@ -582,3 +582,14 @@ def test_a_model_is_fingerprinted_once_per_state_of_its_weights(tiny_llama, monk
         with torch.no_grad():
             layer.copy_(saved)  # the shared model exactly as it was
     assert F.model_fingerprint(tiny_llama) == again and len(taken) == 3
+
+
+def test_a_model_built_under_inference_mode_is_fingerprinted():
+    """Parameters made under torch.inference_mode keep no version counter: the fingerprint is then taken without
+    its memo, not refused."""
+    from conftest import tiny_model
+    from kvsqueeze.integrations.fingerprint import model_fingerprint
+
+    with torch.inference_mode():
+        model = tiny_model("llama", seed=3)
+    assert model_fingerprint(model) == model_fingerprint(model)

@@ -312,7 +312,7 @@ def cmd_upgrade_recipe(args) -> None:
     from .integrations.fingerprint import model_fingerprint
     from .integrations.loading import load_model
     from .integrations.parts import attention_modules, key_weight
-    from .recipe import META_FILE, TENSORS_FILE, Recipe, RecipeError, same_weights
+    from .recipe import META_FILE, TENSORS_FILE, Recipe, RecipeError, probe_positions, same_weights
     from .shape import kv_shape
 
     d = Path(args.recipe)
@@ -330,7 +330,7 @@ def cmd_upgrade_recipe(args) -> None:
     model, _ = load_model(args.model, args.dtype, args.device)
     first = key_weight(attention_modules(model)[0], kv_shape(model.config).channels).detach().float().cpu()
     flat = first.contiguous().view(-1)
-    probe = flat[torch.linspace(0, flat.numel() - 1, min(128, flat.numel())).round().long()].tolist()
+    probe = flat[probe_positions(flat.numel(), torch.float32, 128)].tolist()  # format 1 kept 128
     then = {"layers_sha256": [old.get("k_proj_sha256")], "layers_probe": [old.get("k_proj_probe")]}
     now = {"layers_sha256": [hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16]], "layers_probe": [probe]}
     if same_weights(then, now):

@@ -87,14 +87,14 @@ def key_digest(layer: int, weight: torch.Tensor) -> tuple[str, list[float]]:
     return hashlib.sha256(flat.numpy().tobytes()).hexdigest()[:16], probe
 
 
-def probe_positions(n: int, dtype: torch.dtype) -> torch.Tensor:
+def probe_positions(n: int, dtype: torch.dtype, count: int = PROBES) -> torch.Tensor:
     """`PROBES` positions evenly spaced over n elements (int64), spaced in `dtype` and kept inside the tensor.
 
     The dtype is always named: vLLM loads weights under its model dtype as torch's default, where bf16 or fp16
     positions would round past the end or overflow, and differ from the ones the recipe was probed at. Key
     probes are spaced in float32, as every recipe's were; tensor probes in float64. In float32 the last
     position of a tensor past 2**24 elements rounds out of range, hence the clamp (it then equals float64's)."""
-    return torch.linspace(0, n - 1, min(PROBES, n), dtype=dtype).round().long().clamp_(0, n - 1)
+    return torch.linspace(0, n - 1, min(count, n), dtype=dtype).round().long().clamp_(0, n - 1)
 
 
 def tensor_probe(weight: torch.Tensor) -> list[float]:

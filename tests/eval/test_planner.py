@@ -282,3 +282,18 @@ def test_a_budget_is_planned_with_the_windows_of_the_model_planned(tiny_model_di
         [8] + [None] * (shape.layers - 1)
     with pytest.raises(MethodError, match="hold windows"):
         _budget_recipe(sliding, specs, str(tiny_recipe_dir))
+
+
+def test_chunked_attention_is_refused_when_only_the_config_class_names_it(tmp_path):
+    """A Llama-4 config.json written before transformers named each layer's kind holds no `layer_types`: the
+    config class fills them in (chunked attention), and the planner refuses them rather than plan sliding windows."""
+    import transformers
+
+    cfg = json.loads(transformers.Llama4TextConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, intermediate_size_mlp=128, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, attention_chunk_size=8, num_local_experts=1,
+        interleave_moe_layer_step=1).to_json_string())
+    cfg.pop("layer_types", None)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="chunked attention"):
+        resolve_model(str(tmp_path))

@@ -451,14 +451,17 @@ def test_every_entry_point_defaults_to_the_3_5_bit_preset(tiny_recipe_dir, monke
     assert (spec.budget, spec.budget_unit, spec.window, spec.context) == (3.5, "channel", 32, 2048)
 
 
-def test_serving_a_budget_whose_layers_keep_different_key_outlier_shares(tiny_recipe_dir, monkeypatch):
+def test_serving_a_budget_whose_layers_keep_different_key_outlier_shares(tiny_recipe_dir, monkeypatch, request):
     """The default key slots of a served budget are what its most outlier-rich layer pays for; a layer that paid
     for fewer holds fewer in its pages, not more than its budget paid for, and is served rather than refused
     (layers keeping 10% and 1% of the tiny model's 32 key channels exact: 4 and 1 slots)."""
     from kvsqueeze.methods import budget, family, parse_method
     from kvsqueeze.methods.budget import Choice
+    from kvsqueeze.serving import settings
     from kvsqueeze.serving.settings import ServingConfig
 
+    settings._layout.cache_clear()  # layouts built from the patched choices below must not outlive this test
+    request.addfinalizer(settings._layout.cache_clear)
     shares = {0: 0.1, 1: 0.01}
 
     def choices(spec, recipe, layer):

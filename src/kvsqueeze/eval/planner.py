@@ -156,7 +156,7 @@ def _layer_windows(cfg: dict, layers: int, where: str) -> tuple[int | None, ...]
                              f"({type(exc).__name__}: {exc}); plan a built-in shape or a config of a model type "
                              "transformers knows") from exc
         return None
-    chunked = [t for t in (cfg.get("layer_types") or ()) if "chunk" in str(t)]
+    chunked = [t for t in (getattr(config, "layer_types", None) or ()) if "chunk" in str(t)]  # filled in by the config
     if chunked or len(kinds) != layers or not all(isinstance(k, (DynamicLayer, DynamicSlidingWindowLayer))
                                                    for k in kinds):
         if _slides(cfg):

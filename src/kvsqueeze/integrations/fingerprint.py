@@ -26,7 +26,10 @@ def model_fingerprint(model) -> dict:
     """Shapes, and for every layer a hash of its key projection's weights and a few of those weights, evenly
     spaced over the matrix (`recipe.same_weights` compares them across a change of precision). Taken once per
     state of the model's weights (a copy is returned: callers may keep and change it)."""
-    state = _state(model)
+    try:
+        state = _state(model)
+    except RuntimeError:  # inference tensors keep no version counter: taken every time
+        return _fingerprint(model)
     hit = _TAKEN.get(model)
     if hit is None or hit[0] != state:
         hit = _TAKEN[model] = (state, _fingerprint(model))
