@@ -141,31 +141,25 @@ def _slides(cfg: dict) -> bool:
 
 def _layer_windows(cfg: dict, layers: int, where: str) -> tuple[int | None, ...] | None:
     """Each layer's sliding window as transformers' `DynamicCache` keeps it for the config read (`cfg`, the
-    language model's); None for every layer full. A config that asks for sliding layers in a way this cannot
-    read (a model type transformers does not know, chunked attention) is refused: planned as full layers, its
-    memory would be overstated and a bit budget's choices made for tokens its layers do not hold."""
+    language model's; `parts.config_windows`, the rule the caches follow); None for every layer full. A config
+    that asks for sliding layers in a way this cannot read (a model type transformers does not know, chunked
+    attention) is refused: planned as full layers, its memory would be overstated and a bit budget's choices
+    made for tokens its layers do not hold."""
     from transformers import AutoConfig
-    from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+    from ..integrations.parts import config_windows
 
     try:
-        config = AutoConfig.for_model(**cfg)
-        kinds = DynamicCache(config=config).layers
-    except Exception as exc:  # noqa: BLE001 - an unknown or unreadable model type
+        windows = config_windows(AutoConfig.for_model(**cfg), where)
+        if len(windows) != layers:
+            raise ValueError(f"transformers builds {len(windows)} cache layers for its {layers} layers")
+    except Exception as exc:  # noqa: BLE001 - an unknown model type, or layers the caches cannot hold
         if _slides(cfg):
-            raise ValueError(f"{where} asks for sliding-window layers, but transformers cannot build its cache "
+            raise ValueError(f"{where} asks for sliding-window layers, but the planner cannot count them "
                              f"({type(exc).__name__}: {exc}); plan a built-in shape or a config of a model type "
                              "transformers knows") from exc
         return None
-    chunked = [t for t in (getattr(config, "layer_types", None) or ()) if "chunk" in str(t)]  # filled in by the config
-    if chunked or len(kinds) != layers or not all(isinstance(k, (DynamicLayer, DynamicSlidingWindowLayer))
-                                                   for k in kinds):
-        if _slides(cfg):
-            raise ValueError(f"{where}: its layers' caches ({', '.join(sorted({type(k).__name__ for k in kinds}))}"
-                             f"{', chunked attention' if chunked else ''}) are not full or sliding-window layers "
-                             "the planner can count; plan a built-in shape instead")
-        return None
-    windows = tuple(int(k.sliding_window) if isinstance(k, DynamicSlidingWindowLayer) else None for k in kinds)
-    return windows if any(w is not None for w in windows) else None
+    return tuple(windows) if any(w is not None for w in windows) else None
 
 
 def estimate_params(cfg: dict, where: str = "model config") -> int:

@@ -233,7 +233,18 @@ def _split(fn, layer: int, kinds: tuple[str, ...], slices: tuple[slice, slice], 
 
 
 def layer_windows(model) -> list[int | None]:
-    """Each layer's sliding window as transformers' `DynamicCache` for this config keeps it (None: every token).
+    """Each layer's sliding window as transformers' `DynamicCache` for this model's config keeps it (None: every
+    token; `config_windows`).
+
+    Raises:
+        ValueError: a layer kind other than full or sliding-window (chunked attention, ...).
+    """
+    return config_windows(model.config, type(model).__name__)
+
+
+def config_windows(config, what: str = "the model") -> list[int | None]:
+    """Each layer's sliding window as transformers' `DynamicCache` for `config` keeps it (None: every token); `what`
+    names the model in an error.
 
     Raises:
         ValueError: a layer kind other than full or sliding-window (chunked attention, ...).
@@ -241,19 +252,18 @@ def layer_windows(model) -> list[int | None]:
     from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
 
     out = []
-    kinds = list(getattr(model.config, "layer_types", None) or ())
-    for i, layer in enumerate(DynamicCache(config=model.config).layers):
+    kinds = list(getattr(config, "layer_types", None) or ())
+    for i, layer in enumerate(DynamicCache(config=config).layers):
         if i < len(kinds) and "chunk" in str(kinds[i]):  # cached as a sliding window, read within its chunk
-            raise ValueError(f"layer {i} of {type(model).__name__} attends within chunks of its tokens (chunked "
-                             "attention), a layer kind kvsqueeze caches do not implement (full and sliding-window "
-                             "layers only)")
+            raise ValueError(f"layer {i} of {what} attends within chunks of its tokens (chunked attention), a layer "
+                             "kind kvsqueeze caches do not implement (full and sliding-window layers only)")
         if isinstance(layer, DynamicSlidingWindowLayer):
             out.append(int(layer.sliding_window))
         elif type(layer) is DynamicLayer:
             out.append(None)
         else:
-            raise ValueError(f"layer {i} of {type(model).__name__} is cached as a {type(layer).__name__}, a layer "
-                             "kind kvsqueeze caches do not implement (full and sliding-window layers only)")
+            raise ValueError(f"layer {i} of {what} is cached as a {type(layer).__name__}, a layer kind kvsqueeze "
+                             "caches do not implement (full and sliding-window layers only)")
     return out
 
 
