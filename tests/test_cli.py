@@ -322,3 +322,49 @@ def test_a_calibration_too_short_for_an_outlier_fraction_is_refused_before_any_w
                  "--out", str(tmp_path / "r")]) == 2
     err = capsys.readouterr().err
     assert "--outliers 0.1: 126 calibration tokens" in err and "more than 1000 tokens" in err
+
+
+@pytest.mark.parametrize("argv, match", [
+    (["--kl-bits", "3"], "--kl-bits set(s) what --kl measures: add --kl"),
+    (["--kl-windows", "4", "--kl-seqlen", "48"], "--kl-windows, --kl-seqlen set(s) what --kl measures"),
+    (["--kl", "--kl-bits", "5"], "--kl-bits 5: this calibration fits --bits 2,3,4 only"),
+    (["--kl", "--kl-outliers", "5"], "--kl-outliers 5: this calibration fits --outliers 1 only"),
+    (["--seqlen", "2", "--sinks", "1"], "--seqlen 2 with --sinks 1 leaves 1 token(s)"),
+    (["--seqlen", "64", "--sinks", "64"], "give --seqlen of at least 66"),
+])
+def test_calibrate_options_that_cannot_work_are_refused_before_the_model_loads(tiny_model_dir, tmp_path, capsys,
+                                                                                monkeypatch, argv, match):
+    """What --kl measures must be among what the calibration fits, and needs --kl; a window must leave two
+    tokens after its sinks (the last carries no gradient). Each was found only after the whole calibration."""
+    from kvsqueeze.integrations import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    base = ["calibrate", "--model", str(tiny_model_dir), "--samples", "2", "--seqlen", "64", "--outliers", "1",
+            "--out", str(tmp_path / "r")]
+    assert main(base + argv) == 2
+    assert match in capsys.readouterr().err
+    assert not (tmp_path / "r" / "recipe.json").exists()
+
+
+def test_a_calibration_whose_budget_fails_keeps_its_recipe(tiny_model_dir, text_file, tmp_path, capsys):
+    """--avg-bits below what the recipe can store is known only once it is fitted: the fitted recipe is written
+    (without stored budgets), the error says so, and the recipe loads."""
+    from kvsqueeze.recipe import Recipe
+
+    out = tmp_path / "r"
+    assert main(["calibrate", "--model", str(tiny_model_dir), "--text", str(text_file), "--samples", "2",
+                 "--seqlen", "64", "--outliers", "1", "--out", str(out), "--avg-bits", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "below what this recipe can store" in err and f"the calibrated recipe is written to {out}" in err
+    recipe = Recipe.load(out)
+    assert "budgets" not in recipe.meta and recipe.meta["timings_s"]["total"] > 0
+
+
+def test_kl_seqlen_beyond_the_model_context_is_refused(tiny_model_dir, text_file, tmp_path, capsys):
+    from transformers import AutoConfig
+
+    limit = AutoConfig.from_pretrained(tiny_model_dir).max_position_embeddings
+    assert main(["calibrate", "--model", str(tiny_model_dir), "--text", str(text_file), "--samples", "2",
+                 "--seqlen", "64", "--outliers", "1", "--out", str(tmp_path / "r"), "--kl", "--kl-seqlen",
+                 str(limit + 1)]) == 2
+    assert f"--kl-seqlen {limit + 1} exceed(s) the model's {limit}-token context" in capsys.readouterr().err

@@ -593,3 +593,72 @@ def test_a_model_built_under_inference_mode_is_fingerprinted():
     with torch.inference_mode():
         model = tiny_model("llama", seed=3)
     assert model_fingerprint(model) == model_fingerprint(model)
+
+
+# ---- what a recipe holds stays loadable ---------------------------------------------------------------
+def test_a_recipe_under_other_rope_settings_is_refused_and_one_from_before_them_is_not(tiny_recipe):
+    """Post-RoPE ranges and every statistic after the first attention were measured under the model's RoPE: the
+    same weights with another theta or scaling are another model to the recipe. A recipe written before the
+    fingerprint named RoPE is not held to it."""
+    import copy
+
+    model = tiny_model("llama", seed=0)
+    check_recipe(tiny_recipe, model)
+    model.config.rope_parameters = {**model.config.rope_parameters, "rope_theta": 500000.0}
+    with pytest.raises(RecipeError, match=r"rope: recipe .*10000.* vs model .*500000"):
+        check_recipe(tiny_recipe, model)
+    older = Recipe(meta=copy.deepcopy(tiny_recipe.meta), tensors=tiny_recipe.tensors)
+    del older.meta["model"]["fingerprint"]["rope"]
+    check_recipe(older, model)  # no error
+
+
+def test_save_refuses_what_load_would_refuse(recipe_copy):
+    """A recipe `load` would refuse (here a negative sensitivity) is not written over a good one."""
+    recipe = Recipe.load(recipe_copy)
+    before = (recipe_copy / META_FILE).read_bytes()
+    recipe.meta["sensitivity"] = {"sink1": {"windows": 1, "seqlen": 48, "sinks": 1, "bits": [3],
+                                            "fractions": [0.0], "kl": {"0.k.3.0": -1e-8}}}
+    with pytest.raises(RecipeError, match="sensitivity"):
+        recipe.save(recipe_copy)
+    assert (recipe_copy / META_FILE).read_bytes() == before
+    Recipe.load(recipe_copy)
+
+
+def test_a_save_stopped_between_its_renames_is_finished_by_the_next_load(recipe_copy, monkeypatch):
+    """Both files are staged whole before either is renamed: stopped after the tensors' rename, the staged JSON
+    is renamed into place by `load`, which then reads the new pair; stopped before it, the old pair loads."""
+    import os
+
+    from kvsqueeze import recipe as recipe_module
+
+    recipe = Recipe.load(recipe_copy)
+    recipe.meta["text"] = "edited"
+    real = os.replace
+    calls = []
+
+    def stop_at_second(src, dst):
+        calls.append(dst)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real(src, dst)
+
+    monkeypatch.setattr(recipe_module.os, "replace", stop_at_second)
+    with pytest.raises(KeyboardInterrupt):
+        recipe.save(recipe_copy)
+    monkeypatch.setattr(recipe_module.os, "replace", real)
+    assert (recipe_copy / f".{META_FILE}.staged").exists()
+    assert Recipe.load(recipe_copy).meta["text"] == "edited"
+    assert not list(recipe_copy.glob(".*.staged"))
+
+    recipe.meta["text"] = "edited again"
+    calls.clear()
+
+    def stop_at_first(src, dst):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(recipe_module.os, "replace", stop_at_first)
+    with pytest.raises(KeyboardInterrupt):
+        recipe.save(recipe_copy)
+    monkeypatch.setattr(recipe_module.os, "replace", real)
+    assert Recipe.load(recipe_copy).meta["text"] == "edited"
+    assert not list(recipe_copy.glob(".*.staged"))

@@ -122,6 +122,10 @@ def cmd_calibrate(args) -> None:
     for b in bits:
         if b not in (2, 3, 4):
             raise ValueError(f"--bits {b} is not supported; use 2, 3 and/or 4")
+    if args.seqlen - args.sinks < 2:
+        raise ValueError(f"--seqlen {args.seqlen} with --sinks {args.sinks} leaves {max(0, args.seqlen - args.sinks)} "
+                         "token(s) of each window for the statistics, and a window's last token carries no gradient "
+                         f"(nothing follows it): give --seqlen of at least {args.sinks + 2}")
     fractions = _percentages(args.outliers, "--outliers")
     cfg = CalibrationConfig(samples=args.samples, seqlen=args.seqlen, bits=bits,
                             fractions=tuple(sorted({0.0, *fractions})), sinks=args.sinks, ablation=args.ablation)
@@ -133,14 +137,33 @@ def cmd_calibrate(args) -> None:
                          f"{args.seqlen}, less {args.sinks} sink(s) each) leave no value outside a {100 * f:g}% range, "
                          f"so it would equal the range without outliers; give more than {math.ceil(1 / f)} tokens "
                          f"(--samples, --seqlen), or leave {100 * f:g} out of --outliers")
-    if args.kl_outliers:
-        _percentages(args.kl_outliers, "--kl-outliers")
+    _check_kl_options(args, bits, fractions)
     budgets = _budgets(args.avg_bits)
     from .recipe import RUN_LOCK_FILE, check_directory, writing
 
     out = check_directory(args.out)  # before any work: a file, or a directory that cannot be written, is refused
     with writing(out, lock=RUN_LOCK_FILE, wait=False):  # and so is a second calibration into it at the same time
         _calibrate(args, cfg, budgets)
+
+
+def _check_kl_options(args, bits: tuple[int, ...], fractions: tuple[float, ...]) -> None:
+    """`calibrate`'s --kl-* options, before any work: each needs --kl, and measures widths and outlier
+    fractions this calibration fits (a sensitivity is measured on the recipe's own choices)."""
+    given = [f"--kl-{name}" for name in ("windows", "seqlen", "bits", "outliers")
+             if getattr(args, f"kl_{name}") is not None]
+    if given and not args.kl:
+        raise ValueError(f"{', '.join(given)} set(s) what --kl measures: add --kl, or leave {given[0]} out")
+    if args.kl_bits:
+        extra = [b for b in _int_list(args.kl_bits, "--kl-bits") if b not in bits]
+        if extra:
+            raise ValueError(f"--kl-bits {extra[0]}: this calibration fits --bits {','.join(map(str, bits))} only; "
+                             "measure widths among them, or add the width to --bits")
+    if args.kl_outliers:
+        extra = [f for f in _percentages(args.kl_outliers, "--kl-outliers") if f and f not in fractions]
+        if extra:
+            raise ValueError(f"--kl-outliers {100 * extra[0]:g}: this calibration fits --outliers "
+                             f"{','.join(f'{100 * f:g}' for f in fractions if f) or 'none'} only; measure fractions "
+                             "among them, or add it to --outliers")
 
 
 def _calibrate(args, cfg: CalibrationConfig, budgets: list[float]) -> None:
@@ -153,8 +176,11 @@ def _calibrate(args, cfg: CalibrationConfig, budgets: list[float]) -> None:
     text = load_text(args.text, args.encoding)
     model, tok = load_model(args.model, args.dtype, args.device)
     _check_context(model, [cfg.seqlen], "--seqlen")
+    if args.kl:
+        _check_context(model, [_kl_seqlen(args)], "--kl-seqlen")
     t_load = time.perf_counter() - t0
     samples = calibration_windows(tok, text, cfg.samples, cfg.seqlen)
+    kl_windows = calibration_windows(tok, text, _kl_windows(args), _kl_seqlen(args)) if args.kl else None
     print(f"[1/3] loaded {args.model} and {text.name} in {t_load:.1f}s; {cfg.samples} x {cfg.seqlen} tokens")
     acts = collect(model, samples, sinks=cfg.sinks)
     print(f"[2/3] activations and Fisher information in {acts.seconds:.1f}s (calibration loss {acts.loss:.3f})")
@@ -162,12 +188,22 @@ def _calibrate(args, cfg: CalibrationConfig, budgets: list[float]) -> None:
     print(f"[3/3] ranges, thresholds and codebooks in {recipe.meta['timings_s']['fit']:.1f}s")
     recipe.meta["calibration_pieces"] = sorted(text.calibration_pieces)  # lets eval tell held-out text apart
     recipe.meta["timings_s"]["load"] = round(t_load, 2)
-    if args.kl:
-        t1 = time.perf_counter()
-        table = _measure_sensitivities(model, tok, recipe, text, args)
-        recipe.meta["timings_s"]["sensitivity"] = round(time.perf_counter() - t1, 2)
-        print(f"[+] sensitivities of {len(table['kl'])} choices in {recipe.meta['timings_s']['sensitivity']:.1f}s")
-    _store_budgets(recipe, budgets, args.kl_sinks, ("fisher", "kl") if args.kl else ("fisher",))
+    try:
+        if args.kl:
+            t1 = time.perf_counter()
+            table = _measure_sensitivities(model, tok, recipe, text, args, windows=kl_windows)
+            recipe.meta["timings_s"]["sensitivity"] = round(time.perf_counter() - t1, 2)
+            print(f"[+] sensitivities of {len(table['kl'])} choices in {recipe.meta['timings_s']['sensitivity']:.1f}s")
+        _store_budgets(recipe, budgets, args.kl_sinks, ("fisher", "kl") if args.kl else ("fisher",))
+    except (ValueError, FloatingPointError) as exc:  # MethodError and RecipeError are ValueErrors
+        # the fit is minutes of work and whole without what follows it: keep it, and say what is missing
+        recipe.meta.pop("sensitivity", None)
+        recipe.meta.pop("budgets", None)
+        recipe.meta["timings_s"]["total"] = round(time.perf_counter() - t0, 2)
+        out = recipe.save(args.out)
+        raise ValueError(f"{exc} (the calibrated recipe is written to {out} without "
+                        f"{'its sensitivities or ' if args.kl else ''}stored budgets: `kvsqueeze budget --recipe "
+                        f"{out}` measures the sensitivities, and nuq@AVG methods choose their widths when used)") from exc
     recipe.meta["timings_s"]["total"] = round(time.perf_counter() - t0, 2)
     out = recipe.save(args.out)
     objs = recipe.meta["kmeans_objective"]
@@ -181,7 +217,15 @@ def _calibrate(args, cfg: CalibrationConfig, budgets: list[float]) -> None:
     print(f"recipe written to {out} in {recipe.meta['timings_s']['total']:.1f}s")
 
 
-def _measure_sensitivities(model, tok, recipe, text, args) -> dict:
+def _kl_windows(args) -> int:
+    return 1 if args.kl_windows is None else args.kl_windows
+
+
+def _kl_seqlen(args) -> int:
+    return 512 if args.kl_seqlen is None else args.kl_seqlen
+
+
+def _measure_sensitivities(model, tok, recipe, text, args, windows=None) -> dict:
     """`kvsqueeze budget` / `calibrate --kl`: each layer's K and V measured at the chosen widths and outlier
     fractions (default: the recipe's middle width, with none and its largest fraction) on calibration windows;
     the table goes into the recipe."""
@@ -197,9 +241,10 @@ def _measure_sensitivities(model, tok, recipe, text, args) -> dict:
         fractions = tuple(sorted({0.0, *_percentages(args.kl_outliers, flag.replace("bits", "outliers"))}))
     else:
         fractions = tuple(sorted({0.0, max(c.fraction for c in calibrated)}))
-    windows = calibration_windows(tok, text, args.kl_windows, args.kl_seqlen)
+    if windows is None:
+        windows = calibration_windows(tok, text, _kl_windows(args), _kl_seqlen(args))
     print(f"measuring each layer's K and V at {', '.join(map(str, bits))} bits with outliers "
-          f"{', '.join(f'{100 * f:g}%' for f in fractions)} on {args.kl_windows} x {args.kl_seqlen} tokens of "
+          f"{', '.join(f'{100 * f:g}%' for f in fractions)} on {_kl_windows(args)} x {_kl_seqlen(args)} tokens of "
           f"{text.name} (calibration part)")
     t0 = time.perf_counter()
     table = measure_sensitivity(model, recipe, windows, sinks=args.kl_sinks, fractions=fractions, bits=bits)
@@ -359,6 +404,7 @@ def _budget(args, budgets, recipe) -> None:
 
     model, tok = load_model(args.model, args.dtype, args.device)
     check_recipe(recipe, model)
+    _check_context(model, [args.kl_seqlen], "--seqlen")
     calibrated_on = recipe.meta.get("text") or DEFAULT_TEXT
     if args.text is not None and args.text != calibrated_on:
         print(f"note: the recipe was calibrated on {calibrated_on!r}; its sensitivities are measured on "
@@ -533,9 +579,11 @@ def _add_sensitivity(sub: argparse.ArgumentParser, standalone: bool) -> None:
     """What `kvsqueeze budget` (standalone) and `calibrate --kl` measure: plain flags in `budget`, `--kl-*` in
     `calibrate` (where --bits, --outliers, --seqlen and --sinks name the calibration's own)."""
     pre = "--" if standalone else "--kl-"
-    sub.add_argument(f"{pre}windows", dest="kl_windows", type=_bounded(1, 10_000), default=1,
-                     help="calibration windows the KL divergence is taken over")
-    sub.add_argument(f"{pre}seqlen", dest="kl_seqlen", type=_bounded(2, MAX_TOKENS), default=512, help="tokens per window")
+    # calibrate's are None unless given (refused without --kl); _kl_windows / _kl_seqlen give their defaults
+    sub.add_argument(f"{pre}windows", dest="kl_windows", type=_bounded(1, 10_000), default=1 if standalone else None,
+                     help="calibration windows the KL divergence is taken over (default 1)")
+    sub.add_argument(f"{pre}seqlen", dest="kl_seqlen", type=_bounded(2, MAX_TOKENS),
+                     default=512 if standalone else None, help="tokens per window (default 512)")
     sub.add_argument(f"{pre}bits", dest="kl_bits", help="widths to measure (default: the recipe's middle one, 3; "
                      "each unit's scale is the mean over those measured)")
     sub.add_argument(f"{pre}outliers", dest="kl_outliers", help="outlier percentages to measure besides none "

@@ -20,7 +20,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -173,8 +172,10 @@ class Recipe:
         # a recipe from before the fingerprint named each layer's sliding window: the same weights are the same
         # model, whose windows it takes (what its bit budgets charge each layer for), below, once they match
         unnamed = "layer_windows" in have and "layer_windows" not in want
+        later = ("rope",)  # fields a recipe from before them does not hold: not compared there
         diff = [f"{k}: recipe {want.get(k)} vs model {have[k]}" for k in have
-                if k not in weights and want.get(k) != have[k] and not (k == "layer_windows" and unnamed)]
+                if k not in weights and want.get(k) != have[k] and not (k == "layer_windows" and unnamed)
+                and not (k in later and k not in want)]
         if not diff:
             layers = same_weights(want, have)
             if layers:
@@ -200,6 +201,7 @@ class Recipe:
         the JSON's checksums cover the tensors and the JSON itself."""
         from safetensors.torch import save
 
+        self.check()  # a recipe that `load` would refuse is not written over a good one
         d = check_directory(directory)
         tensors = {k: v.detach().float().cpu().contiguous() for k, v in self.tensors.items()}
         data = save(tensors, metadata={"format_version": str(FORMAT_VERSION)})
@@ -211,8 +213,11 @@ class Recipe:
         except (TypeError, ValueError) as exc:
             raise RecipeError(f"the recipe's settings cannot be written as JSON ({exc})") from exc
         with writing(d):
-            _replace(d / TENSORS_FILE, data)
-            _replace(d / META_FILE, text)
+            # both files staged whole before either is renamed into place; a save stopped between the two renames
+            # leaves the staged JSON, which `load` renames into place (`_finish_save`)
+            staged = [(_stage(d / name, payload), d / name) for name, payload in ((TENSORS_FILE, data), (META_FILE, text))]
+            for tmp, path in staged:
+                os.replace(tmp, path)
         return d
 
     @classmethod
@@ -220,6 +225,7 @@ class Recipe:
         from safetensors.torch import load
 
         d = Path(directory)
+        _finish_save(d)
         if not (d / META_FILE).is_file() or not (d / TENSORS_FILE).is_file():
             raise RecipeError(
                 f"{d} is not a recipe: expected {META_FILE} and {TENSORS_FILE} there "
@@ -329,18 +335,43 @@ def writing(directory: str | Path, shared: bool = False, wait: bool = True, lock
         os.close(fd)
 
 
-def _replace(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+def _staged(path: Path) -> Path:
+    return path.with_name(f".{path.name}.staged")
+
+
+def _stage(path: Path, data: bytes) -> Path:
+    """`data` written whole and flushed to disk under `path`'s staging name (the caller holds the lock)."""
+    tmp = _staged(path)
     try:
-        with os.fdopen(fd, "wb") as f:
+        with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+    return tmp
+
+
+def _finish_save(d: Path) -> None:
+    """A save stopped part way: its tensors renamed into place and its JSON still staged (both were staged whole
+    first) is finished by renaming the JSON; a save stopped before its first rename left the old pair whole, and
+    its staged files are dropped."""
+    meta, tensors = _staged(d / META_FILE), _staged(d / TENSORS_FILE)
+    if not meta.exists() and not tensors.exists():
+        return
+    try:
+        with writing(d):
+            if meta.exists() and not tensors.exists():
+                os.replace(meta, d / META_FILE)
+            else:
+                for tmp in (meta, tensors):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(tmp)
+    except OSError as exc:
+        raise RecipeError(f"{d}: a save of this recipe stopped part way and the directory cannot be written to finish "
+                          f"it ({exc}); make it writable, or recalibrate") from exc
 
 
 # ---- what `Recipe.check` holds a recipe to --------------------------------------------------------------------

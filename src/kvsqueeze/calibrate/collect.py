@@ -65,8 +65,9 @@ class _float16_as_float32:
 def _collect(model, samples: torch.Tensor, sinks: int, progress: bool) -> Activations:
     shape = kv_shape(model.config)
     s, t = samples.shape
-    if t <= sinks:
-        raise ValueError(f"calibration windows of {t} tokens leave nothing after {sinks} sink tokens")
+    if t - sinks < 2:  # a window's last token carries no gradient: nothing after it has a label
+        raise ValueError(f"calibration windows of {t} tokens leave {max(0, t - sinks)} after {sinks} sink token(s), "
+                         f"and the last one carries no gradient: give windows of at least {sinks + 2} tokens")
     attn = attention_modules(model)
     n = s * (t - sinks)
     keys = [torch.empty(n, shape.channels, dtype=torch.float16) for _ in attn]
@@ -91,6 +92,7 @@ def _collect(model, samples: torch.Tensor, sinks: int, progress: bool) -> Activa
     t0 = time.perf_counter()
     total_loss = 0.0
     try:
+        model.eval()  # no dropout in the Fisher passes (the mode is restored below)
         for j in tqdm(range(s), desc="fisher", unit="seq", disable=not progress):
             ids = samples[j : j + 1].to(embed.weight.device)
             captured.clear()
@@ -105,10 +107,20 @@ def _collect(model, samples: torch.Tensor, sinks: int, progress: bool) -> Activa
                 k, v = captured[(i, "k")], captured[(i, "v")]
                 check_finite(k, f"layer {i} keys")
                 check_finite(v, f"layer {i} values")
+                if k.grad is None or v.grad is None:
+                    raise ValueError(f"layer {i}: the loss does not depend on its "
+                                     f"{'keys' if k.grad is None else 'values'} (a layer that reads another's KV "
+                                     "cache?); this model cannot be calibrated layer by layer")
                 kg, vg = k.grad.flatten(2), v.grad.flatten(2)  # [1, T, C] (a per-head k_norm gives [1, T, H, D])
                 k, v = k.detach().flatten(2), v.detach().flatten(2)
                 keys[i][rows] = k[0, sinks:].half()
                 values[i][rows] = v[0, sinks:].half()
+                for name, kept in (("keys", keys[i][rows]), ("values", values[i][rows])):
+                    if not torch.isfinite(kept).all():  # finite in float32, past float16's 65,504 once stored
+                        raise FloatingPointError(
+                            f"layer {i} {name} reach {float(captured[(i, name[0])].detach().abs().max()):.4g} on "
+                            f"calibration sample {j}, beyond float16's range (65,504) that the cache stores them "
+                            "in (sinks, outliers, the fp16 window); this model's KV cache cannot be quantized here")
                 kf[i][rows] = kg[0, sinks:].float().square().bfloat16()
                 vf[i][rows] = vg[0, sinks:].float().square().bfloat16()
     finally:
@@ -117,5 +129,11 @@ def _collect(model, samples: torch.Tensor, sinks: int, progress: bool) -> Activa
         for p, f in zip(model.parameters(), flags):
             p.requires_grad_(f)
         model.train(was_training)
+    for i in range(len(attn)):
+        for name, fisher in (("keys", kf[i]), ("values", vf[i])):
+            if not fisher.float().sum() > 0:
+                raise FloatingPointError(f"layer {i} {name}: the Fisher information is zero on every calibration "
+                                         "token (the loss does not depend on them), so no codebook can be weighted "
+                                         "by it; check the layer's weights, or calibrate on longer windows")
     positions = torch.arange(sinks, t).repeat(s)
     return Activations(keys, values, kf, vf, positions, total_loss / s, time.perf_counter() - t0)

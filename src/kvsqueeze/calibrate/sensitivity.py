@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import torch
 from tqdm.auto import tqdm
@@ -108,6 +109,10 @@ def measure_sensitivity(model, recipe: Recipe, windows, sinks: int = 1, fraction
             sim.v = [quant if (i == layer and kv == "v") else None for i in range(shape.layers)]
             logp = run(layer, sim).float().log_softmax(-1)
             kl = float((ref_p * (ref - logp)).sum(-1).mean())
+            if not math.isfinite(kl):
+                raise FloatingPointError(f"layer {layer} {kv.upper()} at {c.label()}: the KL divergence from the "
+                                         f"unquantized model is {kl}; check the model's outputs are finite")
+            kl = max(kl, 0.0)  # a divergence is never below 0; float32 rounding can put a negligible one just under
             table[unit_key(layer, kv, c)] = kl
             if same is not None:
                 done[same] = kl

@@ -4,6 +4,7 @@ probed elements of every tensor."""
 from __future__ import annotations
 
 import copy
+import json
 import weakref
 
 from ..recipe import Recipe, key_digest, tensor_probe
@@ -51,10 +52,25 @@ def _fingerprint(model) -> dict:
         "layers_probe": probes,
         # each layer's sliding window (None: every token): what a bit budget charges each layer for holding
         "layer_windows": layer_windows(model),
+        # how keys turn (theta, scaling, partial rotary): post-RoPE ranges, and every statistic after the first
+        # attention, were measured under it
+        "rope": rope_config(model.config),
         # a few elements of every tensor: a fine-tune that left the key projections alone changes the keys and
         # values the recipe was fitted to through every layer before them
         "weights_probe": {name: tensor_probe(p) for name, p in model.named_parameters()},
     }
+
+
+def rope_config(config) -> dict:
+    """The config's RoPE settings as JSON holds them: `rope_parameters` (or the older `rope_scaling` and
+    `rope_theta`) and `partial_rotary_factor`, unset entries left out."""
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {}
+    out = json.loads(json.dumps(params, sort_keys=True, default=str)) if isinstance(params, dict) else {}
+    for name in ("rope_theta", "partial_rotary_factor"):
+        value = getattr(config, name, None)
+        if value is not None and name not in out:
+            out[name] = float(value)
+    return {k: v for k, v in sorted(out.items()) if v is not None}
 
 
 def check_recipe(recipe: Recipe, model) -> None:
