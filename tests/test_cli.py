@@ -368,3 +368,24 @@ def test_kl_seqlen_beyond_the_model_context_is_refused(tiny_model_dir, text_file
                  "--seqlen", "64", "--outliers", "1", "--out", str(tmp_path / "r"), "--kl", "--kl-seqlen",
                  str(limit + 1)]) == 2
     assert f"--kl-seqlen {limit + 1} exceed(s) the model's {limit}-token context" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [
+    ["eval", "--methods", "fp16", "--max-windows", "1", "--seqlen", "64", "--text", "TEXT"],
+    ["passkey", "--methods", "fp16", "--lengths", "256"],
+    ["ruler", "--methods", "fp16", "--lengths", "256", "--text", "TEXT"],
+])
+@pytest.mark.parametrize("where", ["a directory", "under a file"])
+def test_an_output_that_cannot_be_written_is_refused_before_the_model_loads(tiny_model_dir, text_file, tmp_path,
+                                                                             capsys, monkeypatch, command, where):
+    """--json naming a directory, or a path under a file, failed only when the results were written, after the
+    whole run."""
+    from kvsqueeze.integrations import loading
+
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: (_ for _ in ()).throw(AssertionError("loaded")))
+    (tmp_path / "afile").write_text("x")
+    target = tmp_path if where == "a directory" else tmp_path / "afile" / "out.json"
+    command = [str(text_file) if a == "TEXT" else a for a in command]
+    assert main(command + ["--model", str(tiny_model_dir), "--json", str(target)]) == 2
+    err = capsys.readouterr().err
+    assert f"--json {target} " + ("is a directory" if where == "a directory" else "lies under") in err

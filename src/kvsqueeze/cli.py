@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -110,10 +111,29 @@ def _check_methods(model, specs, recipe) -> None:
 
     check_methods(model, specs, recipe)
 
+def _check_outputs(**paths: str | None) -> None:
+    """Refuse, before any work, an output file (`--json`, `--plot`) that could not be written at the end: a
+    directory, a path under a file, or one in a directory this process cannot write to."""
+    for flag, path in paths.items():
+        if not path:
+            continue
+        p = Path(path)
+        where = next((a for a in (p.parent, *p.parent.parents) if a.exists()), Path("."))
+        problem = ("is a directory" if p.is_dir() else f"lies under {where}, which is a file" if not where.is_dir()
+                   else f"is in {where}, which this process cannot write to" if not os.access(where, os.W_OK)
+                   else None)
+        if problem:
+            raise ValueError(f"--{flag.replace('_', '-')} {path} {problem}: give a file path that can be written")
+
+
 def _write_json(path: str | None, payload: dict) -> None:
+    """The payload written whole: to a temporary name beside the file, then renamed over it."""
     if path:
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        Path(path).write_text(json.dumps(payload, indent=2) + "\n")
+        p = Path(path)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        tmp = p.with_name(f".{p.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(payload, indent=2) + "\n")
+        os.replace(tmp, p)
         print(f"wrote {path}")
 
 
@@ -303,6 +323,7 @@ def cmd_eval(args) -> None:
     from .integrations.loading import load_model
     from .methods import needs_recipe, parse_methods
 
+    _check_outputs(json=args.json, plot=args.plot)
     seqlens = _int_list(args.seqlen, "--seqlen")
     per_length = {n: parse_methods(args.methods, reaching=n) for n in seqlens}  # a preset chosen for each length
     specs = per_length[seqlens[0]]
@@ -452,6 +473,7 @@ def cmd_inspect(args) -> None:
 def cmd_memory(args) -> None:
     from .eval.planner import run_memory_command
 
+    _check_outputs(json=args.json)
     run_memory_command(args.model, args.context, args.methods, batch=args.batch, gpus=args.gpus,
                        gpu_mem=args.gpu_mem, json_out=args.json, recipe=args.recipe)
 
@@ -462,6 +484,7 @@ def cmd_passkey(args) -> None:
     from .integrations.loading import load_model
     from .methods import parse_methods
 
+    _check_outputs(json=args.json)
     specs = parse_methods(args.methods)
     lengths = _int_list(args.lengths, "--lengths")
     if args.trials < 1:
@@ -485,6 +508,7 @@ def cmd_ruler(args) -> None:
     from .integrations.loading import load_model
     from .methods import PRESETS, parse_methods
 
+    _check_outputs(json=args.json, plot=args.plot)
     names = [m.strip().lower() for m in args.methods.split(",") if m.strip()]
     lengths = _int_list(args.lengths, "--lengths")
     per_length = {n: parse_methods(args.methods, context=n) for n in lengths}  # a preset chosen for each length

@@ -141,13 +141,15 @@ def test_a_quantized_cache_changes_loglikelihoods_and_generates_as_the_compresse
         assert text == own
 
 
-def test_methods_without_a_compressed_cache_generate_through_the_simulated_one(setup):
-    """KIVI through its simulation; a batch of two (padded on the left) answers as one question at a time does,
-    its rows generated apart so that no padding joins a row's key groups."""
+@pytest.mark.parametrize("method", ["kivi2", "int4:sink1"])
+def test_methods_without_a_compressed_cache_generate_through_the_simulated_one(setup, method):
+    """KIVI and a simulated method with an fp16 sink through their simulation; a batch of two (padded on the left)
+    answers as one question at a time does, its rows generated apart so that no padding joins a row's key groups
+    or is kept as its sink (the sink's batch of two was refused half way through a run)."""
     model_dir, recipe, tasks = setup
     answers = {}
     for size in (2, 1):
-        lm = KVSqueezeLM(pretrained=str(model_dir), method="kivi2", batch_size=size)
+        lm = KVSqueezeLM(pretrained=str(model_dir), method=method, batch_size=size)
         res = _evaluate(lm, tasks, ["kvs_gen"])
         assert len(res["samples"]["kvs_gen"]) == len(QA) and "exact_match,none" in res["results"]["kvs_gen"]
         answers[size] = sorted((s["doc_id"], s["resps"]) for s in res["samples"]["kvs_gen"])
@@ -168,6 +170,8 @@ def test_command_line_wrapper_runs_lm_evals_cli(setup, tmp_path):
 
 def test_bad_model_args_are_refused_before_loading(setup):
     model_dir, recipe, _ = setup
+    with pytest.raises(ValueError, match="wider half from the whole batch's tokens.*batch_size=1"):
+        KVSqueezeLM(pretrained=str(model_dir), method="turbo3:split", batch_size=4)
     with pytest.raises(ValueError, match="recipe=DIR"):
         KVSqueezeLM(pretrained=str(model_dir), method="nuq3-1%")
     with pytest.raises(Exception, match="unknown method"):

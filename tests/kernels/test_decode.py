@@ -146,6 +146,10 @@ CASES = [  # tokens, batch, kv heads, head_dim, G (query heads per KV head), bit
     (300, 2, 3, 64, 1, 4, 0.01, 1),
     (257, 1, 2, 16, 3, 3, 0.02, 2),  # head_dim 16: heads do not start on a word boundary at 3 bits
     (90, 2, 3, 80, 3, 3, 0.02, 1),  # head_dim 80: 7.5 words a head, codes straddling at the heads' ends
+    (64, 1, 2, 64, 2, 2, 0.0, 1),  # exactly one block of tokens
+    (70, 2, 2, 64, 4, 5, 0.01, 1),  # wider than the 16-entry lookup: 5 to 8 bits
+    (65, 1, 2, 32, 2, 6, 0.0, 0),
+    (40, 1, 1, 96, 8, 8, 0.01, 1),
 ]
 
 
@@ -161,6 +165,11 @@ def test_backend_equals_reference(backend, case):
     got = decode_attention(q, kv, rope, head_dim**-0.5, backend=backend)
     torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
     for variant in outlier_variants(kv):  # the same cache through the backend's other outlier paths
+        unknown = any(s is not None and s.nnz and s.code is None for s in (variant.k_outliers, variant.v_outliers))
+        if backend is Backend.NUMBA and bits > 4 and unknown:  # numba reads codes wider than 4 bits by offsets
+            with pytest.raises(ValueError, match="codes wider than 4 bits need the code under every outlier"):
+                decode_attention(q, variant, rope, head_dim**-0.5, backend=backend)
+            continue
         got = decode_attention(q, variant, rope, head_dim**-0.5, backend=backend)
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 

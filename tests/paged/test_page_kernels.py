@@ -71,6 +71,23 @@ def test_numba_writes_the_bytes_torch_writes(case):
     assert torch.equal(pages_ref, pages_fast)
 
 
+def test_tied_values_take_the_same_exact_channels_in_both_writers():
+    """Tokens whose values tie (all zeros, a constant, zeros with one high and one low): the smallest are chosen
+    among the channels the largest left, as the torch path and the store's encoder choose them; the numba writer
+    once searched every channel for them and kept fewer exact values, padded with empty slots."""
+    ref, fast = _pair(64, 32, 3, 0.05, 0, 4, 8)
+    keys = torch.randn(3, 64, generator=torch.Generator().manual_seed(0)) * 0.5
+    values = torch.zeros(3, 64)
+    values[1] = 0.3
+    values[2, 5], values[2, 9] = 4.0, -4.0
+    pages_ref = ref.allocate(2).zero_()
+    pages_fast = pages_ref.clone()
+    slots, pos = torch.arange(3), torch.arange(3) + 5
+    ref.write(pages_ref, slots, keys, values, pos)
+    fast.write(pages_fast, slots, keys, values, pos)
+    assert torch.equal(pages_ref, pages_fast)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_numba_reads_and_gathers_what_torch_does(case):
     ref, fast = _pair(*case, seed=4)

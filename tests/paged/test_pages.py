@@ -151,6 +151,28 @@ def test_bad_layouts_and_buffers_are_refused():
         layout.write(layout.allocate(1), torch.tensor([9]), torch.randn(1, 64), torch.randn(1, 64), torch.tensor([9]))
 
 
+@pytest.mark.parametrize("kernels", ["torch", "numba"])
+def test_values_beyond_float16_and_pages_outside_the_buffer_are_refused(kernels):
+    """A bfloat16 engine can hand over values past float16's range, which a page's fp16 scale would store as
+    inf (attention NaN); a block table naming a page past the buffer would have the compiled readers read outside
+    it. Both are refused with what is wrong."""
+    kq, vq = _quantizers(64, 3, 0.01, slots=2)
+    layout = PageLayout(kq, vq, 64, 32, block_size=4, kernels=kernels)
+    pages = layout.allocate(3)
+    big = torch.randn(2, 64)
+    big[1, 7] = 8e4
+    for keys, values, name in ((torch.randn(2, 64), big, "values"), (big, torch.randn(2, 64), "keys"),
+                               (torch.full((2, 64), float("nan")), torch.randn(2, 64), "keys")):
+        with pytest.raises(ValueError, match=f"write: {name} reach .* beyond float16's 65,504"):
+            layout.write(pages, torch.tensor([0, 1]), keys, values, torch.tensor([0, 1]))
+    layout.write(pages, torch.arange(6), torch.randn(6, 64), torch.randn(6, 64), torch.arange(6))
+    for in_place in (False, True):
+        with pytest.raises(ValueError, match=r"names pages outside the buffer's 3: sequence 0 of 6 tokens reads "
+                                             r"pages \[0, 3\]"):
+            layout.view(pages, torch.tensor([[0, 3]], dtype=torch.int32), torch.tensor([6]), in_place=in_place)
+        layout.view(pages, torch.tensor([[0, 1, 7]], dtype=torch.int32), torch.tensor([6]), in_place=in_place)
+
+
 @pytest.mark.parametrize("in_place", [False, True])
 def test_a_window_given_beside_the_pages_is_read_as_the_hf_store_reads_its_own(in_place):
     """Decode attention over pages plus each row's fp16 window (`with_window`: the last W tokens' exact keys and

@@ -70,6 +70,10 @@ class KVSqueezeLM(HFLM):
                              "--model_args (create one with `kvsqueeze calibrate --out DIR`)")
         if decode not in ("auto", "dense", "numba", "reference", "triton"):
             raise ValueError(f"decode={decode!r}: expected auto, dense, numba, reference or triton")
+        if getattr(self.spec, "split", False) and str(kwargs.get("batch_size", 1)) != "1":
+            raise ValueError(f"method {self.spec.name!r} picks each head's wider half from the whole batch's tokens, so "
+                             "a request's score would depend on the requests beside it and their padding: use "
+                             "batch_size=1 (--batch_size 1)")
         self.recipe = Recipe.load(recipe) if recipe else None
         self.decode = decode
         model, tok = load_model(str(pretrained), dtype, _device(device))
@@ -96,12 +100,14 @@ class KVSqueezeLM(HFLM):
     def _model_generate(self, context, max_length: int, stop: list[str], **generation_kwargs) -> torch.Tensor:
         """Greedy (or sampled) generation from the method's cache: the compressed cache where it stores the method.
 
-        KIVI's simulation groups keys from a row's first slot, so a batch padded on the left would mix padding
-        into a row's groups: its rows are generated one at a time, each without its padding, and put back in
-        the batch's layout (left padding restored, right-padded to the longest), as generate returns a batch."""
+        KIVI's simulation groups keys from a row's first slot, and a simulated method's fp16 sinks are the first
+        slots, so a batch padded on the left would mix padding into a row's groups or keep it as sinks: such rows
+        are generated one at a time, each without its padding, and put back in the batch's layout (left padding
+        restored, right-padded to the longest), as generate returns a batch."""
         mask = generation_kwargs.get("attention_mask")
-        if (family(self.spec).quantizes_in_attention and mask is not None and context.shape[0] > 1
-                and bool((mask[:, 0] == 0).any())):
+        simulated_sinks = not compressed(self.spec) and self.spec.quantized and self.spec.sinks > 0
+        if ((family(self.spec).quantizes_in_attention or simulated_sinks) and mask is not None
+                and context.shape[0] > 1 and bool((mask[:, 0] == 0).any())):
             return self._rows_one_at_a_time(context, max_length, stop, mask, **generation_kwargs)
         with contextlib.ExitStack() as stack:
             if compressed(self.spec) and self.spec.quantized:

@@ -56,6 +56,8 @@ from ..methods.budget import check_widths
 from ..numerics.packing import OUTLIER_CODE, code_offsets, mixed_words, pack_codes, pack_mixed, words_per_vector
 from ..numerics.quantizer import VectorQuantizer
 
+F16_MAX = 65504.0  # the largest finite float16: scales, outliers and sinks are stored in float16
+
 ALIGN = 16
 
 
@@ -328,6 +330,12 @@ class PageLayout:
         if int(block.max()) >= pages.shape[0] or int(slots.min()) < 0:
             raise ValueError(f"write: slot {int(slots.max())} is past the {pages.shape[0]} pages of the buffer")
         xk, xv = keys.float(), values.float()
+        if not bool(((xk.abs() <= F16_MAX).all() & (xv.abs() <= F16_MAX).all())):  # NaN fails it too
+            name = "keys" if not bool((xk.abs() <= F16_MAX).all()) else "values"
+            x = xk if name == "keys" else xv
+            raise ValueError(f"write: {name} reach {float(x.nan_to_num(float('inf')).abs().max()):.4g} (or NaN), "
+                             "beyond float16's 65,504 that pages store scales, outliers and sinks in; serve this model "
+                             "with vLLM's own KV cache")
         fast = self._fast(pages)
         if fast is not None:
             return self._write_numba(fast, pages, block, offset, xk, xv, positions)
@@ -431,6 +439,12 @@ class PageLayout:
                              f"{tuple(block_table.shape)}")
         table = block_table[:, :nb].to(device=pages.device, dtype=torch.long)
         dev = pages.device
+        used = torch.arange(nb, device=dev).view(1, -1) < (lens.to(dev).view(-1, 1) + bs - 1) // bs  # [B, nb]
+        if bool((used & ((table < 0) | (table >= pages.shape[0]))).any()):  # the compiled readers do not check
+            bad = [(i, table[i, used[i]].tolist()) for i in range(b)
+                   if bool(((table[i, used[i]] < 0) | (table[i, used[i]] >= pages.shape[0])).any())]
+            raise ValueError(f"view: the block table names pages outside the buffer's {pages.shape[0]}: sequence "
+                             f"{bad[0][0]} of {int(lens[bad[0][0]])} tokens reads pages {bad[0][1]}")
         live = torch.arange(nb * bs).view(1, -1) < lens.view(-1, 1)  # [B, nb*bs]
         mask = live[:, :t].to(dev)
         if in_place and bs & (bs - 1) == 0:

@@ -343,12 +343,14 @@ def _even_offsets(bits: int, channels: int) -> np.ndarray:
 def _widths(bits: int, offsets: torch.Tensor | None, channels: int, under: int) -> tuple[int, np.ndarray]:
     """(the `bits` the passes take, int32 offsets [C + 1]) of keys or values: channels of one width, or each of
     its own (bits 0). Codes under outliers must then be known (`Outliers.code`): those passes read no codes."""
-    if offsets is None:
+    if offsets is None and bits <= 4:
         return bits, _even_offsets(bits, channels)
+    if offsets is None:  # the one-width lookup reads 16 entries: wider codes take the path of per-channel widths
+        offsets = _even_offsets(bits, channels)
     if under < 0:
-        raise ValueError("channels of their own widths need the code under every outlier to be known "
-                         "(`Outliers.code`), as KVStore stores it")
-    return 0, _np(offsets)  # the store's own int32 offsets, viewed
+        raise ValueError(f"{'codes wider than 4 bits' if bits > 4 else 'channels of their own widths'} need the code "
+                         "under every outlier to be known (`Outliers.code`), as KVStore stores it")
+    return 0, offsets if isinstance(offsets, np.ndarray) else _np(offsets)  # the store's own int32 offsets, viewed
 
 
 def _luts(kv: StoreView) -> tuple[np.ndarray, np.ndarray]:

@@ -72,11 +72,14 @@ def _nearest(err, mids, qi):
 
 
 @njit(cache=True, inline="always")
-def _top(x, k, side, idx, val):
+def _top(x, k, side, idx, val, skip=None):
     """The k largest (side 1) or smallest (side -1) entries of x [C] into idx/val [k + 1], best first, in one pass;
-    ties keep the lower channel first. Returns how many were found (min(k, C))."""
+    ties keep the lower channel first; channels where `skip` [C] is True are passed over. Returns how many were
+    found (min(k, C))."""
     m = 0
     for c in range(x.shape[0]):
+        if skip is not None and skip[c]:
+            continue
         v = x[c] if side > 0 else -x[c]
         if m == k and not v > val[k - 1]:
             continue
@@ -175,7 +178,7 @@ def write_tokens(xk, xv, block, offset, positions, sinks, c0, cl, k_mids, k_leve
                 hi = xv[n, idx[v_side]]
                 for i in range(v_side):
                     taken[idx[i]] = True
-                _top(xv[n], v_side + 1, -1, idx, val)
+                _top(xv[n], v_side + 1, -1, idx, val, taken)  # among those the largest left: ties as the store's
                 lo = xv[n, idx[v_side]]
                 for i in range(v_side):
                     taken[idx[i]] = True
