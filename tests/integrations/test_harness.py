@@ -170,6 +170,8 @@ def test_command_line_wrapper_runs_lm_evals_cli(setup, tmp_path):
 
 def test_bad_model_args_are_refused_before_loading(setup):
     model_dir, recipe, _ = setup
+    with pytest.raises(ValueError, match="loads the tokenizer that comes with the model"):
+        KVSqueezeLM(pretrained=str(model_dir), method="fp16", tokenizer="gpt2")
     with pytest.raises(ValueError, match="wider half from the whole batch's tokens.*batch_size=1"):
         KVSqueezeLM(pretrained=str(model_dir), method="turbo3:split", batch_size=4)
     with pytest.raises(ValueError, match="recipe=DIR"):

@@ -64,6 +64,9 @@ class KVSqueezeLM(HFLM):
                  dtype: str = DEFAULT_DTYPE, decode: str = "auto", device: str | None = None, **kwargs):
         from .cache import cache_for  # noqa: F401  (import errors now, not at the first generation)
 
+        if kwargs.pop("tokenizer", None) not in (None, "", str(pretrained)):
+            raise ValueError("tokenizer=: kvsqueeze loads the tokenizer that comes with the model (pretrained=); "
+                             "leave tokenizer= out of --model_args")
         self.spec = parse_method(str(method))
         if needs_recipe(self.spec) and not recipe:
             raise ValueError(f"method {self.spec.name!r} uses offline calibration statistics: add recipe=DIR to "
@@ -80,7 +83,6 @@ class KVSqueezeLM(HFLM):
         self.kv_method_check(model)
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token  # HFLM pads batches
-        kwargs.pop("tokenizer", None)
         kwargs.setdefault("max_length", getattr(model.config, "max_position_embeddings", None) or 2048)
         super().__init__(pretrained=model, tokenizer=tok, **kwargs)
 
