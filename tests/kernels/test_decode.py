@@ -702,6 +702,21 @@ def test_the_first_triton_result_of_each_variant_on_a_gpu_is_held_to_the_referen
     assert not calls  # checked once per variant
 
 
+def test_the_first_triton_check_takes_a_fully_masked_row_as_equal(monkeypatch):
+    """A row whose every key is masked is NaN in the reference and the kernels alike (a softmax over nothing):
+    the first-call check once raised there, blaming the kernels."""
+    from kvsqueeze.kernels.triton import attend
+
+    kv = view_of(make_store(20, 2, 1, 32, 3, 0.0, 0))
+    q = torch.randn(2, 2, 32, generator=torch.Generator().manual_seed(6))
+    mask = torch.ones(2, 20, dtype=torch.bool)
+    mask[1] = False
+    monkeypatch.setenv("KVSQUEEZE_CHECK_TRITON", "1")
+    monkeypatch.setattr(attend, "_CHECKED", set())
+    out = attend.decode_attention(q, kv, Rope.default(32), 0.2, mask)
+    assert torch.isnan(out[1]).all() and torch.isfinite(out[0]).all() and len(attend._CHECKED) == 1
+
+
 # ---- the Triton programs compiled for a GPU, without one ------------------------------------------------
 # The interpreter runs the programs as Python, so it never types them as the GPU compiler does: a program that
 # returns int64 on one path and int32 on another passes every interpreted test and is refused on the first GPU.
