@@ -68,7 +68,8 @@ def quality_rows(model_name: str, windows: int, seqlen: int, plains: list[str],
         spec = parse_method(plain)
         # what the plain method stores in the cache at this length (the registry's count, nominal outliers),
         # rounded up: the budget can afford the plain method's choice in every layer
-        bits = average_bits(spec, fp["layers"], channels, fp["head_dim"], seqlen, recipe)
+        bits = average_bits(spec, fp["layers"], channels, fp["head_dim"], seqlen, recipe,
+                            windows=fp.get("layer_windows"))
         name = f"nuq@{math.ceil(bits * 1e4) / 1e4:g}"
         # kl:chan where the recipe holds the sensitivities `kvsqueeze budget` measures: the per-channel widths,
         # each layer's keys and values scaled by their measured loss

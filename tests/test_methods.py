@@ -311,3 +311,18 @@ def test_presets_resolve_to_a_windowed_per_channel_budget_at_the_context_given()
     assert set(PRESETS) == {"q4.5", "q3.5", "q2.5"}
     with pytest.raises(MethodError, match="unknown preset 'q3.7'.*q4.5, q3.5, q2.5"):
         parse_method("q3.7")
+
+
+@pytest.mark.parametrize("name", ["nuq3-0.1234567%", "nuq@3.1234567", "nuq3-0.00001%"])
+def test_a_number_a_method_name_cannot_hold_is_refused(name):
+    """A name keys stored budgets, tables and logs: one that would be written back as another method's (six
+    significant digits) is refused, not read as two methods with one name."""
+    with pytest.raises(MethodError, match="cannot be written back as a method name"):
+        parse_method(name)
+
+
+def test_every_accepted_name_round_trips():
+    for name in ["nuq3-0.05%", "nuq3-12.5%", "nuq@3.49:r32:chan", "nuq@2.625:chan:kl", "nuq-k3v2-1%:pm",
+                 "q3.5", "q2.5:ctx32k", "int4:sink1", "turbo3:split", "kivi2", "nuq3-1%:kslots6:r16"]:
+        spec = parse_method(name)
+        assert parse_method(canonical_name(spec)) == spec, name

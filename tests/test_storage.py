@@ -251,6 +251,41 @@ def test_the_simulated_count_equals_the_memory_report_on_sliding_window_layers()
         assert bits == pytest.approx(report.avg_bits, rel=1e-12), name
 
 
+def test_the_simulated_count_holds_a_sliding_layer_s_own_outliers():
+    """A sliding layer holds the outliers of its last window - 1 tokens, not a share of every token's: with a
+    recipe that keeps outliers, the evaluation's bytes equal the compressed cache's report after the same forward
+    (they once pro-rated the outliers over every token, which differs where outliers bunch up). `average_bits`
+    with the model's windows counts per element held as the cache does."""
+    from kvsqueeze.integrations.simulate import SimulatedQuantization
+    from kvsqueeze.methods import average_bits
+
+    model = _model("gemma3")
+    acts = collect(model, random_ids(2, 64, seed=5), sinks=1, progress=False)
+    recipe = fit_recipe(model, acts, CalibrationConfig(samples=2, seqlen=64, bits=(2, 3, 4), fractions=(0.0, 0.01),
+                                                     ablation=True),
+                        "tiny-gemma3", "random", progress=False)
+    fp = recipe.meta["model"]["fingerprint"]
+    ids = random_ids(1, 300, seed=4)
+    ids[0, 200:] = ids[0, 200:] % 7  # the text changes near the end: outliers bunch up there
+    for name in ("nuq3-1%", "nuq3-1%:pm", "nuq@16:sink4:ctx300"):
+        spec = parse_method(name)
+        with kvsqueeze.cache_for(model, recipe, spec) as cache:
+            with torch.no_grad():
+                model(ids, cache=cache, use_cache=True)
+            report = cache.memory_report()
+        with SimulatedQuantization(model, spec, recipe) as sim:
+            with torch.no_grad():
+                model(ids, cache=sim.new_cache(), use_cache=True)
+            counted = sim.storage(300)
+        assert sum(counted.values()) == report.total_bytes, name
+    nominal = average_bits(parse_method("nuq3"), fp["layers"], fp["kv_heads"] * fp["head_dim"], fp["head_dim"], 300,
+                           recipe, windows=fp["layer_windows"])
+    with kvsqueeze.cache_for(model, recipe, parse_method("nuq3")) as cache:
+        with torch.no_grad():
+            model(ids, cache=cache, use_cache=True)
+        assert nominal == pytest.approx(cache.memory_report().avg_bits, rel=1e-12)
+
+
 def test_a_budget_names_its_context():
     spec = parse_method("nuq@3.5:r32:chan:ctx32k")
     assert spec.budget_context == 32768 and spec.name == "nuq@3.5:r32:chan:ctx32k"

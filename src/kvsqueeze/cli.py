@@ -8,6 +8,7 @@ CLI and the Python API cannot drift apart.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -223,7 +224,8 @@ def _calibrate(args, cfg: CalibrationConfig, budgets: list[float]) -> None:
         out = recipe.save(args.out)
         raise ValueError(f"{exc} (the calibrated recipe is written to {out} without "
                         f"{'its sensitivities or ' if args.kl else ''}stored budgets: `kvsqueeze budget --recipe "
-                        f"{out}` measures the sensitivities, and nuq@AVG methods choose their widths when used)") from exc
+                        f"{out}` measures the sensitivities, and nuq@AVG methods choose their widths when used)"
+                         ) from exc
     recipe.meta["timings_s"]["total"] = round(time.perf_counter() - t0, 2)
     out = recipe.save(args.out)
     objs = recipe.meta["kmeans_objective"]
@@ -482,20 +484,29 @@ def cmd_passkey(args) -> None:
     from .eval.longctx import passkey_eval
     from .eval.passkey import format_passkey_table
     from .integrations.loading import load_model
-    from .methods import parse_methods
+    from .methods import PRESETS, parse_methods
 
     _check_outputs(json=args.json)
-    specs = parse_methods(args.methods)
+    names = [m.strip().lower() for m in args.methods.split(",") if m.strip()]
     lengths = _int_list(args.lengths, "--lengths")
+    per_length = {n: parse_methods(args.methods, reaching=n) for n in lengths}  # a preset chosen for each length
     if args.trials < 1:
         raise ValueError("--trials must be at least 1")
-    recipe = _recipe_for(specs, args.recipe)
+    every = _distinct(per_length)
+    recipe = _recipe_for(every, args.recipe)
     model, tok = load_model(args.model, args.dtype, args.device)
-    _check_methods(model, specs, recipe)
-    results = passkey_eval(model, tok, specs, lengths, args.trials, recipe, seed=args.seed, engine=args.engine)
+    _check_methods(model, every, recipe)
+    results = []
+    for n in lengths:  # the same prompts for every method of a length; a preset's row under the name given
+        label = {s.name: m if m in PRESETS else s.name for s, m in zip(per_length[n], names)}
+        results += [dataclasses.replace(r, method=label[r.method]) for r in
+                    passkey_eval(model, tok, per_length[n], [n], args.trials, recipe, seed=args.seed,
+                                 engine=args.engine)]
     print(format_passkey_table(results))
     _write_json(args.json, {
         "model": args.model, "trials": args.trials, "seed": args.seed,
+        "presets": {m: {n: s.name for n in lengths for s, m2 in zip(per_length[n], names) if m2 == m}
+                    for m in names if m in PRESETS},
         "passkey": [{"method": r.method, "length": r.length, "accuracy": r.accuracy, "trials": r.trials}
                     for r in results],
     })
@@ -511,7 +522,7 @@ def cmd_ruler(args) -> None:
     _check_outputs(json=args.json, plot=args.plot)
     names = [m.strip().lower() for m in args.methods.split(",") if m.strip()]
     lengths = _int_list(args.lengths, "--lengths")
-    per_length = {n: parse_methods(args.methods, context=n) for n in lengths}  # a preset chosen for each length
+    per_length = {n: parse_methods(args.methods, reaching=n) for n in lengths}  # a preset chosen for each length
     tasks = list(TASKS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:

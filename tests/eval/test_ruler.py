@@ -392,7 +392,8 @@ def test_ruler_cli_refuses_bad_input(tiny_model_dir, tiny_recipe_dir, tmp_path, 
 
 
 def test_ruler_cli_refuses_two_names_of_one_method_at_a_length_before_loading(tmp_path, capsys, monkeypatch):
-    """`q3.5` at 900 tokens is `nuq@3.5:r32:chan:ctx900`: the pair is refused before the model loads."""
+    """`q3.5` at 900 tokens is the 2,048-token choice `nuq@3.5:r32:chan`, as `eval`, `generate`, `passkey` and
+    `memory` choose it for a cache reaching fewer tokens: the pair is refused before the model loads."""
     import kvsqueeze.integrations.loading as loading
     from kvsqueeze.cli import main
 
@@ -402,7 +403,7 @@ def test_ruler_cli_refuses_two_names_of_one_method_at_a_length_before_loading(tm
     monkeypatch.setattr(loading, "load_model", never)
     text = tmp_path / "hay.txt"
     text.write_text(TEXT)
-    argv = ["ruler", "--model", "tiny", "--methods", "fp16,q3.5,nuq@3.5:r32:chan:ctx900", "--lengths", "900",
+    argv = ["ruler", "--model", "tiny", "--methods", "fp16,q3.5,nuq@3.5:r32:chan", "--lengths", "900",
             "--text", str(text)]
     assert main(argv) == 2
     assert "same method" in capsys.readouterr().err

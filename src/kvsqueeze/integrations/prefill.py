@@ -202,11 +202,11 @@ def filled_cache(model, recipe: Recipe | None, spec: MethodSpec, prefill: DenseP
         values = prefill.values[i]
         if sim.v[i] is not None:
             values, n = _quantize_tokens(sim.v[i], values, 0, spec.sinks)
-            sim.counter.v[i] += n
+            sim.counter.add("v", i, n)
         values = values.view(b, t, shape.kv_heads, shape.head_dim).transpose(1, 2)  # [B, H, T, D]
         if sim.k_pre[i] is not None:
             keys, n = _quantize_tokens(sim.k_pre[i], prefill.pre_keys[i], 0, spec.sinks)
-            sim.counter.k[i] += n
+            sim.counter.add("k", i, n)
             cs = rotaries[i].cos_sin(prefill.positions, keys.dtype)
             cs = None if cs is None else (cs[0].unsqueeze(1), cs[1].unsqueeze(1))
             keys = rotaries[i].apply(keys.view(b, t, shape.kv_heads, shape.head_dim).transpose(1, 2), cs)

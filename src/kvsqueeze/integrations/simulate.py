@@ -45,31 +45,56 @@ from .preflight import preflight
 
 
 class _Counter:
-    """Outliers stored per layer since the last reset, for honest bit accounting."""
+    """Outliers stored per layer since the last reset, for honest bit accounting: in all, and per token of each
+    row (what a sliding-window layer holds is the outliers of its last tokens)."""
 
     def __init__(self, layers: int):
         self.k = [0] * layers
         self.v = [0] * layers
+        self.k_tokens: list[list] = [[] for _ in range(layers)]  # [B, t] per call; None: not known per token
+        self.v_tokens: list[list] = [[] for _ in range(layers)]
 
     def reset(self) -> None:
-        self.k = [0] * len(self.k)
-        self.v = [0] * len(self.v)
+        layers = len(self.k)
+        self.__init__(layers)
+
+    def add(self, kind: str, layer: int, counts: torch.Tensor | int) -> None:
+        """Outliers of the tokens just quantized: int64 [B, t], or their number where not known per token."""
+        per_token = isinstance(counts, torch.Tensor)
+        (self.k if kind == "k" else self.v)[layer] += int(counts.sum()) if per_token else counts
+        (self.k_tokens if kind == "k" else self.v_tokens)[layer].append(counts.cpu() if per_token else None)
+
+    def last(self, kind: str, layer: int, tokens: int, held: int) -> int | None:
+        """Outliers of the last `held` tokens of every row, where counted per token over exactly `tokens` of them
+        (None otherwise)."""
+        parts = (self.k_tokens if kind == "k" else self.v_tokens)[layer]
+        if not parts or any(p is None for p in parts):
+            return None
+        counts = torch.cat(parts, dim=1)
+        return int(counts[:, -held:].sum()) if counts.shape[1] == tokens else None
 
 
 def _quantize_tokens(
     q: VectorQuantizer, x: torch.Tensor, start: int, sinks: int
-) -> tuple[torch.Tensor, int]:
-    """Fake-quantize x [B, T, C] whose first token sits at absolute position `start`; sinks stay fp16."""
+) -> tuple[torch.Tensor, torch.Tensor | int]:
+    """Fake-quantize x [B, T, C] whose first token sits at absolute position `start`; sinks stay fp16. Returns
+    the outliers kept per token, int64 [B, T] (0 at sinks), or their number where the quantizer cannot say."""
     b, t, c = x.shape
     keep = max(0, min(sinks - start, t))  # leading tokens that are attention sinks
     flat = x[:, keep:].reshape(-1, c)
     if flat.shape[0] == 0:
-        return x.half().to(x.dtype), 0
-    xq, n_out = q.fake(flat)
+        return x.half().to(x.dtype), torch.zeros(b, t, dtype=torch.int64)
+    rows = getattr(q, "fake_rows", None)
+    if rows is not None:
+        xq, counts = rows(flat)
+        counts = torch.cat([torch.zeros(b, keep, dtype=torch.int64), counts.view(b, t - keep).cpu()], dim=1)
+    else:
+        xq, n_out = q.fake(flat)
+        counts = n_out if n_out else torch.zeros(b, t, dtype=torch.int64)
     xq = xq.view(b, t - keep, c)
     if keep:
         xq = torch.cat([x[:, :keep].half().to(x.dtype), xq], dim=1)
-    return xq, n_out
+    return xq, counts
 
 
 SIMULATING = "_kvsqueeze_simulating"  # set on a model while a simulation's hooks are on it: the method's name
@@ -93,7 +118,7 @@ class SimulatedLayer(DynamicLayer):
             b, h, t, d = key_states.shape
             flat = key_states.transpose(1, 2).reshape(b, t, h * d)  # [B, T, H*D]
             xq, n = _quantize_tokens(q, flat, self.get_seq_length(), self.sim.spec.sinks)
-            self.sim.counter.k[self.layer] += n
+            self.sim.counter.add("k", self.layer, n)
             key_states = xq.view(b, t, h, d).transpose(1, 2)
         return super().update(key_states, value_states, *args, **kwargs)
 
@@ -206,10 +231,7 @@ class SimulatedQuantization:
             return output
         xq, n = _quantize_tokens(q, output.flatten(2), self._start, self.spec.sinks)  # [B, T, C]
         xq = xq.view_as(output)
-        if kind == "k":
-            self.counter.k[layer] += n
-        else:
-            self.counter.v[layer] += n
+        self.counter.add(kind, layer, n)
         if not self.window:
             return xq
         self._quantized[layer, kind] = xq.flatten(2)
@@ -299,12 +321,19 @@ class SimulatedQuantization:
     def storage(self, tokens: int, batch: int = 1) -> dict[str, float]:
         """Bytes the cache holds for `batch` rows of `tokens` tokens, by component, with the outliers this
         simulation kept (the method's `cache_bytes`: for a method the compressed cache holds, what its memory
-        report would say). A sliding-window layer holds its last window - 1 tokens, and of the outliers kept
-        over every token its share of them."""
+        report would say). A sliding-window layer holds its last window - 1 tokens and the outliers kept among
+        them (where not counted per token, its share of those kept over every token)."""
         shape = self.shape
         held = self.held(tokens)
-        outliers = [tuple(n if h is None or n is None else round(n * h / max(tokens, 1)) for n in
-                          (self.counter.k[i], self.counter.v[i])) for i, h in enumerate(held)]
+
+        def kept(kind: str, i: int, h: int | None) -> int:
+            n = (self.counter.k if kind == "k" else self.counter.v)[i]
+            if h is None:
+                return n
+            last = self.counter.last(kind, i, tokens, h)
+            return last if last is not None else round(n * h / max(tokens, 1))
+
+        outliers = [(kept("k", i, h), kept("v", i, h)) for i, h in enumerate(held)]
         return cache_bytes(self.spec, shape.layers, shape.channels, shape.head_dim, Rows(tokens, (0,) * batch),
                            self.recipe, held=held, outliers=outliers)
 

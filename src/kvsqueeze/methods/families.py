@@ -449,11 +449,17 @@ def cache_bytes(spec: MethodSpec, layers: int, channels: int, head_dim: int, row
 
 
 def average_bits(spec: MethodSpec, layers: int, channels: int, head_dim: int, tokens: int, recipe=None,
-                 batch: int = 1) -> float:
-    """Stored bits per K/V element of `batch` unpadded rows of `tokens` tokens, every component counted."""
+                 batch: int = 1, windows: list | None = None) -> float:
+    """Stored bits per K/V element held of `batch` unpadded rows of `tokens` tokens, every component counted;
+    `windows`: each layer's sliding window (None: every token; a recipe's fingerprint names them), whose layers
+    hold their last window - 1 tokens."""
     rows = Rows(tokens, (0,) * batch)
-    return 8 * storage.total(cache_bytes(spec, layers, channels, head_dim, rows, recipe)) / max(
-        2 * tokens * batch * channels * layers, 1)
+    held = storage.held_by_layer(windows, tokens) if windows is not None else None
+    if held is not None and len(held) != layers:
+        raise ValueError(f"average_bits: {len(held)} layer windows for {layers} layers")
+    elements = 2 * batch * channels * (layers * tokens if held is None else sum(tokens if h is None else h
+                                                                               for h in held))
+    return 8 * storage.total(cache_bytes(spec, layers, channels, head_dim, rows, recipe, held=held)) / max(elements, 1)
 
 
 def budget_key_slots(spec: MethodSpec, fraction: float, channels: int) -> int:

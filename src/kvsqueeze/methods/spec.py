@@ -172,8 +172,22 @@ def parse_method(name: str) -> MethodSpec:
 
     Raises:
         MethodError: the name does not follow the grammar, or asks for bit
-            widths, fractions or flags that the family does not support.
+            widths, fractions or flags that the family does not support, or
+            gives a number more precisely than a method's name holds it.
     """
+    spec = _parse_method(name)
+    try:
+        same = _parse_method(canonical_name(spec)) == spec
+    except MethodError:
+        same = False
+    if not same:  # names key recipes' stored budgets, tables and logs: each must name one method
+        raise MethodError(f"method {name!r}: its percentage or bit budget cannot be written back as a method name "
+                          f"(it would read as {canonical_name(spec)!r}): give it with at most 6 significant digits "
+                          "and no smaller than 0.0001")
+    return spec
+
+
+def _parse_method(name: str) -> MethodSpec:
     text = name.strip().lower()
     preset = _PRESET_RE.match(text)
     if preset:

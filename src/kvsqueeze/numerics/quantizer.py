@@ -193,10 +193,16 @@ class VectorQuantizer:
 
     def fake(self, x: torch.Tensor) -> tuple[torch.Tensor, int]:
         """Quantize-dequantize x [N, C]; returns (x_hat in x's dtype, number of outliers kept)."""
+        xq, rows = self.fake_rows(x)
+        return xq, int(rows.sum())
+
+    def fake_rows(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """`fake`, with the outliers kept in each row: (x_hat, int64 [N])."""
         xf = x.float()
         enc = self.encode(xf)
-        n_out = int(enc.outliers.sum()) if enc.outliers is not None else 0
-        return self.decode(enc, xf).to(x.dtype), n_out
+        rows = enc.outliers.sum(-1) if enc.outliers is not None else torch.zeros(x.shape[0], dtype=torch.int64,
+                                                                                 device=x.device)
+        return self.decode(enc, xf).to(x.dtype), rows
 
 
 def _cols(t: torch.Tensor, sel: torch.Tensor) -> torch.Tensor:
