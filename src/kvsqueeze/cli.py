@@ -282,7 +282,7 @@ def _measure_sensitivities(model, tok, recipe, text, args, windows=None) -> dict
 
 def _store_budgets(recipe, budgets: list[float], sinks: int, proxies: tuple[str, ...]) -> None:
     """Each budget's choice, per layer and per channel, for each proxy, stored in the recipe and summarised."""
-    from .methods.budget import allocate, allocate_channels, budget_key
+    from .methods.budget import KEY_OUTLIER_HEADROOM, allocate, allocate_channels, budget_key
 
     for avg in budgets:
         for proxy in proxies:
@@ -291,7 +291,8 @@ def _store_budgets(recipe, budgets: list[float], sinks: int, proxies: tuple[str,
             recipe.meta.setdefault("budgets", {})[budget_key(avg, sinks, proxy)] = alloc.as_dict()
             mix = ", ".join(f"{kv} {n}x{label}" for kv, chosen in (("K", alloc.keys), ("V", alloc.values))
                             for label, n in sorted(_count(c.label() for c in chosen).items()))
-            print(f"  nuq@{avg:g}{tag}: {alloc.bits:.3f} bits per element at {alloc.tokens} tokens; {mix}")
+            print(f"  nuq@{avg:g}{tag}: {alloc.bits:.3f} bits per element at {alloc.tokens} tokens (key outliers "
+                  f"charged at {KEY_OUTLIER_HEADROOM:g}x their nominal count); {mix}")
             alloc = allocate_channels(recipe, avg, sinks, proxy=proxy)
             recipe.meta["budgets"][budget_key(avg, sinks, proxy, unit="channel")] = alloc.as_dict()
             print(f"  nuq@{avg:g}{tag}:chan: {alloc.bits:.3f} bits per element at {alloc.tokens} tokens; mean key "

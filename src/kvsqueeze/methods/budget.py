@@ -71,8 +71,10 @@ __all__ = ["Choice", "Allocation", "allocate", "allocate_channels", "recipe_allo
 class Allocation:
     """The choice of every layer for keys and for values, at `avg_bits` for `tokens` cached tokens.
 
-    predicted: the summed objective of the choice; bits: the average it stores at `tokens` tokens (nominal outlier
-    counts), every component of `kvsqueeze.storage` counted; window: the recent tokens it holds in fp16 beside
+    predicted: the summed objective of the choice; bits: the average it is charged at `tokens` tokens, every
+    component of `kvsqueeze.storage` counted, the key outliers at `KEY_OUTLIER_HEADROOM` times their nominal count
+    (an upper bound on what the cache holds on text like the calibration text; the memory planner and
+    `methods.average_bits` count them at their nominal count); window: the recent tokens it holds in fp16 beside
     their codes (counted in `bits`).
     """
 

@@ -299,7 +299,7 @@ class Kivi(Grouped):
 
 class Group(Grouped):
     name = "group"
-    no_cache = "group quantizes in groups with an fp16 window, which this cache does not store"
+    no_cache = "group quantizes each token in groups of channels, a layout this cache does not store"
 
     def describe(self, spec):
         return f"uniform per token, groups of {spec.group_size} channels"
