@@ -597,8 +597,10 @@ def headline_compare(results: Path) -> str:
             if against is not None:
                 out.append(f"| {_short(m)}, RULER {span} pooled, `q3.5` against `nuq3-1%` on the same questions, "
                            f"points | {_points(against)} | – | ruler.json |")
-    for key, what in (("avx512", "AMD EPYC with AVX-512"), ("forced_avx2", "the same, kernels forced to AVX2 on "
-                                                                           "that machine")):
+    for key, what in (("avx512", "AMD EPYC with AVX-512, one layer of SmolLM2-135M (9 query, 3 KV heads of 64), "
+                                 "made at three commits (docs/results.md)"),
+                      ("forced_avx2", "the same, kernels forced to AVX2 on that machine, the runs since codes of up to "
+                                      "3 bits took the 8-lane lookup")):
         spans = []
         for meth in ("nuq@3.5:r32:chan", "nuq3-1%"):
             parts = []

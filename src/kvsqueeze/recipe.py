@@ -7,9 +7,11 @@ each bit width, outlier setting and fit variant. The JSON side records the
 format version, the model it was calibrated on (id, shapes and a weight
 fingerprint of every layer), the calibration settings, timings and k-means objectives.
 
-A recipe is whole or absent: `save` writes each file to a temporary name in the same directory and renames
-it into place under a lock, and the JSON carries a checksum of the tensors and one of itself, so two writers
-or an edit show at `load`. `load` then checks every field it reads (`check`) before anything uses it.
+A recipe is whole or absent: `save` writes both files whole to staging names in the same directory, then
+renames them into place under a lock (a save stopped between the two renames is finished by the next `load`),
+and the JSON carries a checksum of the tensors and one of itself, so two writers or an edit show at `load`.
+`save` refuses what `load` would refuse, and `load` checks every field it reads (`check`) before anything uses
+it.
 """
 
 from __future__ import annotations
@@ -197,8 +199,8 @@ class Recipe:
 
     # ---- files ---------------------------------------------------------------------------
     def save(self, directory: str | Path) -> Path:
-        """Write both files whole: each to a temporary name, then renamed into place, under the directory's lock;
-        the JSON's checksums cover the tensors and the JSON itself."""
+        """Write both files whole: both staged, then renamed into place, under the directory's lock; the JSON's
+        checksums cover the tensors and the JSON itself. A recipe `check` refuses is not written."""
         from safetensors.torch import save
 
         self.check()  # a recipe that `load` would refuse is not written over a good one
