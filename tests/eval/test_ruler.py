@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvsqueeze.eval.ruler import MANY, TASKS, RulerError, build_contexts, score_answer
-from tests.conftest import byte_tokenizer, sample_text, tiny_model
+from tests.conftest import byte_tokenizer, random_ids, sample_text, tiny_model
 
 HAY = sample_text(6000, seed=5) + " ".join(f"word{chr(97 + i % 26)}{chr(97 + i // 26 % 26)}x" for i in range(900))
 
@@ -332,6 +332,33 @@ def test_sliding_window_models_are_refused_before_any_prefill():
     model = tiny_model("mistral", seed=1, sliding_window=64)
     with pytest.raises(UnsupportedModelError, match="sliding-window.*chunked"):
         dense_prefill(model, torch.ones(1, 10, dtype=torch.long), engine_hint="use --engine chunked")
+
+
+@pytest.mark.parametrize("method", ["nuq3-1%", "nuq3-1%:r4"])
+def test_the_chunked_engine_answers_on_a_sliding_window_model_from_the_context_alone(method):
+    """The engine the dense prefill's refusal points to: a sliding layer drops its oldest tokens as a question
+    runs and cannot roll back to the context, so questions are asked of a copy. Two batches of questions asked
+    one after the other answer as each asked of its own fresh cache (they once failed after the first batch)."""
+    from kvsqueeze.calibrate.collect import collect
+    from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
+    from kvsqueeze.eval.ruler_eval import _Method
+    from kvsqueeze.methods import parse_method
+
+    model = tiny_model("mistral", seed=1, sliding_window=8)
+    acts = collect(model, random_ids(2, 64, seed=5), sinks=1, progress=False)
+    recipe = fit_recipe(model, acts, CalibrationConfig(samples=2, seqlen=64, bits=(3,), fractions=(0.0, 0.01)),
+                        "tiny-mistral", "random", progress=False)
+    tok = byte_tokenizer()
+    ctx, first, second = random_ids(1, 20, seed=1), random_ids(2, 4, seed=2), random_ids(1, 3, seed=3)
+    with _Method(model, tok, parse_method(method), recipe, "chunked", 16) as m:
+        cache = m.cache(ctx, None)
+        got = [m.answer(cache, first, [3, 3]), m.answer(cache, second, [3])]
+        assert cache.get_seq_length() == 20
+        want = []
+        for q, limits in ((first, [3, 3]), (second, [3])):
+            fresh = m.cache(ctx, None)
+            want.append(m.answer(fresh, q, limits))
+    assert got == want
 
 
 def test_bad_engine_and_too_long_lengths_are_refused(tiny_setup):

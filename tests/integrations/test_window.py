@@ -386,6 +386,47 @@ def test_a_rollback_returns_a_windowed_cache_to_its_checkpoint_exactly(tiny_llam
     assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("method", ["nuq3-1%:r4", "nuq3-1%"])
+def test_a_rollback_to_rows_or_tokens_the_cache_no_longer_holds_is_refused(tiny_llama, tiny_recipe, method):
+    """A checkpoint describes its rows in their order and the tokens up to it: after the rows were swapped, or
+    after a crop below it and new tokens, a rollback would mix the checkpoint's window tables (or its promise of
+    its tokens) with other rows' or tokens' codes; both are refused. Rows selected back to the checkpoint's
+    order roll back as before."""
+    ids = random_ids(2, 12, seed=14)
+    with torch.no_grad():
+        cache = cache_for(tiny_llama, tiny_recipe, method)
+        tiny_llama(input_ids=ids[:, :8], cache=cache, use_cache=True)
+        mark = cache.checkpoint()
+        tiny_llama(input_ids=ids[:, 8:10], cache=cache, use_cache=True)
+        cache.reorder_cache(torch.tensor([1, 0]))
+        with pytest.raises(ValueError, match="rows are not those of this checkpoint"):
+            cache.rollback(mark)
+        cache.reorder_cache(torch.tensor([1, 0]))
+        cache.rollback(mark)
+        assert cache.get_seq_length() == 8
+
+        cache = cache_for(tiny_llama, tiny_recipe, method)  # the window not yet wrapped: a crop is allowed
+        tiny_llama(input_ids=ids[:, :3], cache=cache, use_cache=True)
+        mark = cache.checkpoint()
+        cache.crop(-2)
+        tiny_llama(input_ids=ids[:, 8:10], cache=cache, use_cache=True)  # 3 tokens again, 2 of them new
+        with pytest.raises(ValueError, match="cropped to 1 tokens after this checkpoint at 3"):
+            cache.rollback(mark)
+
+
+def test_assisted_decoding_is_refused_up_front_where_a_crop_cannot_undo_a_draft(tiny_llama, tiny_recipe):
+    """transformers asks a cache whether crop puts it back before it crops rejected draft tokens: a windowed store
+    says no (a crop past its wrap loses exact copies), and generation is refused after the prompt instead of
+    failing part way; a store without a window crops exactly and decodes."""
+    ids = random_ids(1, 24, seed=15)
+    windowed = cache_for(tiny_llama, tiny_recipe, "nuq3-1%:r4")
+    with pytest.raises(ValueError, match="cache that can be cropped"):
+        tiny_llama.generate(ids, cache=windowed, prompt_lookup_num_tokens=3, max_new_tokens=8, do_sample=False)
+    plain = cache_for(tiny_llama, tiny_recipe, "nuq3-1%")
+    out = tiny_llama.generate(ids, cache=plain, prompt_lookup_num_tokens=3, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == 32
+
+
 def test_a_sliding_layer_refuses_a_crop_its_next_token_would_read_past():
     """A sliding layer of window 4 holding the last 3 of 6 tokens: cropped to 4 tokens, the next token (position
     4) reads positions 1-3, which were dropped."""

@@ -36,6 +36,7 @@ long runs resume where they stopped.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import math
 import time
@@ -248,8 +249,19 @@ class _Method:
         """Answers to the questions `ids` [B, T] (one row each) from a one-row cache holding the context, which
         is left as it was: back to one row and to the context, a compressed cache's fp16 window included
         (`CompressedCache.rollback`; cropping alone would leave the context's last tokens in their codes)."""
+        if any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ())):
+            # a sliding layer drops its oldest tokens as the questions run, so it cannot return to the context:
+            # the questions are asked of a copy (the cache is compressed: a copy is small beside the model)
+            work = copy.deepcopy(cache)
+            try:
+                return self._answer(work, ids, limits, restore=False)
+            finally:
+                self.close(work)
+        return self._answer(cache, ids, limits)
+
+    def _answer(self, cache, ids: torch.Tensor, limits: Sequence[int], restore: bool = True) -> list[str]:
         start, rows = cache.get_seq_length(), ids.shape[0]
-        mark = cache.checkpoint() if hasattr(cache, "checkpoint") else None
+        mark = cache.checkpoint() if restore and hasattr(cache, "checkpoint") else None
         if rows > 1:
             cache.batch_repeat_interleave(rows)
         try:
@@ -261,12 +273,13 @@ class _Method:
                     stack.enter_context(fused_decode(self.model, cache))
                 return greedy_rows(self.model, self.tok, cache, ids, limits)
         finally:
-            if rows > 1:  # whichever rows are left: each holds the context
-                cache.batch_select_indices(torch.zeros(1, dtype=torch.long))
-            if mark is not None:
-                cache.rollback(mark)  # back to the context for the next questions
-            else:
-                cache.crop(start - cache.get_seq_length())
+            if restore:  # a copy is dropped after, as it is
+                if rows > 1:  # whichever rows are left: each holds the context
+                    cache.batch_select_indices(torch.zeros(1, dtype=torch.long))
+                if mark is not None:
+                    cache.rollback(mark)  # back to the context for the next questions
+                else:
+                    cache.crop(start - cache.get_seq_length())
 
     @staticmethod
     def close(cache) -> None:

@@ -93,7 +93,6 @@ class LayerBase(CacheLayerMixin):
     dropped tokens to the mask as an offset, like transformers' layer.
     """
 
-    is_croppable = True  # crop leaves exactly the state the cache had at that length
     EVICT_SLACK = 64  # tokens a sliding layer may keep past its window between two drops in fused decode
 
     def __init__(self, window: int | None = None):
@@ -102,6 +101,22 @@ class LayerBase(CacheLayerMixin):
             raise ValueError(f"a sliding window of {window} tokens keeps no past; expected 2 or more")
         self.window = window
         self.dropped = 0  # tokens a sliding window moved past, per row
+        # what a checkpoint must still describe: the cache it was taken of (bumped by reset), which of that cache's
+        # rows each row now holds (reorder, select and repeat compose it; None: each its own), and every crop
+        # since, as (serial, tokens kept)
+        self._lineage = 0
+        self._origin: torch.Tensor | None = None
+        self._crops: list[tuple[int, int]] = []
+        self._serial = 0
+
+    @property
+    def is_croppable(self) -> bool:
+        """Whether `crop` can always put this layer back as it was, as transformers' assisted decoding asks of a
+        cache before it crops draft tokens: not a sliding layer (its dropped tokens are gone) nor one holding an
+        fp16 window (cropping past its wrap would lose exact copies). `checkpoint` / `rollback` return exactly."""
+        return self.window is None and not self.holds_window
+
+    holds_window = False  # a layer whose store keeps an fp16 window of recent tokens (`:rN`)
 
     @property
     def is_sliding(self) -> bool:
@@ -188,24 +203,58 @@ class LayerBase(CacheLayerMixin):
         """Keep the first `target` tokens, a length `crop_target` gave and checked (None: nothing to do)."""
         if target is not None:
             self._crop(target - self.dropped)
+            self._note_crop(target)
+
+    def _note_crop(self, kept: int) -> None:
+        self._serial += 1
+        self._crops.append((self._serial, kept))
+
+    def _history(self) -> tuple:
+        return self._lineage, None if self._origin is None else self._origin.clone(), self._serial
+
+    def _same_rows(self, origin: torch.Tensor | None) -> bool:
+        """Whether each row holds the row it held when `origin` was taken (compared on the device, at rollback)."""
+        now = self._origin
+        if origin is None and now is None:
+            return True
+        known = origin if origin is not None else now
+        own = torch.arange(known.numel(), device=known.device)  # the rows as they were: each its own
+        a, b = (own if origin is None else origin), (own if now is None else now)
+        return a.shape == b.shape and bool(torch.equal(a.to(b.device), b))
+
+    def _follow_rows(self, index: torch.Tensor) -> None:
+        index = index.long()
+        self._origin = index.clone() if self._origin is None else self._origin[index.to(self._origin.device)]
 
     def checkpoint(self):
         """What `rollback` needs to return this layer exactly to its present length (`CompressedCache.checkpoint`)."""
-        return self.get_seq_length(), self.dropped, None
+        return self.get_seq_length(), self.dropped, None, self._history()
 
     def check_rollback(self, mark) -> None:
-        """Refuse, before anything changes, a rollback this layer cannot make exactly."""
-        tokens, dropped, _ = mark
+        """Refuse, before anything changes, a rollback this layer cannot make exactly: one whose rows were reordered,
+        selected or repeated since, or whose tokens were cropped below the checkpoint (and perhaps written anew)."""
+        tokens, dropped, _, (lineage, origin, serial) = mark
         if self.dropped != dropped:
             raise RuntimeError(f"this sliding-window layer (window {self.window}) dropped its tokens before position "
                                f"{self.dropped} after the checkpoint at {tokens} tokens; it cannot return to it")
+        if lineage != self._lineage:
+            raise ValueError("the cache was reset since this checkpoint: it no longer describes it")
+        if not self._same_rows(origin):
+            raise ValueError("the cache's rows are not those of this checkpoint, in its order (reordered, selected or "
+                             "repeated since: beam search, batch_select_indices): select them back first, or take a "
+                             "checkpoint after the change")
+        below = [kept for s, kept in self._crops if s > serial and kept < tokens]
+        if below:
+            raise ValueError(f"the cache was cropped to {min(below)} tokens after this checkpoint at {tokens}: the "
+                             "tokens it held may have been written anew; take a checkpoint after the crop")
         if tokens > self.get_seq_length():
             raise ValueError(f"a checkpoint at {tokens} tokens is past this layer's {self.get_seq_length()}")
 
     def rollback(self, mark) -> None:
-        tokens, dropped, _ = mark
+        tokens, dropped, _, _ = mark
         if self.is_initialized:
             self._crop(tokens - dropped)
+        self._note_crop(tokens)
 
     def _check_crop(self, kept: int) -> None:
         """Refuse a crop to `kept` held tokens that would lose data (a layer without an fp16 window loses none)."""
@@ -224,15 +273,20 @@ class LayerBase(CacheLayerMixin):
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         if self.is_initialized:
+            self._follow_rows(beam_idx)
             self._gather_rows(beam_idx)
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self.is_initialized:
-            self._gather_rows(indices.nonzero().view(-1) if indices.dtype == torch.bool else indices)
+            index = indices.nonzero().view(-1) if indices.dtype == torch.bool else indices
+            self._follow_rows(index)
+            self._gather_rows(index)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.is_initialized:
-            self._gather_rows(torch.arange(self.batch_size).repeat_interleave(repeats))
+            index = torch.arange(self.batch_size).repeat_interleave(repeats)
+            self._follow_rows(index)
+            self._gather_rows(index)
 
     def offload(self):  # the base implementation moves self.keys / self.values, which we do not hold
         raise NotImplementedError("kvsqueeze caches do not support offloading; the compressed cache is small enough")
@@ -453,20 +507,26 @@ class CompressedLayer(PreRopeKeys, LayerBase):
                 "tokens you will cut and return with `cache.rollback(mark)`, which restores the window exactly; or "
                 "use a method without an fp16 window (no ':rN')")
 
+    @property
+    def holds_window(self) -> bool:
+        return bool(self.store.window)
+
     def checkpoint(self):
-        return self.get_seq_length(), self.dropped, self.store.window_state() if self.store.window else None
+        return (self.get_seq_length(), self.dropped, self.store.window_state() if self.store.window else None,
+                self._history())
 
     def check_rollback(self, mark) -> None:
-        super().check_rollback(mark)
         state = mark[2]
         if state is not None and state.batch != self.store.batch:
             raise ValueError(f"the checkpoint holds {state.batch} row(s) and the cache {self.store.batch}: select "
                              "the rows back (batch_select_indices) before rolling back")
+        super().check_rollback(mark)
 
     def rollback(self, mark) -> None:
-        tokens, dropped, state = mark
+        tokens, dropped, state, _ = mark
         if self.is_initialized:
             self.store.crop(tokens - dropped, state)
+        self._note_crop(tokens)
 
     def _drop_front(self, tokens: int) -> None:
         self.store.drop_front(tokens)
@@ -476,6 +536,8 @@ class CompressedLayer(PreRopeKeys, LayerBase):
 
     def reset(self) -> None:
         self.store.reset()
+        self._lineage += 1
+        self._origin = None
         self.dropped = 0
         self.pending = None
         self.is_initialized = False
@@ -542,6 +604,8 @@ class Fp16Layer(LayerBase):
 
     def reset(self) -> None:
         self.k = self.v = None
+        self._lineage += 1
+        self._origin = None
         self.dropped = 0
         self.pending = None
         self.is_initialized = False
