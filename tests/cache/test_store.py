@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from kvsqueeze.cache import sparse as sparse_mod
 from kvsqueeze.cache.buffers import GrowableTensor
 from kvsqueeze.cache.sparse import TokenOutliers
-from kvsqueeze.cache.store import KVStore
+from kvsqueeze.cache.store import KVStore, WindowCropError
 from kvsqueeze.numerics.datatypes import normal_float_levels, uniform_levels
 from kvsqueeze import storage
 from kvsqueeze.methods import parse_method
@@ -548,3 +548,33 @@ def test_a_prompt_after_its_sinks_goes_through_the_numba_encoder(c, bits, fracti
         assert torch.equal(stores[1].positions.view(), stores[0].positions.view())
         for a, b in zip(stores[1].dequantize(), stores[0].dequantize()):
             assert torch.equal(a, b)
+
+
+def test_a_prompt_appended_at_once_keeps_no_worst_case_room_for_its_outliers():
+    """The numba encoder reserves room for every element of a prompt to be a key outlier (N * C entries) and
+    writes the few it keeps; that room was kept for good, so a 4K-token prompt held more than an fp16 cache.
+    Both encoders now hold about what they use."""
+    c, t = 256, 4096
+    kq, vq = _quantizers(c, 3, 0.01, "vector", "nuq")
+    k, v = _tokens(1, t, c, 0)
+    held = {}
+    for encoder in ("torch", "numba"):
+        store = KVStore(kq, vq, c, 0, encoder=encoder)
+        store.append(k, v)
+        held[encoder] = store.capacity_nbytes()
+        assert store.capacity_nbytes() < 2 * sum(store.component_bytes().values()) + (1 << 20), encoder
+    assert held["numba"] < 2 * t * c * 2  # under an fp16 cache of the same tokens
+
+
+def test_a_crop_that_cuts_nothing_leaves_a_wrapped_window_as_it_is():
+    """A crop to the present length once repacked the window's ring as if it had not wrapped, and the next crop
+    into it was then let through, reading a token from its codes that the window should have held exactly."""
+    kq, vq = _quantizers(32, 3, 0.05, "vector", "nuq")
+    store = KVStore(kq, vq, 32, 1, window=2)
+    k, v = _tokens(1, 6, 32, 0)
+    store.append(k, v)
+    assert store.crop_blocker(4) is not None
+    store.crop(6)
+    assert store.crop_blocker(4) is not None
+    with pytest.raises(WindowCropError):
+        store.crop(4)

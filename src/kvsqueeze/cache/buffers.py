@@ -92,6 +92,12 @@ class GrowableTensor:
             raise ValueError(f"cannot truncate {self.length} rows to {length}")
         self.length = length
 
+    def shrink(self, slack: int) -> None:
+        """Give back an allocation more than twice the rows in use plus `slack` (room an encoder reserved for the
+        worst case and did not use): the rows move to one of their own size, which the next appends grow."""
+        if self._data.shape[0] > 2 * self.length + slack:
+            self._data, self._host = self._data[: self.length].clone(), None
+
     def drop_front(self, rows: int) -> None:
         """Forget the first `rows` rows: the others move to the front of the same allocation."""
         if not 0 <= rows <= self.length:

@@ -147,8 +147,9 @@ class TokenOutliers:
     def commit(self, tokens: int, base: int, entries: int) -> None:
         """End a `reserve` that returned `base`: the new tokens hold the first `entries` entries of its room."""
         self._tokens += tokens
-        self.channels.truncate(base + entries)
-        self.values.truncate(base + entries)
+        for arr in (self.channels, self.values):
+            arr.truncate(base + entries)
+            arr.shrink(MIN_SLACK)  # the room reserved for every element (a prompt's: N * C) is not kept
 
     def settle(self, nnz: int | None = None) -> None:
         """Drop the room `append_unsettled` left past the outliers; `nnz`: their count, when already read."""

@@ -445,6 +445,8 @@ class KVStore:
             reason = self.crop_blocker(tokens)
             if reason is not None:
                 raise WindowCropError(reason)
+            if tokens == self.tokens:  # nothing cut: the window's ring stays as it is, wrapped or not
+                return
         for buf in (self.k_codes, self.v_codes, self.v_scale_zero):
             buf.truncate(tokens)
         for sparse in self._sparse():
