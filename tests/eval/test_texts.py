@@ -88,3 +88,44 @@ def test_unknown_text_names_the_choices():
     from kvsqueeze.cli import TEXT_NAMES
 
     assert TEXT_NAMES == ", ".join(TEXTS)  # what --help lists is what load_text reads
+
+
+def _sides(path) -> tuple[str, str]:
+    from kvsqueeze.eval.texts import load_text
+
+    text = load_text(str(path))
+    return text.calibration, text.evaluation
+
+
+def test_a_windows_file_keeps_each_paragraph_on_one_side(tmp_path):
+    """CRLF line ends (and blank lines holding spaces) once hid every paragraph break, so a file was split by
+    line and a paragraph's lines landed on both sides."""
+    paragraphs = [f"Paragraph {i} first sentence.\nParagraph {i} second sentence." for i in range(30)]
+    for name, sep, end in (("crlf.txt", "\r\n\r\n", "\r\n"), ("spaces.txt", "\n  \n", "\n")):
+        path = tmp_path / name
+        path.write_bytes(sep.join(p.replace("\n", end) for p in paragraphs).encode())
+        cal, ev = _sides(path)
+        assert cal and ev
+        for i in range(30):
+            first, second = f"Paragraph {i} first", f"Paragraph {i} second"
+            assert (first in cal) == (second in cal) and (first in ev) == (second in ev), (name, i)
+
+
+def test_a_short_file_with_a_repeated_line_shares_no_text_between_its_parts(tmp_path):
+    path = tmp_path / "short.txt"
+    path.write_text("line number 0\nline number 1\nline number 2\nline number 3\nline number 0\n")
+    cal, ev = _sides(path)
+    assert cal and ev and not set(ev.split("\n\n")) & set(cal.split("\n\n"))
+
+
+def test_long_blocks_are_cut_so_both_parts_hold_text(tmp_path):
+    """One long line without spaces (CJK, minified code) was refused as too short, and a title over one long line
+    could leave a part of a few characters."""
+    cjk = tmp_path / "cjk.txt"
+    cjk.write_text("".join(chr(0x4E00 + (i * 7919) % 20000) for i in range(22_000)))  # no spaces, no repeats
+    cal, ev = _sides(cjk)
+    assert len(cal) > 10_000 and len(ev) > 1_000
+    titled = tmp_path / "titled.txt"
+    titled.write_text("A title\n" + " ".join(f"word{i}" for i in range(40_000)))
+    cal, ev = _sides(titled)
+    assert min(len(cal), len(ev)) > 0.05 * (len(cal) + len(ev))

@@ -229,6 +229,21 @@ def _joined_sources(parts: tuple[Text, ...]) -> tuple[tuple[int, str], ...]:
     return tuple(sources)
 
 
+def _chunks(block: str, limit: int) -> list[str]:
+    """`block` cut into pieces of at most about `limit` characters, at spaces where it has them."""
+    if len(block) <= limit:
+        return [block]
+    out, start = [], 0
+    while start < len(block):
+        end = min(len(block), start + limit)
+        if end < len(block):
+            space = block.rfind(" ", start + limit // 2, end)
+            end = space if space > start else end
+        out.append(block[start:end].strip())
+        start = end
+    return [c for c in out if c]
+
+
 def load_text(text: str = DEFAULT_TEXT, encoding: str | None = None) -> Text:
     """A named text (`TEXTS`: split by piece) or a path to a text file (split by paragraph; UTF-8 unless
     `encoding` says otherwise, see `read_user_text`)."""
@@ -245,16 +260,24 @@ def load_text(text: str = DEFAULT_TEXT, encoding: str | None = None) -> Text:
     if not path.is_file():
         raise TextError(f"text {text!r} is neither a bundled text ({', '.join(TEXTS)}) nor a readable file; pass "
                         f"--text {DEFAULT_TEXT} or --text PATH")
-    body = read_user_text(path, encoding)
+    body = read_user_text(path, encoding).replace("\r\n", "\n").replace("\r", "\n")
     if not body.strip():
         raise TextError(f"text file {path} is empty; give a file with some text in it")
-    blocks = [b.strip() for b in body.split("\n\n")]
+    blocks = [b.strip() for b in re.split(r"\n[ \t]*\n", body)]  # blank lines, spaces or tabs on them too
     if sum(1 for b in blocks if b) < 2 * EVAL_SHARE:
         blocks = [b.strip() for b in body.splitlines()]
-    pieces = [(f"paragraph {i}", b) for i, b in enumerate(blocks)]
+    # a block longer than a tenth of the text is cut into pieces of that size, so that no one piece decides
+    # which part holds most of the text
+    limit = max(256, len(body) // (2 * EVAL_SHARE))
+    pieces = [(f"paragraph {i}" + (f" part {j}" if j else ""), chunk) for i, b in enumerate(blocks)
+              for j, chunk in enumerate(_chunks(b, limit))]
     text = _split(str(path), pieces)
     if not text.calibration or not text.evaluation:  # too few paragraphs for the hash to hold one out
-        kept = [p for p in pieces if p[1]]
+        once: dict[str, tuple[str, str]] = {}
+        for label, b in pieces:  # each text once, on one side only, as `_split` keeps it
+            if b and b not in once:
+                once[b] = (label, b)
+        kept = list(once.values())
         cut = len(kept) - max(1, len(kept) // EVAL_SHARE)
         if len(kept) < 2:  # one block: cut it into pieces at spaces
             words = body.split()
