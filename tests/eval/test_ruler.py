@@ -17,8 +17,11 @@ def _pool_text():
     import random
 
     rng = random.Random(0)
-    words = {"".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 9))) for _ in range(3000)}
-    return sample_text(4000, seed=5) + " " + ". ".join(sorted(words)) + "."
+    words = sorted({"".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(4, 9)))
+                    for _ in range(3000)})
+    # paragraphs of filler and distinct words, so that the evaluation part a file's split holds out has both
+    return "\n\n".join(sample_text(80, seed=i).strip() + " " + ". ".join(words[60 * i:60 * (i + 1)]) + "."
+                       for i in range(len(words) // 60))
 
 
 TEXT = _pool_text()

@@ -19,6 +19,7 @@ short forward and with the layer and the family named: OLMo's in-place
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -283,3 +284,38 @@ def test_sliding_window_layers_hold_only_their_window(name, monkeypatch):
     assert report.tokens == 39
     with pytest.raises(RuntimeError, match="no longer holds"):
         dense_cache.crop(-35)
+
+
+def test_hybrids_cross_attention_and_interleaved_rope_are_refused_with_their_reason():
+    """Layers of linear attention (Qwen3-Next), a decoder with cross-attention (BART's), and GPT-J's RoPE over
+    interleaved pairs once reached the checks as tracebacks from inside them (a missing `keys`, an index past
+    the cache, a shape mismatch), or an fp16 evaluation crashed part way through."""
+    import transformers
+
+    from kvsqueeze.integrations.preflight import check_methods
+
+    base = dict(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN, num_hidden_layers=LAYERS,
+                num_attention_heads=HIDDEN // HEAD_DIM, num_key_value_heads=KV_HEADS, max_position_embeddings=1024,
+                pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    cases = {
+        "qwen3_next": (transformers.Qwen3NextConfig(**base, head_dim=HEAD_DIM, linear_num_value_heads=4,
+                                                    linear_num_key_heads=2, linear_key_head_dim=16,
+                                                    linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+                                                    moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                                                    layer_types=["linear_attention", "full_attention"]),
+                       ["fp16", "int4", "int3:pre"], "a layer kind kvsqueeze caches do not implement"),
+        "bart": (transformers.BartConfig(vocab_size=VOCAB, d_model=HIDDEN, encoder_layers=2, decoder_layers=2,
+                                         encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                         decoder_ffn_dim=128, max_position_embeddings=1024, pad_token_id=0,
+                                         bos_token_id=1, eos_token_id=2, is_decoder=True, is_encoder_decoder=False),
+                 ["fp16", "kivi2", "int4"], "one self-attention per layer"),
+        "gptj": (transformers.GPTJConfig(vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, rotary_dim=8,
+                                         n_positions=1024, bos_token_id=1, eos_token_id=2),
+                 ["int3:pre"], "not its `k_proj` output turned by rotate-half RoPE"),
+    }
+    for name, (config, methods, needle) in cases.items():
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+        for method in methods:
+            with pytest.raises(UnsupportedModelError, match=re.escape(needle)):
+                check_methods(model, [parse_method(method)], None)

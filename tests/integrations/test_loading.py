@@ -74,3 +74,71 @@ def test_soft_capped_models_load_with_the_attention_that_caps(tmp_path):
                                 ).save_pretrained(tmp_path / name)
         model, _ = load_model(str(tmp_path / name))
         assert model.config._attn_implementation == want, name
+
+
+def test_two_processes_converting_one_model_at_once_both_get_it_whole(tmp_path, monkeypatch):
+    """Each conversion writes a directory of its own and the first rename wins: they once shared one temporary
+    directory, truncating each other's joined GGUF and renaming it from under each other."""
+    import threading
+    import time
+
+    import torch
+    import transformers
+
+    from conftest import byte_tokenizer, tiny_config
+
+    monkeypatch.setenv("KVSQUEEZE_CACHE", str(tmp_path / "cache"))
+    tok = byte_tokenizer()
+
+    def gguf(name, work):
+        path = work / f"{name}.gguf"
+        path.write_bytes(b"x" * 1000)
+        return path
+
+    def slow_model(*a, **k):
+        time.sleep(0.5 if threading.current_thread().name == "A" else 1.0)
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(tiny_config("llama"))
+
+    monkeypatch.setattr(loading, "_bundled_gguf", gguf)
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", staticmethod(lambda *a, **k: tok))
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", staticmethod(slow_model))
+    got, errors = {}, []
+
+    def run():
+        try:
+            got[threading.current_thread().name] = loading.resolve_model_path("qwen2.5-coder-0.5b")
+        except Exception as exc:  # noqa: BLE001 - the test reports any
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, name=n) for n in "AB"]
+    for t in threads:
+        t.start()
+        time.sleep(0.2)
+    for t in threads:
+        t.join()
+    assert not errors and got["A"] == got["B"]
+    target = Path(got["A"])
+    assert (target / "model.safetensors").is_file() and (target / "config.json").is_file()
+    assert sorted(p.name for p in target.parent.iterdir()) == [target.name]  # no temporary directory left
+
+
+def test_a_device_this_torch_lacks_is_refused_before_loading():
+    for device in ("mps", "xpu"):
+        with pytest.raises(ModelLoadError, match=f"--device {device}: this torch .* has no '{device}' device"):
+            loading.resolve_device(device)
+
+
+def test_a_config_that_does_not_match_the_weights_is_named(tmp_path):
+    import json
+
+    from conftest import byte_tokenizer, tiny_model
+
+    model = tiny_model("llama", seed=0)
+    model.save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["num_key_value_heads"] = 4
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match="its weights do not match its config.json"):
+        loading.load_model(str(tmp_path))

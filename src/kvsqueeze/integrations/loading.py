@@ -14,6 +14,8 @@ import hashlib
 import importlib.util
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -98,11 +100,26 @@ def _bundled_gguf(name: str, workdir: Path) -> Path:
 
 
 def _convert_bundled(name: str, target: Path) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # a directory of this process's own: two processes converting at once each write theirs, the first rename wins
+    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.tmp-"))
+    try:
+        _convert_into(name, tmp)
+        os.chmod(tmp, 0o755)  # mkdtemp's directory is its owner's alone; the converted model is for every reader
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "model.safetensors").exists():  # a leftover directory, not another's conversion
+                raise ModelLoadError(f"{target} exists without model.safetensors (a conversion stopped part way?): "
+                                     "remove it and run again") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _convert_into(name: str, tmp: Path) -> None:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tmp = target.with_name(target.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
     gguf = _bundled_gguf(name, tmp)
     tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
@@ -116,9 +133,8 @@ def _convert_bundled(name: str, target: Path) -> None:
     state = {k: v.contiguous() for k, v in model.state_dict().items()}
     if config.get("tie_word_embeddings"):
         state.pop("lm_head.weight", None)  # tied: stored once
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     tok.save_pretrained(tmp)
-    tmp.rename(target)
+    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})  # last: what marks it whole
 
 
 def resolve_model_path(model: str) -> str:
@@ -141,8 +157,12 @@ def resolve_device(device: torch.device | str) -> torch.device:
         raise ModelLoadError(f"--device {device}: this torch ({torch.__version__}) sees no CUDA GPU; use --device cpu")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ModelLoadError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
-    if dev.type not in ("cpu", "cuda") and not getattr(torch, dev.type, None):
-        raise ModelLoadError(f"--device {device}: torch has no {dev.type!r} backend here")
+    if dev.type not in ("cpu", "cuda"):
+        backend = torch.backends.mps if dev.type == "mps" else getattr(torch, dev.type, None)
+        available = getattr(backend, "is_available", None)
+        if not callable(available) or not available():
+            raise ModelLoadError(f"--device {device}: this torch ({torch.__version__}) has no {dev.type!r} device "
+                                 "here; use --device cpu")
     return dev
 
 
@@ -170,6 +190,9 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype | str = DEFAULT_DT
         tok = AutoTokenizer.from_pretrained(path)
         capped = getattr(AutoConfig.from_pretrained(path), "attn_logit_softcapping", None) is not None
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager" if capped else "sdpa")
+    except RuntimeError as exc:  # e.g. a config.json whose head_dim or KV heads do not match the weights
+        raise ModelLoadError(f"could not load model {model!r}: its weights do not match its config.json ({exc}); fix "
+                             "the config or the weights") from exc
     except (OSError, ValueError) as exc:
         raise ModelLoadError(
             f"could not load model {model!r}: {exc}. Pass a local directory with config.json and weights, "

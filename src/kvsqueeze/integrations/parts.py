@@ -121,7 +121,8 @@ class LayerRotary:
 def _rotary_dim(config, attn, head_dim: int) -> int:
     """Channels of a head that turn: from the attention module (`rotary_ndims`) or the config's
     `partial_rotary_factor` (in `rope_parameters` or on the config), else all of them."""
-    ndims = getattr(attn, "rotary_ndims", None) or getattr(attn, "rotary_emb_dim", None)
+    ndims = (getattr(attn, "rotary_ndims", None) or getattr(attn, "rotary_emb_dim", None)
+             or getattr(attn, "rotary_dim", None))
     if isinstance(ndims, int) and 0 < ndims <= head_dim:
         return ndims
     params = getattr(config, "rope_parameters", None)

@@ -28,7 +28,7 @@ import weakref
 import torch
 
 from ..shape import kv_shape
-from .parts import attention_modules, key_source, layer_rotaries, read_forward, rotary_module
+from .parts import attention_modules, key_source, layer_rotaries, layer_windows, read_forward, rotary_module
 
 PREFLIGHT_TOKENS = 8  # enough positions for every rotary pair to turn; the forward costs next to nothing
 _PASSED: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model -> the checks it passed
@@ -69,6 +69,7 @@ def preflight(model, keys: bool = True) -> None:
                       "kvsqueeze reads keys and values at `k_proj` / `v_proj` or at the key and value slices of a "
                       "fused `qkv_proj` laid out queries, keys, values (Phi-3); other fused layouts (GPT-NeoX "
                       "`query_key_value`, interleaved per head) are not supported") from exc
+    _check_layers(model, attn)
     clip = getattr(model.config, "clip_qkv", None)
     if clip is not None:  # in place after k_proj and v_proj: neither the keys nor the values can be read
         raise _refuse(model, 0, f"keys and values are clipped in place to +-{clip} after their projections "
@@ -134,7 +135,12 @@ def preflight(model, keys: bool = True) -> None:
         v = read[(i, "v")].float().reshape(1, t, h, d).transpose(1, 2)[:, :, t - kept :]
         if keys:
             cs = None if turns[i] is None else tuple(c[:, t - kept :].float().unsqueeze(1) for c in turns[i])
-            turned = rotaries[i].apply(k, cs)
+            try:
+                turned = rotaries[i].apply(k, cs)
+            except RuntimeError as exc:  # a rotary width that is not the layer's turning channels
+                raise _refuse(model, i, f"its rotary module's cos / sin ({tuple(cs[0].shape) if cs else None}) "
+                              f"do not turn its {d}-channel heads as rotate-half RoPE over their leading channels "
+                              f"({exc})", "use a method that quantizes keys after RoPE (e.g. int4, kivi2)") from exc
             if not _close(turned, cached_k, eps):
                 source = key_source(attn[i])
                 if rotaries[i].turns and _close(k, cached_k, eps):
@@ -157,6 +163,22 @@ def preflight(model, keys: bool = True) -> None:
 
 
 
+def _check_layers(model, attn: list) -> None:
+    """One self-attention per decoder layer, each full or sliding-window: hybrids (linear attention, state-space
+    layers) and decoders with cross-attention are refused here, before any forward."""
+    try:
+        layer_windows(model)
+    except ValueError as exc:
+        raise _refuse(model, None, str(exc).split(";")[0], "kvsqueeze caches full and sliding-window attention "
+                      "layers only") from exc
+    layers = kv_shape(model.config).layers
+    cross = [i for i, a in enumerate(attn) if getattr(a, "is_cross_attention", False)]
+    if cross or len(attn) != layers:
+        what = (f"attention module {cross[0]} attends to an encoder's states (cross-attention)" if cross else
+                f"it has {len(attn)} attention modules for {layers} layers")
+        raise _refuse(model, None, what, "kvsqueeze caches decoders with one self-attention per layer")
+
+
 def check_methods(model, specs, recipe) -> None:
     """Everything a run of `specs` on `model` needs, checked before minutes of work: the recipe belongs to the
     model, the keys and values are read where the model rotates and caches them, and every layer's quantizers
@@ -164,6 +186,12 @@ def check_methods(model, specs, recipe) -> None:
     from ..methods import build_quantizers
     from .fingerprint import check_recipe
 
+    try:
+        attn = attention_modules(model)
+    except ValueError:
+        attn = None  # the methods that read the model's tensors are refused below, by preflight, with the reason
+    if attn is not None:
+        _check_layers(model, attn)
     if recipe is not None:
         check_recipe(recipe, model)
     if any(s.reads_model_tensors for s in specs):
