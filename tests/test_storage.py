@@ -229,26 +229,31 @@ def test_the_simulated_count_equals_the_memory_report_on_sliding_window_layers()
     """The evaluation's bits (`SimulatedQuantization.storage` over `elements`) count a sliding layer as holding its
     last window - 1 tokens, as the compressed cache holds them: after the same 300-token forward both give the
     same bytes and bits per element held (a recipe without outliers: no estimate involved)."""
-    from kvsqueeze.integrations.simulate import SimulatedQuantization
-
     model = _model("gemma3")
     acts = collect(model, random_ids(2, 64, seed=5), sinks=1, progress=False)
     recipe = fit_recipe(model, acts, CalibrationConfig(samples=2, seqlen=64, bits=(2, 3, 4), fractions=(0.0,)),
                         "tiny-gemma3", "random", progress=False)
     ids = random_ids(1, 300, seed=4)
     for name in ("nuq3", "nuq@3.5:r4:chan:ctx300", "fp16"):
-        spec = parse_method(name)
-        with kvsqueeze.cache_for(model, recipe, spec) as cache:
-            with torch.no_grad():
-                model(ids, cache=cache, use_cache=True)
-            report = cache.memory_report()
-        with SimulatedQuantization(model, spec, recipe) as sim:
-            with torch.no_grad():
-                model(ids, cache=sim.new_cache(), use_cache=True)
-            counted = sim.storage(300)
-            bits = 8 * sum(counted.values()) / sim.elements(300)
+        report, counted, elements = _held_and_counted(model, recipe, parse_method(name), ids)
         assert sum(counted.values()) == report.total_bytes, name
-        assert bits == pytest.approx(report.avg_bits, rel=1e-12), name
+        assert 8 * sum(counted.values()) / elements == pytest.approx(report.avg_bits, rel=1e-12), name
+
+
+def _held_and_counted(model, recipe, spec, ids) -> tuple:
+    """(the compressed cache's memory report, the evaluation's bytes by component, its elements) after the same
+    forward of `ids` through each."""
+    from kvsqueeze.integrations.simulate import SimulatedQuantization
+
+    t = ids.shape[1]
+    with kvsqueeze.cache_for(model, recipe, spec) as cache:
+        with torch.no_grad():
+            model(ids, cache=cache, use_cache=True)
+        report = cache.memory_report()
+    with SimulatedQuantization(model, spec, recipe) as sim:
+        with torch.no_grad():
+            model(ids, cache=sim.new_cache(), use_cache=True)
+        return report, sim.storage(t), sim.elements(t)
 
 
 def test_the_simulated_count_holds_a_sliding_layer_s_own_outliers():
@@ -256,7 +261,6 @@ def test_the_simulated_count_holds_a_sliding_layer_s_own_outliers():
     recipe that keeps outliers, the evaluation's bytes equal the compressed cache's report after the same forward
     (they once pro-rated the outliers over every token, which differs where outliers bunch up). `average_bits`
     with the model's windows counts per element held as the cache does."""
-    from kvsqueeze.integrations.simulate import SimulatedQuantization
     from kvsqueeze.methods import average_bits
 
     model = _model("gemma3")
@@ -268,15 +272,7 @@ def test_the_simulated_count_holds_a_sliding_layer_s_own_outliers():
     ids = random_ids(1, 300, seed=4)
     ids[0, 200:] = ids[0, 200:] % 7  # the text changes near the end: outliers bunch up there
     for name in ("nuq3-1%", "nuq3-1%:pm", "nuq@16:sink4:ctx300"):
-        spec = parse_method(name)
-        with kvsqueeze.cache_for(model, recipe, spec) as cache:
-            with torch.no_grad():
-                model(ids, cache=cache, use_cache=True)
-            report = cache.memory_report()
-        with SimulatedQuantization(model, spec, recipe) as sim:
-            with torch.no_grad():
-                model(ids, cache=sim.new_cache(), use_cache=True)
-            counted = sim.storage(300)
+        report, counted, _ = _held_and_counted(model, recipe, parse_method(name), ids)
         assert sum(counted.values()) == report.total_bytes, name
     nominal = average_bits(parse_method("nuq3"), fp["layers"], fp["kv_heads"] * fp["head_dim"], fp["head_dim"], 300,
                            recipe, windows=fp["layer_windows"])
