@@ -142,3 +142,23 @@ def test_a_config_that_does_not_match_the_weights_is_named(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ModelLoadError, match="its weights do not match its config.json"):
         loading.load_model(str(tmp_path))
+
+
+def test_a_multimodal_checkpoint_is_refused_before_its_weights_load(tmp_path, monkeypatch):
+    """Gemma-3 4B and larger ship as image-text models, whose language model's config sits under text_config:
+    they were refused only after loading every weight, by a message about a missing num_hidden_layers."""
+    import transformers
+
+    from conftest import byte_tokenizer
+
+    config = transformers.Gemma3Config(
+        text_config=dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14), mm_tokens_per_image=4)
+    config.save_pretrained(tmp_path)
+    byte_tokenizer().save_pretrained(tmp_path)
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained",
+                        staticmethod(lambda *a, **k: (_ for _ in ()).throw(AssertionError("weights loaded"))))
+    with pytest.raises(ModelLoadError, match="is a multimodal gemma3 model .* give a text-only checkpoint"):
+        loading.load_model(str(tmp_path))

@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from ..config import DEFAULT_DEVICE, DEFAULT_DTYPE, DEFAULT_MODEL, DTYPES
-from ..shape import kv_shape
+from ..shape import ShapeError, kv_shape
 
 
 @dataclass(frozen=True)
@@ -188,8 +188,16 @@ def load_model(model: str = DEFAULT_MODEL, dtype: torch.dtype | str = DEFAULT_DT
     path = resolve_model_path(model)
     try:
         tok = AutoTokenizer.from_pretrained(path)
-        capped = getattr(AutoConfig.from_pretrained(path), "attn_logit_softcapping", None) is not None
+        config = AutoConfig.from_pretrained(path)
+        if getattr(config, "vision_config", None) is not None or getattr(config, "audio_config", None) is not None:
+            raise ModelLoadError(f"{model!r} is a multimodal {config.model_type} model (a vision or audio tower beside "
+                                 "its language model, whose config sits under text_config): kvsqueeze loads "
+                                 "decoder-only language models; give a text-only checkpoint of the family")
+        kv_shape(config, f"{model!r}'s config ({config.model_type})")  # before the weights: a config it cannot read
+        capped = getattr(config, "attn_logit_softcapping", None) is not None
         lm = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager" if capped else "sdpa")
+    except (ModelLoadError, ShapeError):
+        raise
     except RuntimeError as exc:  # e.g. a config.json whose head_dim or KV heads do not match the weights
         raise ModelLoadError(f"could not load model {model!r}: its weights do not match its config.json ({exc}); fix "
                              "the config or the weights") from exc
