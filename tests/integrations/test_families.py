@@ -39,7 +39,8 @@ SMALL_CAL = CalibrationConfig(samples=2, seqlen=64, bits=(3,), fractions=(0.0, 0
 CONFIGS = {"llama": "LlamaConfig", "mistral": "MistralConfig", "qwen2": "Qwen2Config", "qwen3": "Qwen3Config",
            "olmo2": "Olmo2Config", "olmo": "OlmoConfig", "smollm3": "SmolLM3Config", "phi3": "Phi3Config",
            "gemma3": "Gemma3TextConfig", "cohere": "CohereConfig", "phi": "PhiConfig", "gemma2": "Gemma2Config",
-           "gpt_neox": "GPTNeoXConfig", "gpt_oss": "GptOssConfig", "llama4": "Llama4TextConfig"}
+           "gpt_neox": "GPTNeoXConfig", "gpt_oss": "GptOssConfig", "llama4": "Llama4TextConfig",
+           "stablelm": "StableLmConfig"}
 
 
 def family_model(arch: str, seed: int = 0, attn: str = "sdpa", **overrides):
@@ -83,6 +84,10 @@ SUPPORTED = {
                               layer_types=["sliding_attention", "full_attention"]), "k_proj", "eager"),
     "gpt_oss": ("gpt_oss", dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
                                 layer_types=["sliding_attention", "full_attention"]), "k_proj", "eager"),
+    # a per-head LayerNorm on [B, H, T, D] keys, RoPE over a quarter of each head, and position_ids taken by the
+    # attention as a named argument (not handed on to the cache: read from the decoder's own)
+    "stablelm": ("stablelm", dict(partial_rotary_factor=0.25, qk_layernorm=True, head_dim=None), "k_layernorm",
+                 "sdpa"),
 }
 
 

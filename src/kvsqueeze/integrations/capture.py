@@ -10,7 +10,8 @@ per model (shared by every cache built on it, reference-counted) installs:
   `k_proj`, `parts.key_module`): it stashes the output, the exact keys the
   model hands its rotary step [B, T, C], for that layer's `update` to take;
 * a forward pre-hook on the decoder stack (`model.base_model`): it notes the
-  2-D `attention_mask` [B, past + T] of the forward in progress and whether the
+  2-D `attention_mask` [B, past + T] and `position_ids` of the forward in progress
+  (for attention modules that keep theirs from `update`) and whether the
   forward uses a kvsqueeze cache at all (otherwise `k_proj` outputs are not
   kept); a forward hook (always called, errors included) clears the stash.
 
@@ -34,7 +35,7 @@ _CAPTURES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # model ->
 
 
 class ForwardCapture:
-    """Pre-RoPE keys and the padding mask of the forward in progress; see the module docstring."""
+    """Pre-RoPE keys, the padding mask and the position ids of the forward in progress; see the module docstring."""
 
     def __init__(self, model):
         # No reference to the model or its modules is kept (the registry is keyed weakly by the model).
@@ -43,6 +44,7 @@ class ForwardCapture:
         self._handles: list = []
         self.active = False  # inside a forward that was given a kvsqueeze cache
         self.mask: torch.Tensor | None = None  # 2-D attention mask of that forward, or None
+        self.position_ids: torch.Tensor | None = None  # the decoder's 2-D position_ids of that forward, or None
         self.keys: dict[int, torch.Tensor] = {}  # layer -> pre-RoPE keys [B, T, C]
 
     # ---- lifetime ------------------------------------------------------------------------
@@ -89,6 +91,8 @@ class ForwardCapture:
             self.active = any(isinstance(layer, LayerBase) for layer in layers)  # a cache of ours turns it on
             mask = bound.get("attention_mask")
             self.mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+            pos = bound.get("position_ids", extra.get("position_ids"))
+            self.position_ids = pos if isinstance(pos, torch.Tensor) and pos.dim() == 2 else None
             self.keys = {}
 
         def after(module, args, kwargs, output):
@@ -106,6 +110,7 @@ class ForwardCapture:
     def _clear(self) -> None:
         self.active = False
         self.mask = None
+        self.position_ids = None
         self.keys = {}
 
     # ---- what a cache layer reads --------------------------------------------------------
@@ -115,6 +120,13 @@ class ForwardCapture:
         if keys is None or keys.dim() != 3 or tuple(keys.shape[:2]) != (batch, tokens):
             return None
         return keys
+
+    def positions(self, tokens: int) -> torch.Tensor | None:
+        """This forward's `position_ids` [B or 1, T] as the decoder stack was given them, for attention modules that
+        take them as a named argument and so do not hand them on to `cache.update` (StableLM); None if none were
+        given (the decoder counts them from the cache's length, as `update` then does)."""
+        pos = self.position_ids
+        return pos if pos is not None and pos.shape[-1] == tokens else None
 
     def real_tokens(self, batch: int, tokens: int) -> torch.Tensor | None:
         """bool [B, T]: False at the padding tokens among this forward's T new ones (None: no 2-D mask)."""

@@ -400,7 +400,10 @@ class CompressedLayer(PreRopeKeys, LayerBase):
             self._check_fused_attention()
             self.slide(self.EVICT_SLACK)  # before the step: the kernel reads the store after update returns
         start = self.get_seq_length()
-        positions = _positions(extra.get("position_ids", kwargs.get("position_ids")), b, t, start, key_states.device)
+        given = extra.get("position_ids", kwargs.get("position_ids"))
+        if given is None and self.capture is not None:
+            given = self.capture.positions(t)
+        positions = _positions(given, b, t, start, key_states.device)
         keys = self._pre_rope_keys(key_states, self._cos_sin(positions, key_states.dtype))  # [B, T, C]
         values = value_states.transpose(1, 2).reshape(b, t, h * d)  # [B, T, C]
         real = self.capture.real_tokens(b, t) if self.capture is not None else None

@@ -156,11 +156,16 @@ def layer_rotaries(model, head_dim: int) -> list[LayerRotary]:
     return out
 
 
+KEY_NORMS = ("k_norm", "k_layernorm")  # a module's key norm, applied before RoPE (StableLM names it k_layernorm)
+
+
 def key_source(attn) -> str:
-    """Where the keys of `attn` are read before RoPE: "k_norm" where the module normalizes its keys (Qwen3,
-    OLMo-2, Gemma-3), else "k_proj", or "qkv_proj" where one linear makes queries, keys and values."""
-    if isinstance(getattr(attn, "k_norm", None), torch.nn.Module):
-        return "k_norm"
+    """Where the keys of `attn` are read before RoPE: its key norm where the module normalizes its keys ("k_norm":
+    Qwen3, OLMo-2, Gemma-3; "k_layernorm": StableLM with qk_layernorm), else "k_proj", or "qkv_proj" where one
+    linear makes queries, keys and values."""
+    for name in KEY_NORMS:
+        if isinstance(getattr(attn, name, None), torch.nn.Module):
+            return name
     return "k_proj" if hasattr(attn, "k_proj") else FUSED
 
 
