@@ -239,12 +239,15 @@ def _calibrate(args, cfg: CalibrationConfig, budgets: list[float]) -> None:
     print(f"recipe written to {out} in {recipe.meta['timings_s']['total']:.1f}s")
 
 
+KL_WINDOWS, KL_SEQLEN = 1, 512  # what a sensitivity measurement reads by default: windows of tokens
+
+
 def _kl_windows(args) -> int:
-    return 1 if args.kl_windows is None else args.kl_windows
+    return KL_WINDOWS if args.kl_windows is None else args.kl_windows
 
 
 def _kl_seqlen(args) -> int:
-    return 512 if args.kl_seqlen is None else args.kl_seqlen
+    return KL_SEQLEN if args.kl_seqlen is None else args.kl_seqlen
 
 
 def _measure_sensitivities(model, tok, recipe, text, args, windows=None) -> dict:
@@ -616,10 +619,11 @@ def _add_sensitivity(sub: argparse.ArgumentParser, standalone: bool) -> None:
     `calibrate` (where --bits, --outliers, --seqlen and --sinks name the calibration's own)."""
     pre = "--" if standalone else "--kl-"
     # calibrate's are None unless given (refused without --kl); _kl_windows / _kl_seqlen give their defaults
-    sub.add_argument(f"{pre}windows", dest="kl_windows", type=_bounded(1, 10_000), default=1 if standalone else None,
-                     help="calibration windows the KL divergence is taken over (default 1)")
+    sub.add_argument(f"{pre}windows", dest="kl_windows", type=_bounded(1, 10_000),
+                     default=KL_WINDOWS if standalone else None,
+                     help=f"calibration windows the KL divergence is taken over (default {KL_WINDOWS})")
     sub.add_argument(f"{pre}seqlen", dest="kl_seqlen", type=_bounded(2, MAX_TOKENS),
-                     default=512 if standalone else None, help="tokens per window (default 512)")
+                     default=KL_SEQLEN if standalone else None, help=f"tokens per window (default {KL_SEQLEN})")
     sub.add_argument(f"{pre}bits", dest="kl_bits", help="widths to measure (default: the recipe's middle one, 3; "
                      "each unit's scale is the mean over those measured)")
     sub.add_argument(f"{pre}outliers", dest="kl_outliers", help="outlier percentages to measure besides none "

@@ -217,7 +217,8 @@ class Recipe:
         with writing(d):
             # both files staged whole before either is renamed into place; a save stopped between the two renames
             # leaves the staged JSON, which `load` renames into place (`_finish_save`)
-            staged = [(_stage(d / name, payload), d / name) for name, payload in ((TENSORS_FILE, data), (META_FILE, text))]
+            staged = [(_stage(d / name, payload), d / name)
+                      for name, payload in ((TENSORS_FILE, data), (META_FILE, text))]
             for tmp, path in staged:
                 os.replace(tmp, path)
         return d

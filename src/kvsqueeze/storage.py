@@ -199,6 +199,12 @@ def held_by_layer(windows, tokens: int) -> list[int | None]:
     return [None if w is None else min(tokens, int(w) - 1) for w in windows]
 
 
+def tokens_held(held: list[int | None] | None, tokens: int, layers: int) -> int:
+    """Tokens a row of `tokens` leaves in the cache, summed over its `layers` (`held`: `held_by_layer`'s list, None
+    for every layer full): what bits per element held divide by."""
+    return layers * tokens if held is None else sum(tokens if h is None else h for h in held)
+
+
 def positions_bytes(rows: Rows) -> int:
     """The position log that every full layer of a cache shares, int32 [T, B]."""
     return 4 * rows.tokens * rows.batch

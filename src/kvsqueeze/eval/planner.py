@@ -31,7 +31,7 @@ from pathlib import Path
 
 from ..config import MemoryConfig
 from ..methods import MethodError, MethodSpec, cache_bytes, parse_method, parse_methods
-from ..storage import Rows, held_by_layer
+from ..storage import Rows, held_by_layer, tokens_held
 from ..shape import KVShape, kv_shape, positive_int
 from .tables import text_table
 
@@ -54,8 +54,7 @@ class ModelShape(KVShape):
 
     def held_tokens(self, tokens: int) -> int:
         """Tokens held of a row, summed over layers (what bits per element divide by)."""
-        held = self.held(tokens)
-        return self.layers * tokens if held is None else sum(tokens if h is None else h for h in held)
+        return tokens_held(self.held(tokens), tokens, self.layers)
 
 
 # Parameter counts as published (LLaMA: 6.74B / 13.0B / 65.2B, the figures

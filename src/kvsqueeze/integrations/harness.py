@@ -74,9 +74,9 @@ class KVSqueezeLM(HFLM):
         if decode not in ("auto", "dense", "numba", "reference", "triton"):
             raise ValueError(f"decode={decode!r}: expected auto, dense, numba, reference or triton")
         if getattr(self.spec, "split", False) and str(kwargs.get("batch_size", 1)) != "1":
-            raise ValueError(f"method {self.spec.name!r} picks each head's wider half from the whole batch's tokens, so "
-                             "a request's score would depend on the requests beside it and their padding: use "
-                             "batch_size=1 (--batch_size 1)")
+            raise ValueError(f"method {self.spec.name!r} picks each head's wider half from the whole batch's "
+                             "tokens, so a request's score would depend on the requests beside it and their "
+                             "padding: use batch_size=1 (--batch_size 1)")
         self.recipe = Recipe.load(recipe) if recipe else None
         self.decode = decode
         model, tok = load_model(str(pretrained), dtype, _device(device))

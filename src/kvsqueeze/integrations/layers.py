@@ -53,11 +53,11 @@ from transformers.cache_utils import CacheLayerMixin
 
 from ..cache.buffers import GrowableTensor
 from ..cache.store import KVStore, WindowCropError
+from ..numerics.affine import FP16_MAX
 from ..numerics.rope import Rope
 from .attention import ATTN_NAME, EAGER_NAME
 from .parts import LayerRotary
 
-FP16_MAX = 65504.0  # the largest finite float16
 
 
 class CacheValueError(ValueError):
@@ -101,13 +101,8 @@ class LayerBase(CacheLayerMixin):
             raise ValueError(f"a sliding window of {window} tokens keeps no past; expected 2 or more")
         self.window = window
         self.dropped = 0  # tokens a sliding window moved past, per row
-        # what a checkpoint must still describe: the cache it was taken of (bumped by reset), which of that cache's
-        # rows each row now holds (reorder, select and repeat compose it; None: each its own), and every crop
-        # since, as (serial, tokens kept)
         self._lineage = 0
-        self._origin: torch.Tensor | None = None
-        self._crops: list[tuple[int, int]] = []
-        self._serial = 0
+        self._new_history()
 
     @property
     def is_croppable(self) -> bool:
@@ -204,6 +199,15 @@ class LayerBase(CacheLayerMixin):
         if target is not None:
             self._crop(target - self.dropped)
             self._note_crop(target)
+
+    def _new_history(self) -> None:
+        """What a checkpoint must still describe, started anew (a new layer, a reset): the cache it was taken of
+        (`_lineage`, bumped by every reset), which of that cache's rows each row now holds (reorder, select and
+        repeat compose it; None: each its own), and every crop since, as (serial, tokens kept)."""
+        self._lineage += 1
+        self._origin: torch.Tensor | None = None
+        self._crops: list[tuple[int, int]] = []
+        self._serial = 0
 
     def _note_crop(self, kept: int) -> None:
         self._serial += 1
@@ -539,8 +543,7 @@ class CompressedLayer(PreRopeKeys, LayerBase):
 
     def reset(self) -> None:
         self.store.reset()
-        self._lineage += 1
-        self._origin = None
+        self._new_history()
         self.dropped = 0
         self.pending = None
         self.is_initialized = False
@@ -607,8 +610,7 @@ class Fp16Layer(LayerBase):
 
     def reset(self) -> None:
         self.k = self.v = None
-        self._lineage += 1
-        self._origin = None
+        self._new_history()
         self.dropped = 0
         self.pending = None
         self.is_initialized = False

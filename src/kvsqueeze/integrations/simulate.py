@@ -32,7 +32,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from ..kernels.mixed import mixed_attention
 from ..numerics.affine import check_finite
 from ..methods import MethodSpec, build_quantizers, cache_bytes, family
-from ..storage import Rows, held_by_layer
+from ..storage import Rows, held_by_layer, tokens_held
 from ..numerics.quantizer import VectorQuantizer
 from ..recipe import Recipe
 from ..shape import kv_shape
@@ -316,7 +316,7 @@ class SimulatedQuantization:
 
     def elements(self, tokens: int, batch: int = 1) -> int:
         """K and V elements the cache holds for `batch` rows of `tokens` tokens (what bits per element divide by)."""
-        return 2 * batch * self.shape.channels * sum(tokens if h is None else h for h in self.held(tokens))
+        return 2 * batch * self.shape.channels * tokens_held(self.held(tokens), tokens, self.shape.layers)
 
     def storage(self, tokens: int, batch: int = 1) -> dict[str, float]:
         """Bytes the cache holds for `batch` rows of `tokens` tokens, by component, with the outliers this

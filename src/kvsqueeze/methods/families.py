@@ -457,8 +457,7 @@ def average_bits(spec: MethodSpec, layers: int, channels: int, head_dim: int, to
     held = storage.held_by_layer(windows, tokens) if windows is not None else None
     if held is not None and len(held) != layers:
         raise ValueError(f"average_bits: {len(held)} layer windows for {layers} layers")
-    elements = 2 * batch * channels * (layers * tokens if held is None else sum(tokens if h is None else h
-                                                                               for h in held))
+    elements = 2 * batch * channels * storage.tokens_held(held, tokens, layers)
     return 8 * storage.total(cache_bytes(spec, layers, channels, head_dim, rows, recipe, held=held)) / max(elements, 1)
 
 

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import torch
 
+FP16_MAX = 65504.0  # the largest finite float16: the scales, zero-points, outliers and sinks caches store
+
 _MIN_SCALE = 1e-6  # a constant vector still needs a non-zero scale
 
 

@@ -53,10 +53,9 @@ import torch
 
 from ..kernels.view import ARRAYS, NO_CHANNEL, Outliers, Rows, StoreView
 from ..methods.budget import check_widths
+from ..numerics.affine import FP16_MAX
 from ..numerics.packing import OUTLIER_CODE, code_offsets, mixed_words, pack_codes, pack_mixed, words_per_vector
 from ..numerics.quantizer import VectorQuantizer
-
-F16_MAX = 65504.0  # the largest finite float16: scales, outliers and sinks are stored in float16
 
 ALIGN = 16
 
@@ -330,12 +329,11 @@ class PageLayout:
         if int(block.max()) >= pages.shape[0] or int(slots.min()) < 0:
             raise ValueError(f"write: slot {int(slots.max())} is past the {pages.shape[0]} pages of the buffer")
         xk, xv = keys.float(), values.float()
-        if not bool(((xk.abs() <= F16_MAX).all() & (xv.abs() <= F16_MAX).all())):  # NaN fails it too
-            name = "keys" if not bool((xk.abs() <= F16_MAX).all()) else "values"
-            x = xk if name == "keys" else xv
-            raise ValueError(f"write: {name} reach {float(x.nan_to_num(float('inf')).abs().max()):.4g} (or NaN), "
-                             "beyond float16's 65,504 that pages store scales, outliers and sinks in; serve this model "
-                             "with vLLM's own KV cache")
+        for name, x in (("keys", xk), ("values", xv)):
+            if not bool((x.abs() <= FP16_MAX).all()):  # NaN fails it too
+                raise ValueError(f"write: {name} reach {float(x.nan_to_num(float('inf')).abs().max()):.4g} (or NaN), "
+                                 "beyond float16's 65,504 that pages store scales, outliers and sinks in; serve this "
+                                 "model with vLLM's own KV cache")
         fast = self._fast(pages)
         if fast is not None:
             return self._write_numba(fast, pages, block, offset, xk, xv, positions)
