@@ -459,6 +459,20 @@ def test_bad_inputs_are_explained():
         decode_attention(torch.zeros(1, 4, 16), kv, Rope.default(32), 1.0)  # a table read past its end otherwise
 
 
+
+@pytest.mark.skipif(NO_NUMBA, reason="KVSQUEEZE_ALLOW_NO_NUMBA=1: this machine is known to lack numba")
+def test_the_numba_backend_refuses_a_sink_past_the_cache():
+    """A hand-made view whose sink names a token past the cache: the sink passes would write that token's score
+    past the end of the scores."""
+    store = make_store(5, 1, 2, 16, 4, 0.01, 1)
+    kv = view_of(store)
+    rope = Rope.default(16)
+    q = torch.randn(1, 4, 16, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(decode_attention(q, kv, rope, 0.25, backend="numba"),
+                          decode_attention(q, kv, rope, 0.25, backend="reference"), atol=1e-5)
+    with pytest.raises(ValueError, match="sink names token 5 of a cache of 5 tokens"):
+        decode_attention(q, kv._replace(sink_slot=torch.full_like(kv.sink_slot, 5)), rope, 0.25, backend="numba")
+
 # ---- generate() through the fused path ------------------------------------------------------------
 def _counting(monkeypatch):
     """Count the kernel calls the fused path makes."""

@@ -159,6 +159,9 @@ def kernel_inputs(q: torch.Tensor, kv: StoreView, rope: Rope, scaling: float,
         raise ValueError(f"{bsz} rows x {hq} query heads x {t} tokens is 2**31 scores or more, past what the "
                          "numba backend addresses in one call; use backend='reference' or a shorter cache")
     a = _arrays(kv)
+    if a.sink_slot.size and a.sink_slot.max() >= t:  # the sink passes write the score of that token: past the end
+        raise ValueError(f"a sink names token {int(a.sink_slot.max())} of a cache of {t} tokens: sink_slot must be "
+                         "below StoreView.tokens (-1: no sink)")
     klut, vlut = _luts(kv)
     positions = a.positions[:t]
     lo, hi = _position_range(positions)
