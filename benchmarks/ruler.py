@@ -27,7 +27,10 @@ Presets (`q4.5`, `q3.5`, `q2.5`: `kvsqueeze.methods.PRESETS`) are chosen for eac
 The run is sample-major (sample 0 at every length of every model, then sample 1, ...) and appends each answer
 to `--answers` as it is made: stopped anywhere, it resumes there, and what it has is balanced over lengths.
 Each answer names its context and question by a digest of their text (`context`), so answers made over another
-haystack, task set or layout are neither resumed from nor paired with this run's.
+haystack, task set or layout are not resumed from; the summary refuses a file in which one question slot
+(model, length, sample, task, item) holds answers over two contexts. Tables hold the questions every method run
+on a model at a length has answered, of the samples every such method has finished (the JSON's config counts
+what waits: `answers_pending`, `samples_partial`, and `missing` methods).
 A context's prefill waits in `--prefills` until every method has answered it, so a run stopped in between
 (a 32K prefill of the 0.5B model takes about 15 minutes) starts from it. `--summarize-only` rebuilds the JSON
 and the plot from the answers file. Each (model, length, sample)'s wall
@@ -115,6 +118,75 @@ def _records(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
+def one_haystack(answers, path: Path) -> None:
+    """Refuse answers of one question slot (model, length, sample, task, item) made over more than one context
+    (another haystack, seed, layout or task set logged to the same file): a sample's questions are paired and
+    clustered together, and two haystacks in one sample would be counted as one."""
+    seen: dict = {}
+    for a in answers:
+        slot = (a.model, a.length, a.sample, a.task, a.item)
+        first = seen.setdefault(slot, a.context)
+        if first != a.context:
+            raise SystemExit(f"{path}: {a.model} at {a.length} tokens, sample {a.sample}, {a.task} #{a.item} was "
+                             f"answered over two contexts ({first or 'no digest'} and {a.context or 'no digest'}): "
+                             "answers of another haystack, layout or task set share the file. Summarize each run "
+                             "from an --answers file of its own")
+
+
+def comparable(answers):
+    """The answers every table compares, and what was left out.
+
+    A question enters once every method run on its model at its length has answered it, and a (model, length,
+    sample) enters once every such method has finished it: none of its questions waits for a method, and it asks
+    every task the length's other samples ask (a sample whose second context no method has started would
+    otherwise enter with fewer tasks than its row claims). Returns (kept, answers pending, [model, length, sample]
+    of the samples left out, [model, length, method] of the methods run on the model but not at that length)."""
+    run_at: dict = {}
+    answered_by: dict = {}
+    for a in answers:
+        run_at.setdefault((a.model, a.length), set()).add(a.method)
+        answered_by.setdefault(a.question, set()).add(a.method)
+    complete = [a for a in answers if answered_by[a.question] == run_at[(a.model, a.length)]]
+    pending = len(answers) - len(complete)
+    waiting = {(a.model, a.length, a.sample) for a in answers
+               if answered_by[a.question] != run_at[(a.model, a.length)]}
+    tasks_at: dict = {}
+    tasks_of: dict = {}
+    for a in complete:
+        tasks_at.setdefault((a.model, a.length), set()).add(a.task)
+        tasks_of.setdefault((a.model, a.length, a.sample), set()).add(a.task)
+    short = {k for k, t in tasks_of.items() if t != tasks_at[k[:2]]}
+    partial = sorted(waiting | short)
+    kept = [a for a in complete if (a.model, a.length, a.sample) not in waiting | short]
+    pending += len(complete) - len(kept)
+    by_model: dict = {}
+    for (model, _), methods in run_at.items():
+        by_model.setdefault(model, set()).update(methods)
+    missing = sorted([model, length, m] for (model, length), methods in run_at.items()
+                     for m in by_model[model] - methods)
+    return kept, pending, [list(p) for p in partial], missing
+
+
+def summary_runs(answers, runs, json_path: Path) -> list[dict]:
+    """The (model, recipe, lengths, layout) of every model the answers hold, in the order of `runs` and then of
+    the file's earlier JSON: a run given only some models (`--run`) still summarizes the others' answers, so their
+    tables stay in the JSON the reports are built from."""
+    lengths: dict = {}
+    for a in answers:
+        lengths.setdefault(a.model, set()).add(a.length)
+    known = {m: {"model": m, "recipe": r, "layout": lay} for m, r, _, lay in runs}
+    if json_path.exists():
+        try:
+            earlier = json.loads(json_path.read_text()).get("config", {}).get("runs", [])
+        except ValueError:
+            earlier = []
+        for r in earlier:
+            known.setdefault(r.get("model"), {k: r.get(k) for k in ("model", "recipe", "layout")})
+    order = [m for m in known if m in lengths] + sorted(m for m in lengths if m not in known)
+    return [{"model": m, "recipe": known.get(m, {}).get("recipe"), "lengths": sorted(lengths[m]),
+             "layout": known.get(m, {}).get("layout")} for m in order]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run", action="append", help="MODEL:RECIPE_DIR:LENGTHS (repeatable; default: both models)")
@@ -198,20 +270,10 @@ def main() -> None:
 
     shown = [n.lower() if n.lower() in PRESETS else preset_for(n, 2048).name for n in names]
     kept = [a for a in log.answers if a.method in shown and a.engine == args.engine and a.task in tasks]
-    # every table compares the methods on the same questions: a question enters once every method run on its model
-    # has answered it (a question of a sample still running waits until the last method has answered it)
-    run_by: dict = {}
-    answered_by: dict = {}
-    for a in kept:
-        run_by.setdefault(a.model, set()).add(a.method)
-        answered_by.setdefault(a.question, set()).add(a.method)
-    pending = sum(1 for a in kept if answered_by[a.question] != run_by[a.model])
-    kept = [a for a in kept if answered_by[a.question] == run_by[a.model]]
+    one_haystack(kept, answers_path)
+    kept, pending, partial, missing = comparable(kept)
     scores = summarize(kept)
     quantized = [a for a in kept if a.method != "fp16"]
-    covered: dict = {}
-    for key in {(a.model, a.method, a.length) for a in kept}:
-        covered[key] = len({a.task for a in kept if (a.model, a.method, a.length) == key})
     timing = _records(timing_path)
     cost: dict = {}
     for t in timing:
@@ -229,20 +291,21 @@ def main() -> None:
             "engine": args.engine, "chunk": args.chunk, "methods": shown,
             "presets": {p: f"{PRESETS[p]}:ctxN at each length N" for p in shown if p in PRESETS},
             "tasks": tasks, "seed": args.seed, "samples_requested": args.samples,
-            "runs": [{"model": m, "recipe": r, "lengths": ls, "layout": lay} for m, r, ls, lay in runs],
+            "runs": summary_runs(kept, runs, Path(args.json)),
             "haystack": "BBC corpus, evaluation part (articles held out from calibration)",
             "scoring": "share of the expected strings in the greedy answer (RULER's string_match_all), x100; "
                        "average = mean over samples of each sample's mean over tasks, ci95 over samples (Student's t "
                        "on their spread); paired: the same over samples (a sample's contexts together), "
                        "see the module docstring",
-            "questions": "those every method run on the model has answered",
+            "questions": "those every method run on the model at that length has answered, of samples every such "
+                         "method has finished",
             "answers_pending": pending,  # answers to questions some method has not answered yet: left out
+            "samples_partial": partial,  # (model, length, sample) some method has not finished: left out whole
+            "missing": missing,  # methods asked for that have no answer at a length of a model: not in its tables
         },
         # an average over fewer tasks than asked (a run stopped inside a length) says how many it covers
         "rows": [{"model": s.model, "method": s.method, "task": s.task, "length": s.length, "samples": s.samples,
-                  "score": s.score, **({"ci95": list(s.ci95)} if s.ci95 else {}),
-                  **({"tasks": n} if s.task == "average" and (n := covered[(s.model, s.method, s.length)]) < len(tasks)
-                     else {})} for s in scores],
+                  "score": s.score, **({"ci95": list(s.ci95)} if s.ci95 else {})} for s in scores],
         "share_of_fp16": ratios(scores),
         # the same questions answered by each method and by fp16: mean difference in points, 95% interval over
         # samples, share of fp16's mean score

@@ -109,3 +109,59 @@ class Reached(Exception):
 
 def _reached(*args, **kwargs):
     raise Reached
+
+
+def _rows(model="m", methods=("fp16", "q3.5"), length=4096, samples=(0,), tasks=("vt",), items=2, context="c",
+          score=1.0):
+    from kvsqueeze.eval.ruler_eval import Answer
+
+    return [Answer(model, method, "dense-prefill", task, length, sample, 7, 100, score, "x", ("x",), item,
+                   f"{context}{sample}{task}{item}")
+            for sample in samples for task in tasks for method in methods for item in range(items)]
+
+
+def test_answers_of_two_haystacks_in_one_question_slot_are_refused(tmp_path, monkeypatch):
+    """A file holding answers over another haystack (or seed, layout, task set) for the same sample: their
+    questions would be clustered and paired with this run's as one sample. The summary stops, naming the slot."""
+    ruler = load_benchmark("ruler")
+    rows = _rows() + _rows(methods=("fp16",), context="other")
+    with pytest.raises(SystemExit, match=r"sample 0, vt #0 was answered over two contexts"):
+        _summarize(ruler, rows, "fp16,q3.5", tmp_path, monkeypatch)
+
+
+def test_a_method_missing_at_one_length_leaves_the_other_lengths_whole(tmp_path, monkeypatch):
+    """A method run at 4K only: the 8K questions every other method answered still make the 8K tables (before,
+    the whole length dropped out), and the JSON names what is missing."""
+    ruler = load_benchmark("ruler")
+    rows = _rows(methods=("fp16", "q3.5", "int4")) + _rows(methods=("fp16", "q3.5"), length=8192)
+    data = _summarize(ruler, rows, "fp16,q3.5,int4", tmp_path, monkeypatch)
+    assert {(r["method"], r["length"]) for r in data["paired"]} == {("q3.5", 4096), ("int4", 4096), ("q3.5", 8192)}
+    assert data["config"]["missing"] == [["m", 8192, "int4"]]
+    assert data["config"]["runs"] == [{"model": "m", "recipe": "recipe", "lengths": [4096, 8192], "layout": "many"}]
+
+
+def test_a_sample_no_method_has_finished_stays_out_whole(tmp_path, monkeypatch):
+    """Sample 1's second context (cwe) not started by any method: its other questions, answered by every method,
+    would give it an average over fewer tasks than the row claims. It waits, named in `samples_partial`."""
+    ruler = load_benchmark("ruler")
+    rows = _rows(samples=(0,), tasks=("vt", "cwe")) + _rows(samples=(1,), tasks=("vt",), score=0.0)
+    data = _summarize(ruler, rows, "fp16,q3.5", tmp_path, monkeypatch)
+    assert data["config"]["samples_partial"] == [["m", 4096, 1]]
+    assert data["config"]["answers_pending"] == 4
+    average = {r["method"]: (r["score"], r["samples"]) for r in data["rows"] if r["task"] == "average"}
+    assert average == {"fp16": (100.0, 1), "q3.5": (100.0, 1)}
+
+
+def test_a_run_of_one_model_keeps_the_other_models_tables(tmp_path, monkeypatch):
+    """`--run` names one model (a long run of the 32K model alone), the file holds two: the JSON's runs, which
+    the reports build their tables from, list both, each with the recipe and layout it was last summarized with."""
+    ruler = load_benchmark("ruler")
+    out = tmp_path / "ruler.json"
+    out.write_text(json.dumps({"config": {"runs": [{"model": "other", "recipe": "theirs", "lengths": [4096],
+                                                     "layout": "many"}]}}))
+    rows = _rows() + _rows(model="other", length=8192)
+    data = _summarize(ruler, rows, "fp16,q3.5", tmp_path, monkeypatch)
+    assert data["config"]["runs"] == [
+        {"model": "m", "recipe": "recipe", "lengths": [4096], "layout": "many"},
+        {"model": "other", "recipe": "theirs", "lengths": [8192], "layout": "many"}]
+    assert {r["model"] for r in data["paired"]} == {"m", "other"}
