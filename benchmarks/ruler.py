@@ -133,6 +133,21 @@ def one_haystack(answers, path: Path) -> None:
                              "from an --answers file of its own")
 
 
+def one_method_each(answers, path: Path) -> None:
+    """Refuse a method label whose answers at one length came from two methods (a preset resolved otherwise),
+    or from two recipes, or a model answered in two dtypes: they would be one cell's answers under one name.
+    Answers of older logs name none of them and pass."""
+    seen: dict = {}
+    for a in answers:
+        for field, cell in (("spec", (a.model, a.method, a.length)), ("recipe", (a.model, a.method, a.length)),
+                            ("dtype", (a.model,))):
+            value = getattr(a, field)
+            if value and seen.setdefault((field, cell), value) != value:
+                raise SystemExit(f"{path}: {' '.join(map(str, cell))} holds answers of two {field}s "
+                                 f"({seen[(field, cell)]} and {value}): they would count as one cell. Summarize "
+                                 "each from an --answers file of its own")
+
+
 def comparable(answers):
     """The answers every table compares, and what was left out.
 
@@ -236,11 +251,17 @@ def main() -> None:
         for model_name, recipe_dir, _, _ in runs:  # every recipe checked before any model is loaded
             recipes[model_name] = Recipe.load(recipe_dir)
             same_recipe(recipe_dir, recipes[model_name].meta.get("tensors_sha256"),
-                        (r.get("recipe_sha256") for r in earlier if r.get("model") == model_name),
-                        f"the answers in {timing_path.parent} were made with (named in {timing_path.name})",
+                        [*(r.get("recipe_sha256") for r in earlier if r.get("model") == model_name),
+                         *(a.recipe for a in log.answers if a.model == model_name)],
+                        f"the answers in {answers_path} were made with (named in it or in {timing_path.name})",
                         "Run with that recipe, or with --answers of a new file for this one "
                         "(experiments/ruler_recipe_check.py tells whether a recipe calibrated again answers as the "
                         "logged one did)", f"{model_name}: ")
+            other = sorted({a.dtype for a in log.answers if a.model == model_name and a.dtype} - {args.dtype})
+            if other:
+                raise SystemExit(f"{model_name}: the answers in {answers_path} were made in {', '.join(other)}, this "
+                                 f"run would answer in {args.dtype}: run in that dtype, or with --answers of a new "
+                                 "file")
         loaded = {}
         for model_name, recipe_dir, lengths, layout in runs:
             model, tok = load_model(model_name, args.dtype, args.device)
@@ -271,6 +292,7 @@ def main() -> None:
     shown = [n.lower() if n.lower() in PRESETS else preset_for(n, 2048).name for n in names]
     kept = [a for a in log.answers if a.method in shown and a.engine == args.engine and a.task in tasks]
     one_haystack(kept, answers_path)
+    one_method_each(kept, answers_path)
     kept, pending, partial, missing = comparable(kept)
     scores = summarize(kept)
     quantized = [a for a in kept if a.method != "fp16"]

@@ -165,3 +165,20 @@ def test_a_run_of_one_model_keeps_the_other_models_tables(tmp_path, monkeypatch)
         {"model": "m", "recipe": "recipe", "lengths": [4096], "layout": "many"},
         {"model": "other", "recipe": "theirs", "lengths": [8192], "layout": "many"}]
     assert {r["model"] for r in data["paired"]} == {"m", "other"}
+
+
+def test_a_label_whose_answers_came_from_two_methods_or_recipes_is_refused(tmp_path, monkeypatch):
+    """A preset resolved to another budget part way through a campaign, or a recipe calibrated again: the
+    label's answers at one length came from two methods, and the summary stops naming the cell."""
+    from dataclasses import replace
+
+    ruler = load_benchmark("ruler")
+    rows = [replace(a, spec="nuq@3.5:r32:chan:ctx4k" if a.item else "nuq@3.49:r32:chan:ctx4k")
+            if a.method == "q3.5" else a for a in _rows()]
+    with pytest.raises(SystemExit, match=r"m q3.5 4096 holds answers of two specs"):
+        _summarize(ruler, rows, "fp16,q3.5", tmp_path, monkeypatch)
+    rows = [replace(a, recipe="aa" if a.item else "bb") if a.method == "q3.5" else a for a in _rows()]
+    with pytest.raises(SystemExit, match=r"two recipes"):
+        _summarize(ruler, rows, "fp16,q3.5", tmp_path, monkeypatch)
+    rows = [replace(a, spec="nuq@3.5:r32:chan:ctx4k", recipe="aa", dtype="float32") for a in _rows()]
+    assert _summarize(ruler, rows, "fp16,q3.5", tmp_path, monkeypatch)["paired"]

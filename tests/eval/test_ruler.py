@@ -544,3 +544,17 @@ def test_paired_questions_are_told_apart_by_item():
     (p,) = paired(rows)
     assert p.questions == 2 and p.diff == 0.0 and p.reference_right == 1 and p.on_reference_right == 0.0
     assert len({a.key for a in rows}) == 4
+
+
+def test_answers_name_the_method_recipe_and_dtype_they_came_from(tiny_setup, tiny_recipe_dir):
+    """Each answer row names the method its label resolved to, the recipe digest where the method reads one and
+    the model's dtype, so a summary can refuse a cell whose answers came from two of any."""
+    from kvsqueeze.recipe import Recipe
+
+    model, tok, _, contexts = tiny_setup
+    recipe = Recipe.load(tiny_recipe_dir)  # a saved recipe: its digest is that of its tensors' bytes
+    answers = _run((model, tok, recipe, contexts), "fp16,nuq3-1%", "chunked")
+    by = {a.method: a for a in answers}
+    assert by["nuq3-1%"].spec == "nuq3-1%" and by["nuq3-1%"].recipe == recipe.meta["tensors_sha256"] != ""
+    assert by["fp16"].recipe == ""  # fp16 reads no recipe: its answers pair with any recipe's
+    assert {a.dtype for a in answers} == {"float32"}

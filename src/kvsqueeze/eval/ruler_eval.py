@@ -48,7 +48,7 @@ import torch
 
 from ..integrations.prefill import DensePrefill, check_full_attention, compressed, dense_prefill, filled_cache
 from ..integrations.simulate import SimulatedQuantization
-from ..methods import MethodSpec
+from ..methods import MethodSpec, needs_recipe
 from ..recipe import Recipe
 from .ruler import TASKS, Context, Question, question_digest, score_answer
 from .skinny import skinny_linears
@@ -74,6 +74,9 @@ class Answer:
     expected: tuple[str, ...]
     item: int = 0  # which of the context's questions of this task (`Question.item`)
     context: str = ""  # `ruler.question_digest` of its context and question ("" in logs from before it)
+    spec: str = ""  # the method the label resolved to (a preset's budget at this length; "" in older logs)
+    recipe: str = ""  # the recipe's `tensors_sha256` where the method reads one ("" where it does not, or older)
+    dtype: str = ""  # the model's dtype ("" in older logs)
 
     @property
     def key(self) -> tuple:
@@ -320,6 +323,8 @@ def ruler_eval(model, tok, specs: Sequence[MethodSpec], contexts: Sequence[Conte
                              f"{limit}")
 
     labels = labels or {}
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    digest = str(recipe.meta.get("tensors_sha256") or "") if recipe is not None else ""
 
     def label(spec) -> str:
         return labels.get(spec.name, spec.name)
@@ -340,6 +345,7 @@ def ruler_eval(model, tok, specs: Sequence[MethodSpec], contexts: Sequence[Conte
             stored = None
             if engine == "dense-prefill" and prefill_store is not None:
                 tag = f"{name.replace('/', '_')}.{c.kind}.{c.length}.{c.sample}.{c.seed}.{chunk}"
+                tag += "" if dtype == "float32" else f".{dtype}"  # a prefill of another dtype is another prefill
                 stored = Path(prefill_store) / f"{tag}.safetensors"
             prefill = _prefill(model, ids, chunk, hint, stored) if engine == "dense-prefill" else None
             bar.set_postfix_str(f"{c.kind} @ {c.length}, sample {c.sample} (prefill {time.perf_counter() - t0:.0f}s)")
@@ -355,7 +361,8 @@ def ruler_eval(model, tok, specs: Sequence[MethodSpec], contexts: Sequence[Conte
                             for (q, _), text in zip(group, texts):
                                 log.add(Answer(name, label(spec), engine, q.task, c.length, c.sample, c.seed,
                                                ids.shape[1] + q_ids.shape[1], score_answer(text, q.answers), text,
-                                               q.answers, q.item, question_digest(c, q)))
+                                               q.answers, q.item, question_digest(c, q), spec.name,
+                                               digest if needs_recipe(spec) else "", dtype))
                             bar.update(len(group))
                     finally:
                         m.close(cache)
