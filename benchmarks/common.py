@@ -27,6 +27,7 @@ import platform
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -222,6 +223,31 @@ def decode_step(method: str, recipe, q, k1, v1, rope: Rope, scaling: float, toke
 
 
 # ---- memory ------------------------------------------------------------------------------------------
+def read_records(path: Path) -> list[dict]:
+    """The JSON records of a file written one line per record (none where it is missing). A last line cut short
+    (a run killed while appending) is dropped from the file with a warning, so the next append starts a whole
+    line; a bad line elsewhere stops with its line number."""
+    path = Path(path)
+    if not path.is_file():
+        return []
+    text = path.read_text()
+    lines = text.splitlines()
+    out = []
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            out.append(json.loads(line))
+        except ValueError:
+            if n == len(lines) and not text.endswith("\n"):
+                print(f"warning: {path}:{n} was cut short (a run stopped while appending it): dropped",
+                      file=sys.stderr)
+                path.write_text(text[:len(text) - len(line)])
+                break
+            raise SystemExit(f"{path}:{n} is not a JSON record; remove that line or give another file") from None
+    return out
+
+
 def same_recipe(recipe_dir, digest: str | None, named, measured: str, fix: str, who: str = "") -> None:
     """Refuse, before any model loads, a recipe whose content digest (`tensors_sha256`) is not among those the
     run's earlier results name (`named`; results made before they named one say nothing): its results would join

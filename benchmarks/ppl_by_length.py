@@ -10,8 +10,9 @@ of that length spread evenly over it (32 windows of 2K, 2 of 32K; measured in an
 halves the largest gap, so a stopped run covers the whole text), each one teacher-forced through every method's
 simulated cache (keys and values quantized as the method stores them; presets resolve for the window's length)
 and scored segment by segment against the fp16 cache on the same window (`kvsqueeze.eval.long_ppl`): PPL, its
-change with a paired 95% interval over `--segment`-token blocks, KL divergence, top-1, and the average bits the
-cache holds at that length, every component counted.
+change with a paired 95% interval (over the windows where a length has several, each window one cluster; over
+one window's `--segment`-token blocks where it has one, which says how that one text varies, not how texts
+vary), KL divergence, top-1, and the average bits the cache holds at that length, every component counted.
 
 One check against the engine users run: on the first window of `--check-length`, each of `--check-methods` is
 also run through the compressed cache (`cache_for`, the store `generate` uses) and its per-token NLL compared
@@ -39,14 +40,15 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, same_recipe  # noqa: E402
+from common import machine, read_records, same_recipe  # noqa: E402
 
 METHODS = "fp16,nuq3-1%,q4.5,q3.5,q2.5,kivi2"
 
 
 def aggregate(records: list[dict], methods: list[str], lengths: list[int]) -> list[dict]:
-    """Per (method, length): PPL over its windows, the change against fp16 with the paired interval over
-    segments, mean KL divergence, top-1 and average held bits. At each length every method is taken over the
+    """Per (method, length): PPL over its windows, the change against fp16 with its paired interval (over
+    windows where there are several, over one window's segments where there is one: `ci95_over`), mean KL
+    divergence, top-1 and average held bits. At each length every method is taken over the
     same windows, those every method measured there has (fp16 among them), so that two rows of a length compare
     methods on the same text; `methods` come first, then any other the records hold."""
     import torch
@@ -65,17 +67,24 @@ def aggregate(records: list[dict], methods: list[str], lengths: list[int]) -> li
                 continue
             mine = [at[(method, w)] for w in windows]
             base = [at[("fp16", w)] for w in windows]
-            nll = torch.tensor([x for r in mine for x in r["nll"]], dtype=torch.float64)
-            ref = torch.tensor([x for r in base for x in r["nll"]], dtype=torch.float64)
-            tok = torch.tensor([x for r in mine for x in r["tokens"]], dtype=torch.float64)
+            if len(windows) > 1:  # a window's segments share its text and cache: the windows are the clusters
+                over = "windows"
+                nll, ref, tok = (torch.tensor([sum(r[k]) for r in rs], dtype=torch.float64)
+                                 for rs, k in ((mine, "nll"), (base, "nll"), (mine, "tokens")))
+            else:  # one window: its segments, an interval about that one text only
+                over = "segments of one window"
+                nll, ref, tok = (torch.tensor(rs[0][k], dtype=torch.float64)
+                                 for rs, k in ((mine, "nll"), (base, "nll"), (mine, "tokens")))
             count = float(tok.sum())
             ppl, ppl_ref = math.exp(float(nll.sum()) / count), math.exp(float(ref.sum()) / count)
-            ci = None if method == "fp16" else paired_interval(nll, ref, tok)
+            paired = method != "fp16" and nll.shape == ref.shape  # segments of another --segment do not pair
+            ci = paired_interval(nll, ref, tok) if paired else None
             rows.append({"method": method, "resolved": mine[0]["resolved"], "length": length, "windows": len(windows),
                          "tokens": int(count), "avg_bits": round(sum(r["held_bits"] for r in mine)
                                                                  / sum(r["elements"] for r in mine), 4),
                          "ppl": round(ppl, 4), "delta_pct": round(100 * (ppl / ppl_ref - 1), 3),
                          "ci95": None if ci is None else [round(x, 3) for x in ci],
+                         **({"ci95_over": over} if ci is not None else {}),
                          "kld_mean": round(sum(r["kld_sum"] for r in mine) / count, 5),
                          "top1": round(sum(r["top1"] for r in mine) / count, 4)})
     return rows
@@ -159,7 +168,11 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.json)
     log = out.with_name(out.stem + "_windows.jsonl")
-    records = [json.loads(line) for line in log.read_text().splitlines() if line.strip()] if log.is_file() else []
+    records = read_records(log)
+    segments = {r["segment"] for r in records if "segment" in r} - {args.segment}
+    if segments:
+        raise SystemExit(f"the windows in {log} were scored in segments of {sorted(segments)} tokens, this run asks "
+                         f"for --segment {args.segment}: run with that, or with another --json")
     done = {(r["length"], r["window"], r["method"]) for r in records}
     recipe = Recipe.load(args.recipe)
     digest = recipe.meta.get("tensors_sha256")
@@ -237,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
                 seconds = (time.perf_counter() - t1) + (ref_s if method == "fp16" else 0.0)
                 rec = {"length": length, "window": w, "method": method, "resolved": spec.name,
                        "seconds": round(seconds, 1), "recipe_sha256": digest, "text": args.text,
-                       "ids_sha256": ids_sha, "machine": here, **score.as_dict()}
+                       "ids_sha256": ids_sha, "machine": here, "segment": args.segment, **score.as_dict()}
                 records.append(rec)
                 done.add((length, w, method))
                 with log.open("a") as f:

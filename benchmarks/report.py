@@ -554,7 +554,9 @@ def headline_compare(results: Path) -> str:
             continue
         counts = sorted({r["windows"] for r in pair})
         windows = "–".join(map(str, counts)) + f" {by_len['text'].upper()} window" + ("" if counts == [1] else "s")
-        how = "" if n == 2048 else f" (interval over {by_len['segment'] // 1024}K-token segments)"
+        over = {r.get("ci95_over", "segments") for r in pair if r["ci95"]}  # JSONs before it: over segments
+        how = (f" (interval over {by_len['segment'] // 1024}K-token segments of one window)"
+               if over & {"segments", "segments of one window"} else "")
         out.append(f"| {_short(by_len['model'])}, PPL at {n // 1024}K, {windows}{how} | "
                    + " | ".join(_pct(r["delta_pct"], r["ci95"]) for r in pair) + " | ppl_by_length.json |")
     worst = {(r["model"], r["method"]): r for r in transfer["summary"] if r["calib_text"] == "bbc"}

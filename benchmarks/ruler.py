@@ -69,7 +69,7 @@ from kvsqueeze.eval.texts import load_text
 from kvsqueeze.methods import PRESETS, parse_methods, preset_for
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import machine, same_recipe  # noqa: E402
+from common import machine, read_records, same_recipe  # noqa: E402
 
 METHODS = "fp16,nuq3-1%,q4.5,q3.5,q2.5,kivi2,turbo3:split,int4"
 KVQUANT = "nuq3-1%"  # KVQuant's headline rung: every method is also paired with it on the same questions
@@ -111,11 +111,6 @@ def _paired_row(p) -> dict:
     return {"model": p.model, "method": p.method, "length": p.length or "all", "questions": p.questions,
             "score": p.score, "reference_score": p.reference_score, "diff": p.diff, "ci95": _ci(p.ci95),
             "contexts": p.contexts, "samples": p.samples}
-
-
-def _records(path: Path) -> list[dict]:
-    """The timing records beside the answers (one JSON object a line), none where the file is missing."""
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def one_haystack(answers, path: Path) -> None:
@@ -246,7 +241,7 @@ def main() -> None:
         from kvsqueeze.recipe import Recipe
 
         haystack = load_text("bbc").evaluation
-        earlier = _records(timing_path)
+        earlier = read_records(timing_path)
         recipes = {}
         for model_name, recipe_dir, _, _ in runs:  # every recipe checked before any model is loaded
             recipes[model_name] = Recipe.load(recipe_dir)
@@ -296,7 +291,7 @@ def main() -> None:
     kept, pending, partial, missing = comparable(kept)
     scores = summarize(kept)
     quantized = [a for a in kept if a.method != "fp16"]
-    timing = _records(timing_path)
+    timing = read_records(timing_path)
     cost: dict = {}
     for t in timing:
         c = cost.setdefault(t["model"], {}).setdefault(str(t["length"]), {"seconds": 0.0, "answers": 0})

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -72,13 +73,14 @@ def cell_key(row: dict) -> tuple:
 
 
 def load_rows(path: Path, settings: dict) -> list[dict]:
-    """Rows of an earlier run with the same windows, length and methods (others are dropped, with a note)."""
+    """Rows of an earlier run with the same windows, length and methods; a file of other settings is refused
+    (its cells would be written over by this run's, every model's)."""
     if not path.is_file():
         return []
     old = json.loads(path.read_text())
     if old.get("settings") != settings:
-        print(f"{path} was measured with other settings ({old.get('settings')}); starting again", flush=True)
-        return []
+        raise SystemExit(f"{path} was measured with other settings ({old.get('settings')}) than this run's "
+                         f"({settings}): run with those, or with --json of a new file")
     return old["rows"]
 
 
@@ -225,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
         result["machine"] = "; ".join(sorted({c["machine"] for c in result["cells"].values() if c.get("machine")})) \
             or machine()  # every machine a cell was measured on (each cell names its own)
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")  # two runs never share one temporary file
         tmp.write_text(json.dumps(result, indent=1) + "\n")
         tmp.replace(path)  # never half-written
 
@@ -266,8 +268,10 @@ def main(argv: list[str] | None = None) -> int:
                                  "avg_bits": round(r.avg_bits, 4), "ppl": round(r.ppl, 4),
                                  "delta_pct": round(delta, 3),
                                  "ci95": None if r.ci95 is None else [round(x, 3) for x in r.ci95],
+                                 **({"ci95_over": "windows (Student's t)"} if r.ci95 is not None else {}),
                                  "kld_mean": round(r.kld_mean, 5), "top1": round(r.top1, 4),
-                                 "tokens": r.tokens, "windows": cell["windows"]})
+                                 "tokens": r.tokens, "windows": cell["windows"],
+                                 "window_nll": [round(x, 4) for x in r.window_nll]})
                 for name, why in cell.get("refused", {}).items():
                     rows.append({"model": model_name, "calib_text": calib, "eval_text": evaluated, "method": name,
                                  "resolved": preset_for(name, args.seqlen).name,

@@ -114,3 +114,50 @@ def test_each_length_names_the_machines_its_windows_were_measured_on():
     with pytest.raises(SystemExit, match="names no machine"):
         pbl.machines_by_length([{"length": 2048, "window": 1, "method": "fp16"}])
 
+
+
+def test_the_interval_is_over_windows_where_a_length_has_several():
+    """A window's segments share its text and its cache: with several windows the interval takes each window as
+    one cluster (its segments summed), with one window its segments, and each row says which."""
+    import torch
+
+    from kvsqueeze.eval.perplexity import paired_interval
+
+    pbl = _load()
+    records = [_rec("fp16", w, [2.0, 2.0]) for w in range(3)]
+    records += [_rec("q3.5", w, [2.0 + d, 2.0 + 2 * d]) for w, d in enumerate((0.1, 0.3, 0.2))]
+    (q,) = [r for r in pbl.aggregate(records, ["fp16", "q3.5"], [4]) if r["method"] == "q3.5"]
+    want = paired_interval(torch.tensor([4.3, 4.9, 4.6], dtype=torch.float64), torch.tensor([4.0] * 3),
+                           torch.tensor([4.0] * 3))
+    assert q["ci95_over"] == "windows" and q["ci95"] == [round(x, 3) for x in want]
+    (one,) = [r for r in pbl.aggregate(records[:1] + records[3:4], ["fp16", "q3.5"], [4]) if r["method"] == "q3.5"]
+    assert one["windows"] == 1 and one["ci95_over"] == "segments of one window"
+
+
+def test_a_run_in_segments_other_than_the_records_is_refused_before_loading(tiny_recipe, tmp_path, monkeypatch):
+    """Records scored in 1,024-token segments and a run asking for 512: one window's segments would not pair."""
+    import json
+
+    pbl = _load()
+    recipe_dir = tiny_recipe.save(tmp_path / "recipe")
+    digest = json.loads((recipe_dir / "recipe.json").read_text())["tensors_sha256"]
+    (tmp_path / "p_windows.jsonl").write_text(
+        json.dumps({**_rec("fp16", 0, [2.0]), "recipe_sha256": digest, "segment": 1024}) + "\n")
+    with pytest.raises(SystemExit, match=r"segments of \[1024\] tokens, this run asks for --segment 512"):
+        pbl.main(["--model", "no-such-model", "--recipe", str(recipe_dir), "--lengths", "64", "--tokens", "64",
+                  "--segment", "512", "--json", str(tmp_path / "p.json")])
+
+
+def test_a_record_cut_short_at_the_end_is_dropped_and_one_elsewhere_refused(tmp_path, capsys):
+    """A run killed while appending leaves half a line: it is dropped from the file (the next append then starts a
+    whole line) with a warning; a bad line before the last stops with its number."""
+    from common import read_records
+
+    log = tmp_path / "w.jsonl"
+    log.write_text('{"a": 1}\n{"a": 2}\n{"a": 3, "b"')
+    assert read_records(log) == [{"a": 1}, {"a": 2}]
+    assert log.read_text() == '{"a": 1}\n{"a": 2}\n' and "cut short" in capsys.readouterr().err
+    log.write_text('{"a": 1}\n{"a": \n{"a": 3}\n')
+    with pytest.raises(SystemExit, match=r"w.jsonl:2 is not a JSON record"):
+        read_records(log)
+    assert read_records(tmp_path / "none.jsonl") == []

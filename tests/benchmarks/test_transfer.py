@@ -41,13 +41,16 @@ def test_summary_takes_the_worst_text_and_the_out_of_domain_ratio():
     assert mix["out_over_in"] == 3.0
 
 
-def test_rows_of_other_settings_are_not_resumed(tmp_path):
+def test_a_file_of_other_settings_is_refused_not_written_over(tmp_path):
+    """Rows of other windows, length or methods are not resumed, and the run stops instead of replacing the
+    file (every model's cells) with its own."""
     tr = _load()
     p = tmp_path / "t.json"
     settings = {"windows": 8, "seqlen": 2048, "methods": ["fp16", "q3.5"]}
     p.write_text(json.dumps({"settings": settings, "rows": [_row("bbc", "bbc", "q3.5", 1.0)]}))
     assert len(tr.load_rows(p, settings)) == 1
-    assert tr.load_rows(p, {**settings, "windows": 4}) == []
+    with pytest.raises(SystemExit, match="measured with other settings"):
+        tr.load_rows(p, {**settings, "windows": 4})
     assert tr.load_rows(tmp_path / "missing.json", settings) == []
 
 

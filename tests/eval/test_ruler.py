@@ -558,3 +558,18 @@ def test_answers_name_the_method_recipe_and_dtype_they_came_from(tiny_setup, tin
     assert by["nuq3-1%"].spec == "nuq3-1%" and by["nuq3-1%"].recipe == recipe.meta["tensors_sha256"] != ""
     assert by["fp16"].recipe == ""  # fp16 reads no recipe: its answers pair with any recipe's
     assert {a.dtype for a in answers} == {"float32"}
+
+
+def test_an_answer_row_cut_short_at_the_end_is_dropped_and_asked_again(tmp_path):
+    """A run stopped while appending an answer: the half line is dropped with a warning (its question is asked
+    again), where before the file could not be read until edited by hand."""
+    from kvsqueeze.eval.ruler_eval import Answer, AnswerLog
+
+    path = tmp_path / "a.jsonl"
+    log = AnswerLog(path)
+    log.add(Answer("m", "fp16", "dense-prefill", "vt", 4096, 0, 7, 100, 1.0, "x", ("x",)))
+    whole = path.read_text()
+    path.write_text(whole + whole[:40])
+    with pytest.warns(UserWarning, match="cut short"):
+        again = AnswerLog(path)
+    assert len(again.answers) == 1 and path.read_text() == whole

@@ -382,3 +382,21 @@ def test_paired_interval_covers_the_change_and_narrows_with_agreeing_windows():
     change = 100 * math.expm1(8.0 / 200)
     assert lo < change < hi
     assert paired_interval(base[:1], base[:1], tokens[:1]) is None
+
+
+@pytest.mark.parametrize("windows", [3, 5, 8])
+def test_paired_interval_covers_the_true_change_95_times_in_100(windows):
+    """Windows whose NLL differences vary from window to window (as a text's windows do): over 2,000 draws the
+    95% interval holds the true change 93-97% of the time at the 3-8 windows tables are measured on (a
+    percentile bootstrap over windows held it about 75% of the time at three and 82% at five)."""
+    from kvsqueeze.eval.perplexity import paired_interval
+
+    g = torch.Generator().manual_seed(windows)
+    tokens = torch.full((windows,), 2047)
+    true_per_token = 0.02
+    truth = 100 * math.expm1(true_per_token)
+    draws = 2000
+    diff = (true_per_token + 0.01 * torch.randn(draws, windows, generator=g, dtype=torch.float64)) * 2047
+    base = torch.full((windows,), 3.0 * 2047, dtype=torch.float64)
+    held = sum(lo <= truth <= hi for lo, hi in (paired_interval(base + d, base, tokens) for d in diff))
+    assert 0.93 <= held / draws <= 0.97

@@ -5,7 +5,7 @@ Each window is one teacher-forced forward pass through a fresh cache, so every
 key and value is quantized the way the method stores it, and the average bits
 count what the cache would hold at the end of the window (with the outliers
 actually kept). Against the fp16 method on the same windows: the PPL change
-with a paired bootstrap 95% interval over windows, the mean and 99th-percentile
+with a paired 95% interval over windows (`paired_interval`), the mean and 99th-percentile
 KL divergence per token and the top-1 agreement (llama.cpp's perplexity tool
 reports the same three).
 """
@@ -24,11 +24,8 @@ from tqdm.auto import tqdm
 from ..integrations.simulate import SimulatedQuantization
 from ..methods import MethodSpec, is_unquantized, parse_method
 from ..recipe import Recipe
+from .stats import cluster_interval
 from .tables import text_table
-
-
-BOOTSTRAP = 2000  # paired resamples of the windows behind each interval
-Z_LEVEL = 0.95
 
 
 @dataclass(frozen=True)
@@ -39,7 +36,7 @@ class PplRow:
     against the fp16 method's next-token distribution on the same windows, as llama.cpp's perplexity tool
     reports them: kld_mean, kld_p99 (mean and 99th percentile of the per-token KL divergence, nats) and top1
     (the share of tokens whose most likely next token is fp16's). ci95: a 95% interval of the PPL change against
-    fp16 in percent, from a paired bootstrap over the windows (None for fp16 itself, or with a single window).
+    fp16 in percent, paired over the windows (`paired_interval`; None for fp16 itself, or with a single window).
     window_nll: the summed NLL of each window.
     """
 
@@ -88,36 +85,19 @@ def window_nll(model, ids: torch.Tensor, sim: SimulatedQuantization) -> tuple[fl
     return float(-logp.gather(2, target[..., None]).sum()), int(target.numel())
 
 
-def _window_bootstrap(sums: torch.Tensor, tokens: torch.Tensor, resamples: int, seed: int) -> torch.Tensor | None:
-    """Per-token means of `sums` over windows resampled with replacement [resamples] (float64), each resample
-    summing its windows' `sums` over their `tokens`; None with one window."""
-    w = sums.numel()
-    if w < 2:
-        return None
-    g = torch.Generator().manual_seed(seed)
-    idx = torch.randint(0, w, (resamples, w), generator=g)
-    return sums.double()[idx].sum(1) / tokens.double()[idx].sum(1)
+def paired_interval(nll: torch.Tensor, base: torch.Tensor, tokens: torch.Tensor) -> tuple[float, float] | None:
+    """95% interval of 100 * (PPL / PPL_base - 1) over the windows, the same windows for both (nll, base: summed
+    NLL per window; tokens: predicted tokens per window): the interval of the per-token NLL difference with each
+    window one cluster (`stats.cluster_interval`: Student's t on windows - 1 degrees of freedom, a window's tokens
+    sharing its text and its cache), mapped through 100 * expm1. None with one window."""
+    ci = cluster_interval((nll.double() - base.double()).tolist(), tokens.double().tolist())
+    return None if ci is None else (100 * math.expm1(ci[0]), 100 * math.expm1(ci[1]))
 
 
-def _central(x: torch.Tensor) -> tuple[float, float]:
-    lo, hi = torch.quantile(x, torch.tensor([(1 - Z_LEVEL) / 2, (1 + Z_LEVEL) / 2], dtype=torch.float64))
-    return float(lo), float(hi)
-
-
-def paired_interval(nll: torch.Tensor, base: torch.Tensor, tokens: torch.Tensor, resamples: int = BOOTSTRAP,
-                    seed: int = 0) -> tuple[float, float] | None:
-    """95% interval of 100 * (PPL / PPL_base - 1) over windows resampled with replacement, the same windows for
-    both (nll, base: summed NLL per window; tokens: predicted tokens per window). None with one window."""
-    diff = _window_bootstrap(nll.double() - base.double(), tokens, resamples, seed)
-    return None if diff is None else _central(100 * torch.expm1(diff))
-
-
-def mean_interval(sums: torch.Tensor, tokens: torch.Tensor, resamples: int = BOOTSTRAP,
-                  seed: int = 0) -> tuple[float, float] | None:
+def mean_interval(sums: torch.Tensor, tokens: torch.Tensor) -> tuple[float, float] | None:
     """95% interval of a per-token mean (e.g. KL divergence: summed per window in `sums`, over `tokens` per
-    window) over windows resampled as `paired_interval` resamples them. None with one window."""
-    mean = _window_bootstrap(sums, tokens, resamples, seed)
-    return None if mean is None else _central(mean)
+    window), each window one cluster as in `paired_interval`. None with one window."""
+    return cluster_interval(sums.double().tolist(), tokens.double().tolist())
 
 
 def against_reference(ref: torch.Tensor, ref_top: torch.Tensor, logp: torch.Tensor,

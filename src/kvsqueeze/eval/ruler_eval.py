@@ -40,6 +40,7 @@ import copy
 import json
 import math
 import time
+import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,6 +53,7 @@ from ..methods import MethodSpec, needs_recipe
 from ..recipe import Recipe
 from .ruler import TASKS, Context, Question, question_digest, score_answer
 from .skinny import skinny_linears
+from .stats import cluster_interval, t975  # noqa: F401  (t975: where it was first defined)
 from .tables import text_table
 
 ENGINES = ("dense-prefill", "chunked", "sim")
@@ -97,13 +99,20 @@ class AnswerLog:
         self.answers: list[Answer] = []
         self._keys: set[tuple] = set()
         if self.path is not None and self.path.exists():
-            for n, line in enumerate(self.path.read_text().splitlines(), 1):
+            text = self.path.read_text()
+            lines = text.splitlines()
+            for n, line in enumerate(lines, 1):
                 if not line.strip():
                     continue
                 try:
                     row = json.loads(line)
                     ans = Answer(**{**row, "expected": tuple(row["expected"])})
                 except (ValueError, TypeError, KeyError) as exc:
+                    if n == len(lines) and not text.endswith("\n"):  # cut short by a run stopped while appending
+                        warnings.warn(f"{self.path}:{n} was cut short (a run stopped while appending it): dropped, "
+                                      "its question is asked again", stacklevel=2)
+                        self.path.write_text(text[:len(text) - len(line)])
+                        break
                     raise ValueError(f"{self.path}:{n} is not an answer row of this suite ({exc}); give another "
                                      "--answers file or remove that line") from exc
                 self._remember(ans)
@@ -392,36 +401,6 @@ class Score:
     samples: int
     score: float
     ci95: tuple[float, float] | None = None  # "average" rows: over samples (`cluster_interval`)
-
-
-# Student's t, 97.5th percentile, by degrees of freedom (beyond the table: its expansion in 1 / df)
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
-         2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
-
-
-def t975(df: int) -> float:
-    """Student's t quantile 0.975 with `df` degrees of freedom (df >= 1)."""
-    if df <= len(_T975):
-        return _T975[df - 1]
-    z = 1.959964
-    return z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
-
-
-def cluster_interval(sums: Sequence[float], counts: Sequence[int], lo: float = -math.inf,
-                     hi: float = math.inf) -> tuple[float, float] | None:
-    """95% interval of sum(sums) / sum(counts), a mean over questions drawn in clusters (cluster i: its values'
-    sum and count), from the clusters' spread: the cluster-robust standard error of a ratio, with Student's t on
-    clusters - 1 degrees of freedom, clipped to [lo, hi]. With few clusters a percentile bootstrap over them is
-    far narrower than their spread warrants (over three clusters it spans little more than their range); t is
-    not. None for fewer than two clusters."""
-    n = len(sums)
-    if n < 2:
-        return None
-    total = sum(counts)
-    mean = sum(sums) / total
-    var = n / (n - 1) * sum((s - mean * k) ** 2 for s, k in zip(sums, counts)) / total**2
-    half = t975(n - 1) * math.sqrt(var)
-    return max(lo, mean - half), min(hi, mean + half)
 
 
 def summarize(answers: Sequence[Answer]) -> list[Score]:
