@@ -95,7 +95,7 @@ def window_bytes(window: int, layers: int, channels: int, block_size: int, pages
     from kvsqueeze.serving.settings import window_page_tokens
 
     entry = layers * 2 * channels * 2
-    tokens = window_page_tokens(block_size)
+    tokens = window_page_tokens(block_size, round(pages_per_block), entry)
     page = tokens * entry
     block = max(round(pages_per_block), page)
     held = -(-window // tokens) + 1

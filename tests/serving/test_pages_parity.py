@@ -188,3 +188,19 @@ def test_numba_settings_come_too_late_once_numba_is_loaded():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["unset"]
+
+
+def test_window_pages_take_no_more_tokens_than_fit_in_a_block_of_codes():
+    """vLLM makes every block of the pool the larger of a block of the layers' pages and a window page; the
+    default model's 3.5-bit budget at 16-token blocks (92,480 bytes a block, 23,040 a window entry) would have had
+    every block padded to a 16-token window page, as large as a bf16 cache's. The window page shrinks instead (a
+    power of two dividing the block size, at most 16) and stays 16 tokens where it fits."""
+    from kvsqueeze.serving.settings import window_page_tokens
+
+    entry = 30 * 2 * 192 * 2
+    assert window_page_tokens(16, 92_480, entry) == 4
+    assert window_page_tokens(32, 161_920, entry) == 4
+    assert window_page_tokens(64, 300_800, entry) == 8
+    assert window_page_tokens(128, 578_560, entry) == 16
+    assert window_page_tokens(128) == 16 and window_page_tokens(24) == 8  # unsized: a divisor of the block
+    assert window_page_tokens(16, 10_000, entry) == 1  # nothing fits: one token, which the engine warns about

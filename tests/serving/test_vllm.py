@@ -143,9 +143,9 @@ def test_vllm_scores_a_method_with_an_fp16_window_as_the_hf_path_does(tiny_llama
                                                                       tmp_path, chunk):
     """A method with an fp16 window of recent tokens (`:r8`: each query reads its last 8 tokens exact, older ones
     from the codes), prefilled whole or in chunks of 16 tokens (queries whose window reaches into the chunk before,
-    read from the window's own pages), with two prompts sharing a cached prefix and a second round from the prefix
-    cache: vLLM's prompt log-probabilities are the HF compressed cache's to float rounding, and not those of the
-    same method without the window."""
+    read from the window's own pages), in two rounds (vLLM reads no prefix cache for a request with prompt
+    log-probabilities: the greedy test below holds the prefix-cache path): vLLM's prompt log-probabilities are the
+    HF compressed cache's to float rounding, and not those of the same method without the window."""
     import kvsqueeze
 
     import numpy as np
@@ -167,7 +167,7 @@ def test_vllm_scores_a_method_with_an_fp16_window_as_the_hf_path_does(tiny_llama
                 want[method] = logits[:-1].gather(1, target).view(-1)
         torch.testing.assert_close(torch.tensor(q["logprob"]), want[WINDOWED], rtol=0, atol=1e-3)
         torch.testing.assert_close(torch.tensor(again["logprob"]), want[WINDOWED], rtol=0, atol=1e-3)
-        # the whole distributions of the second round (prompts scored one at a time, chunk by chunk)
+        # the whole distributions of the first round (prompts scored one at a time, chunk by chunk)
         whole = torch.from_numpy(np.load(tmp_path / "lp" / f"prompt_{i}.npy"))
         torch.testing.assert_close(whole, full[WINDOWED], rtol=0, atol=1e-3)
         assert float((want[WINDOWED] - want[METHOD]).abs().max()) > 1e-2  # the window changes what is read
@@ -177,23 +177,27 @@ def test_vllm_serves_a_budget_with_its_window_from_one_pool_of_blocks(tiny_llama
                                                                      tmp_path):
     """A per-channel budget with a window (as the presets are): its layers' pages of their own sizes and the
     window's pages come from one pool of blocks, each block as large as the larger of one block of every layer's
-    pages and one window page (16 tokens x 2 layers x keys and values x 32 channels x fp16), so the KV space holds
-    that many blocks; prompt log-probabilities are the HF compressed cache's."""
+    pages and one window page (up to 16 tokens x 2 layers x keys and values x 32 channels x fp16, as many tokens
+    as fit in the former), so the KV space holds that many blocks; prompt log-probabilities are the HF
+    compressed cache's."""
     import kvsqueeze
-    from kvsqueeze.serving.settings import ServingConfig
+    from kvsqueeze.serving.settings import ServingConfig, window_page_tokens
     from test_budget import _mixed
 
     recipe_dir = _mixed(tiny_recipe, 3.0).save(tmp_path / "budget")
     method = "nuq@3:chan:r8"
     config = ServingConfig(str(recipe_dir), method)
     pages = sum(config.page_bytes(layer, 32, 16, 16) for layer in range(2))
-    window_page = 16 * 2 * 2 * 32 * 2
+    window_tokens = window_page_tokens(16, pages, 2 * 2 * 32 * 2)  # as many of 16 as fit in a block of pages
+    window_page = window_tokens * 2 * 2 * 32 * 2
+    assert window_page <= pages  # so no block of codes is padded to a window page
     prompts = [p for p in _prompts() if len(p) > 20]
     got = _vllm(tmp_path, tiny_model_dir, recipe_dir, prompts, "--score", "--max-num-batched-tokens", "16",
                 method=method)
     assert got["method"] == config.spec.name and config.spec.window == 8
     assert got["num_blocks"] == (64 << 20) // max(pages, window_page)
-    assert sorted((g["block_size"], g["layers"]) for g in got["kv_cache_groups"]) == [(16, 1), (16, 2)]
+    assert sorted((g["block_size"], g["layers"]) for g in got["kv_cache_groups"]) == sorted([(window_tokens, 1),
+                                                                                             (16, 2)])
     assert got["block_size"] == 16 and got["kv_tokens_vllm"] < got["kv_tokens"]  # window pages counted by vLLM
     assert len(got["scores"]) == len(prompts) > 0
     for p, q in zip(prompts, got["scores"]):
@@ -223,14 +227,17 @@ def test_vllm_generates_with_an_fp16_window_what_the_hf_path_generates(tiny_llam
                                                                        tmp_path):
     """Decode with the window: each new token's query reads its last 8 tokens from the window's pages (written
     by the steps before and by this one) and older ones from the codes, batched over four prompts; greedy tokens
-    equal the HF path's compressed cache with the fused kernel."""
+    equal the HF path's compressed cache with the fused kernel. A second round prefills from the prefix cache,
+    the window's pages of the cached prefix included (a prompt whose prefix another one cached, too), and
+    generates the same tokens."""
     prompts = _prompts()
     got = _vllm(tmp_path, tiny_model_dir, tiny_recipe_dir, prompts, "--max-num-batched-tokens", "16",
-                method=WINDOWED)
+                "--repeat", "2", method=WINDOWED)
     want = _hf_tokens(tiny_llama, tiny_recipe_dir, prompts, 12, method=WINDOWED)
-    first = got["runs"][0]["tokens"]
+    first, again = (r["tokens"] for r in got["runs"])
     equal = sum(a == b for w, g in zip(want, first) for a, b in zip(w, g))
     assert equal >= 0.95 * 48, (want, first)
+    assert again == first
 
 
 def test_vllm_refuses_a_recipe_of_another_model(tiny_model_dir, tmp_path):
@@ -409,9 +416,9 @@ def test_vllm_with_tensor_parallelism_gives_what_one_rank_gives(tiny_model_dir, 
     """--tensor-parallel-size 2: each rank holds one of the tiny model's two KV heads, in pages of its share (a
     per-channel budget's shares differ in width; every rank's pages take the larger), with its own fp16 window.
     The ranks exchange the new tokens' keys and values and encode whole tokens, so what they hold is what one rank
-    holds: prompt log-probabilities (chunked prefill, then from the prefix cache) and greedy tokens (prefill and
-    decode, four prompts batched) equal those of one rank to float rounding."""
-    from kvsqueeze.serving.settings import ServingConfig
+    holds: prompt log-probabilities (chunked prefill, two rounds) and greedy tokens (prefill and decode, four
+    prompts batched) equal those of one rank to float rounding."""
+    from kvsqueeze.serving.settings import ServingConfig, window_page_tokens
     from test_budget import _mixed
 
     recipe_dir = _mixed(tiny_recipe, 3.0).save(tmp_path / "budget")
@@ -420,7 +427,7 @@ def test_vllm_with_tensor_parallelism_gives_what_one_rank_gives(tiny_model_dir, 
     whole = [config.page_bytes(layer, 32, 16, 16) for layer in range(2)]
     shares = [[config.page_bytes(layer, 32, 16, 16, rank, 2) for layer in range(2)] for rank in range(2)]
     assert shares[0] == shares[1] and all(a < b for a, b in zip(shares[0], whole))
-    window_page = 16 * 2 * 2 * 16 * 2  # a rank's window: its own head's 16 channels
+    window_page = window_page_tokens(16, sum(shares[0]), 2 * 2 * 16 * 2) * 2 * 2 * 16 * 2  # a rank's: its head's
     prompts = _prompts()
     runs = {}
     for tp in (1, 2):

@@ -82,11 +82,18 @@ def _load_tbb() -> bool:
         return False
 
 
-def window_page_tokens(block_size: int) -> int:
+def window_page_tokens(block_size: int, block_bytes: int | None = None, token_bytes: int | None = None) -> int:
     """Tokens per page of the fp16 window (`kvsqueeze.serving.vllm.WindowStore`) beside pages of `block_size`
-    tokens: few, so that a page of every layer's fp16 keys and values fits in one block of the layers' pages and a
-    sequence holds little more than its window."""
-    return math.gcd(16, block_size)
+    tokens: few (at most 16, a power of two dividing the block size), so that a sequence holds little more than its
+    window, and, given one block of the layers' pages (`block_bytes`) and a window entry (`token_bytes`: every
+    layer's fp16 keys and values of one token), as many as fit in that block. vLLM makes every block of the pool
+    the larger of the two: a window page larger than the layers' block would pad every block of codes to it (at
+    16-token blocks of the default model, to the size of a bf16 cache's)."""
+    tokens = math.gcd(16, block_size)
+    if block_bytes is not None and token_bytes is not None:
+        while tokens > 1 and tokens * token_bytes > block_bytes:
+            tokens //= 2
+    return tokens
 
 
 class ServingError(ValueError):

@@ -639,8 +639,18 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         name = f"kvsqueeze_window.{layers}"  # one integer in the name: vLLM reads a layer index from it
         store = vllm_config.compilation_config.static_forward_context.get(name)
         if store is None:
-            store = WindowStore(name, layers, self.num_kv_heads, self.head_size, self.window,
-                                window_page_tokens(vllm_config.cache_config.block_size))
+            block = vllm_config.cache_config.block_size
+            codes = sum(self.config.page_bytes(i, self.channels, block, self.head_size, self.rank, self.ranks)
+                        for i in range(layers))  # one block of every layer's pages
+            entry = layers * 2 * self.num_kv_heads * self.head_size * 2
+            tokens = window_page_tokens(block, codes, entry)
+            if tokens * entry > codes:
+                logger.warning("kvsqueeze: one token's fp16 window entry (%d bytes, every layer's keys and values) "
+                               "is larger than a %d-token block of the layers' pages (%d bytes); vLLM pads every "
+                               "block to it, so %s holds %.1fx fewer tokens than its codes would. Serve with a larger "
+                               "--block-size (128), or a method without ':r%d'", entry, block, codes,
+                               self.config.spec.name, entry / codes, self.window)
+            store = WindowStore(name, layers, self.num_kv_heads, self.head_size, self.window, tokens)
         return store
 
     def _layout(self, layer, kv_cache: torch.Tensor):
@@ -761,8 +771,8 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         as contiguous and a filled one as strided, so each such pattern is a variant of its own (a layer without
         key outlier slots, say), which the first request would otherwise compile (about a minute on 2 cores, in a
         fresh environment)."""
-        if KVSqueezeImpl._warm:
-            return
+        if KVSqueezeImpl._warm or torch.get_default_device().type != "cpu":
+            return  # a GPU engine builds the model under its device: its kernels are Triton's, not numba's
         KVSqueezeImpl._warm = True
         hq, d = self.num_heads, self.head_size
         g = torch.Generator().manual_seed(0)

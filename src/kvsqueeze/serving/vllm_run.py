@@ -109,9 +109,10 @@ def take_prompt_logits(llm):
     return llm.collective_rpc(take)[0]
 
 
-def _score_keeping_logits(llm, i: int, prompt, scoring, folder: str):
-    """Score one prompt and save its whole log-softmax rows to `folder/prompt_<i>.npy`, after checking them
-    against the log-probabilities the engine returned for the prompt's tokens (the same rows, or it refuses)."""
+def _score_keeping_logits(llm, i: int, prompt, scoring, folder: str | None):
+    """Score one prompt and save its whole log-softmax rows to `folder/prompt_<i>.npy` (None: not saved), after
+    checking them against the log-probabilities the engine returned for the prompt's tokens (the same rows, or it
+    refuses)."""
     import numpy as np
 
     (out,) = llm.generate([prompt], scoring, use_tqdm=False)
@@ -125,8 +126,9 @@ def _score_keeping_logits(llm, i: int, prompt, scoring, folder: str):
     worst = max(abs(a - b) for a, b in zip(returned, mine))
     if worst > 1e-3:
         sys.exit(f"prompt {i}: the kept log-softmax differs from the engine's prompt logprobs by {worst:.3g}")
-    os.makedirs(folder, exist_ok=True)
-    np.save(os.path.join(folder, f"prompt_{i}.npy"), rows.numpy())
+    if folder is not None:
+        os.makedirs(folder, exist_ok=True)
+        np.save(os.path.join(folder, f"prompt_{i}.npy"), rows.numpy())
     return out
 
 
@@ -241,13 +243,16 @@ def main(argv: list[str] | None = None) -> None:
         scoring = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=1)
         if args.logits:
             record_prompt_logits(llm)
-        for _ in range(args.repeat):  # rounds after the first prefill from the prefix cache
+        # every round prefills its prompts anew: vLLM reads no prefix cache for a request with prompt log-probabilities
+        # (the greedy rounds below are what reads cached pages); the logits kept are the first round's, as `scores`
+        for r in range(args.repeat):
             outs = llm.generate(inputs, scoring, use_tqdm=False) if not args.logits else \
-                [_score_keeping_logits(llm, i, p, scoring, args.logits) for i, p in enumerate(inputs)]
+                [_score_keeping_logits(llm, i, p, scoring, args.logits if r == 0 else None)
+                 for i, p in enumerate(inputs)]
             scores = []
-            for p, o in zip(prompts, outs):  # position j >= 1: log P(token j | tokens < j), the rank-1 token there
-                lps = o.prompt_logprobs[1:]
-                scores.append({"logprob": [lp[t].logprob for t, lp in zip(p[1:], lps)],
+            for o in outs:  # position j >= 1: log P(token j | tokens < j), the rank-1 token there
+                lps = o.prompt_logprobs[1:]  # the engine's own token ids: a prompt given as a string has them too
+                scores.append({"logprob": [lp[t].logprob for t, lp in zip(o.prompt_token_ids[1:], lps)],
                                "top1": [next(t for t, v in lp.items() if v.rank == 1) for lp in lps]})
             rounds.append(scores)
         scores = rounds[0]
