@@ -70,7 +70,9 @@ def _percentages(text: str, what: str) -> tuple[float, ...]:
 
 def _check_context(model, lengths, what: str) -> None:
     """Refuse lengths beyond the model's context before any work."""
-    limit = getattr(model.config, "max_position_embeddings", None)
+    from .shape import context_length
+
+    limit = context_length(model.config)
     too_long = [n for n in lengths if limit and n > limit]
     if too_long:
         raise ValueError(f"{what} {','.join(map(str, too_long))} exceed(s) the model's {limit}-token context: give "

@@ -77,3 +77,11 @@ def _positive_int(get, key: str, where: str, default: int | None = None) -> int:
         raise ShapeError(f"{where}: {key!r} must be a positive integer, got {value!r}; "
                          "fix the config or pass a built-in model name")
     return value
+
+
+def context_length(config) -> int | None:
+    """The model's context in tokens (`max_position_embeddings` of its text config: a multimodal config keeps it
+    under `text_config`), None where the config names none."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    limit = getattr(text, "max_position_embeddings", None) or getattr(config, "max_position_embeddings", None)
+    return int(limit) if limit else None

@@ -145,3 +145,38 @@ def test_a_sliding_model_s_checkpoint_counted_another_way_is_refused(tiny_llama,
                 P.evaluate(model, windows, specs, recipe, progress=False, checkpoint=ckpt)
         else:
             assert P.evaluate(model, windows, specs, recipe, progress=False, checkpoint=ckpt) == first
+
+
+def test_a_checkpoint_of_another_model_or_dtype_is_refused(tiny_llama, tmp_path):
+    """Methods that read no recipe (fp16, int3) over the same token ids on another model with the same tokenizer,
+    or the same model in another dtype: the windows would be merged with the other model's."""
+    import copy
+
+    windows = _windows()
+    specs = parse_methods("fp16,int3")
+    ckpt = tmp_path / "cell.safetensors"
+    P.evaluate(tiny_llama, windows[:2], specs, None, progress=False, checkpoint=ckpt)
+    other = copy.deepcopy(tiny_llama)
+    with torch.no_grad():
+        next(other.parameters()).add_(1.0)
+    with pytest.raises(ValueError, match="other windows, methods or recipes"):
+        P.evaluate(other, windows[:2], specs, None, progress=False, checkpoint=ckpt)
+    with pytest.raises(ValueError, match="other windows, methods or recipes"):
+        P.evaluate(copy.deepcopy(tiny_llama).to(torch.bfloat16), windows[:2], specs, None, progress=False,
+                   checkpoint=ckpt)
+    assert len(P.evaluate(tiny_llama, windows[:2], specs, None, progress=False, checkpoint=ckpt)) == 2
+
+
+def test_windows_that_are_not_a_batch_of_ids_within_the_context_are_refused(tiny_llama, tiny_recipe):
+    """A 1-D tensor of ids (crashed deep inside), windows of one token, and windows longer than the model's
+    context (scored silently before) get an error that names the fix."""
+    specs = parse_methods("fp16")
+    ids = _windows()
+    with pytest.raises(ValueError, match=r"\[W windows, T >= 2 tokens\], got \(96,\)"):
+        P.evaluate(tiny_llama, ids[0], specs, tiny_recipe, progress=False)
+    with pytest.raises(ValueError, match="T >= 2 tokens"):
+        P.evaluate(tiny_llama, ids[:, :1], specs, tiny_recipe, progress=False)
+    limit = tiny_llama.config.max_position_embeddings
+    long = torch.randint(1, 200, (1, limit + 1), generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match=f"longer than the model's {limit}-token context"):
+        P.evaluate(tiny_llama, long, specs, tiny_recipe, progress=False)

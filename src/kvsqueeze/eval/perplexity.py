@@ -144,6 +144,15 @@ def evaluate(
     returns what one uninterrupted call would. A file made for other windows, methods or recipes (by content) is
     refused.
     """
+    from ..shape import context_length
+
+    if windows.dim() != 2 or windows.shape[0] < 1 or windows.shape[1] < 2:
+        raise ValueError(f"evaluate: windows must be token ids [W windows, T >= 2 tokens], got {tuple(windows.shape)}"
+                         " (one window of ids: ids.view(1, -1))")
+    limit = context_length(model.config)
+    if limit and windows.shape[1] > limit:
+        raise ValueError(f"evaluate: windows of {windows.shape[1]} tokens are longer than the model's {limit}-token "
+                         f"context (positions past it were never trained); use windows of up to {limit} tokens")
     recipes = recipes or {}
     fp16 = parse_method("fp16")
     names = [s.name for s in specs]
@@ -160,6 +169,12 @@ def evaluate(
         slides = layer_windows(model)
         if any(w is not None for w in slides):
             digests = {**digests, "sliding": {"layer_windows": slides, "storage_version": STORAGE_VERSION}}
+    if checkpoint is not None:  # windows of another model (one with the same tokenizer) or dtype must not join
+        from ..integrations.fingerprint import model_fingerprint
+
+        weights = json.dumps(model_fingerprint(model), sort_keys=True, default=str).encode()
+        digests = {**digests, "model": {"fingerprint": hashlib.sha256(weights).hexdigest()[:16],
+                                        "dtype": str(next(model.parameters()).dtype)}}
     saved = _Checkpoint(checkpoint, windows, names, digests) if checkpoint is not None else None
     done = saved.restore(acc, base_nll) if saved is not None else 0
     # quantizers built (and the recipe checked) once per method; each window only installs the hooks
@@ -214,7 +229,10 @@ class _Checkpoint:
             tensors, held = _read_checkpoint(self.path)
         except Exception as exc:  # noqa: BLE001 - any unreadable file gets the same advice
             raise ValueError(f"checkpoint {self.path} cannot be read ({exc}); delete it to start again") from exc
-        if held.get("key") != self.key:
+        key = held.get("key")
+        if isinstance(key, dict) and "model" not in key.get("recipes", {}):  # a file from before keys named it
+            key = {**key, "recipes": {**key.get("recipes", {}), "model": self.key["recipes"].get("model")}}
+        if key != self.key:
             raise ValueError(f"checkpoint {self.path} was made for other windows, methods or recipes "
                              f"({held.get('key')}); delete it or give another file")
         for i, name in enumerate(self.names):
