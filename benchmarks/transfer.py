@@ -246,7 +246,10 @@ def main(argv: list[str] | None = None) -> int:
             recipe = Recipe.load(rdir)
             info = result["recipes"].setdefault(f"{model_name}/{calib}", {})
             digest = recipe.meta.get("tensors_sha256")
-            same_recipe(rdir, digest, [info.get("tensors_sha256")], "the JSON's cells of it were measured with",
+            cells_of = [c.get("recipe_sha256") for k, c in result["cells"].items()
+                        if k.startswith(f"{model_name}/{calib}/")]  # each cell names its own (older ones: none)
+            same_recipe(rdir, digest, [info.get("tensors_sha256"), *cells_of],
+                        "the JSON's cells of it were measured with",
                         "Calibrate that one again with the same code, or write to another --json",
                         f"{model_name}/{calib}: ")
             info.update({"path": str(rdir), "settings": recipe.meta.get("settings"), "tensors_sha256": digest,
@@ -257,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
                 model, tok = load_model(model_name)
             for evaluated in cells:
                 text = texts.setdefault(evaluated, load_text(evaluated))
-                ckpt = root / "checkpoints" / f"{model_name}.{calib}.{evaluated}.{args.windows}x{args.seqlen}.safetensors"
+                cell_name = f"{model_name}.{calib}.{evaluated}.{args.windows}x{args.seqlen}"
+                ckpt = root / "checkpoints" / f"{cell_name}.safetensors"
                 pairs, cell = evaluate_cell(model, tok, recipe, text, methods, args.windows, args.seqlen, ckpt)
                 base = next(r for name, r in pairs if name == "fp16")
                 for name, r in pairs:
@@ -276,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                     rows.append({"model": model_name, "calib_text": calib, "eval_text": evaluated, "method": name,
                                  "resolved": preset_for(name, args.seqlen).name,
                                  "in_domain": in_domain(calib, evaluated), "refused": why})
-                result["cells"][f"{model_name}/{calib}/{evaluated}"] = {**cell, "machine": machine()}
+                result["cells"][f"{model_name}/{calib}/{evaluated}"] = {**cell, "machine": machine(),
+                                                                        "recipe_sha256": digest}
                 done.add((model_name, calib, evaluated))
                 write()
                 ckpt.unlink(missing_ok=True)  # the cell is in the JSON now
