@@ -220,6 +220,10 @@ def main() -> None:
 
     if args.rows < 1 or args.row_gb <= 0:
         ap.error(f"--rows must be at least 1 and --row-gb positive, got {args.rows} and {args.row_gb}")
+    unknown = [t for t in args.tasks.split(",") if t not in TASKS]
+    if unknown or args.samples < 1:  # before any model loads, and before a summary of no task's answers
+        ap.error(f"--tasks must name tasks of {', '.join(TASKS)} (unknown: {', '.join(unknown) or 'none'}) and "
+                 f"--samples be at least 1 (got {args.samples})")
     runs = [parse_run(r) for r in (args.run or RUNS)]
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
     def specs_at(length: int):

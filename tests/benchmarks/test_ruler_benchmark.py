@@ -182,3 +182,15 @@ def test_a_label_whose_answers_came_from_two_methods_or_recipes_is_refused(tmp_p
         _summarize(ruler, rows, "fp16,q3.5", tmp_path, monkeypatch)
     rows = [replace(a, spec="nuq@3.5:r32:chan:ctx4k", recipe="aa", dtype="float32") for a in _rows()]
     assert _summarize(ruler, rows, "fp16,q3.5", tmp_path, monkeypatch)["paired"]
+
+
+def test_a_mistyped_task_or_no_samples_is_refused_before_anything_loads(tmp_path, monkeypatch):
+    """A typo in --tasks gave a summary of no answers (or stopped after the models loaded); --samples 0 ran
+    nothing. Both are refused at once, naming the tasks there are."""
+    ruler = load_benchmark("ruler")
+    for extra in (["--tasks", "niah_single_numbr"], ["--samples", "0"]):
+        monkeypatch.setattr(sys, "argv", ["ruler.py", "--summarize-only", "--answers", str(tmp_path / "a.jsonl"),
+                                          "--json", str(tmp_path / "r.json"), *extra])
+        with pytest.raises(SystemExit):
+            ruler.main()
+        assert not (tmp_path / "r.json").exists()

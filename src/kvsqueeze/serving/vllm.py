@@ -538,7 +538,9 @@ def _rope(hf_config, head_dim: int) -> Rope:
     return Rope(inv_freq.float().cpu(), float(scaling))
 
 
-_ROTARIES_CHECKED: dict[tuple, bool] = {}
+# the (RoPE, head size) pairs each rotary module was checked against; by the module itself, not its id, which a
+# module built later at a dead one's address would share
+_ROTARIES_CHECKED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _check_rotary(rope: Rope, head_size: int) -> None:
@@ -553,8 +555,8 @@ def _check_rotary(rope: Rope, head_size: int) -> None:
                            "without RoPE, or a vLLM whose rotary modules it does not know); serve this model with "
                            "vLLM's own backend")
     for rotary in rotaries:
-        memo = (id(rotary), rope.key, head_size)
-        if memo in _ROTARIES_CHECKED:
+        memo = (rope.key, head_size)
+        if memo in _ROTARIES_CHECKED.get(rotary, ()):
             continue
         name = type(rotary).__name__
         cache = getattr(rotary, "cos_sin_cache", None)
@@ -580,7 +582,7 @@ def _check_rotary(rope: Rope, head_size: int) -> None:
             raise ServingError(f"vLLM's rotary module {name} turns keys by other angles than kvsqueeze's RoPE from the "
                                f"model config (cos / sin differ by up to {err:.3g} over {table.shape[0]} positions); "
                                "serve this model with vLLM's own backend")
-        _ROTARIES_CHECKED[memo] = True
+        _ROTARIES_CHECKED.setdefault(rotary, set()).add(memo)
 
 
 class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
