@@ -53,6 +53,12 @@ def test_page_bytes_reported_are_the_layouts_and_the_registry_s(tiny_recipe_dir)
     assert "window" not in sizes
     windowed = quality.token_bytes(ServingConfig(str(tiny_recipe_dir), "nuq3-1%:r8"), layers=2, channels=32,
                                    head_dim=16, block_size=16)["window"]
-    # a window page of 16 tokens x 2 layers x keys and values x 32 channels x fp16 outgrows 16 tokens' pages
-    assert windowed["page_bytes"] == windowed["block_bytes"] == 16 * 2 * 2 * 32 * 2 and windowed["block_grows"]
-    assert windowed["pages_per_decoding_sequence"] == 2 and windowed["registry_bytes"] == 8 * 2 * 2 * 32 * 2
+    # a window page of 16 tokens x 2 layers x keys and values x 32 channels x fp16 would outgrow 16 tokens' pages
+    # (and pad every block to it): it takes as many tokens as fit in one block of them instead
+    block = 16 * pages
+    assert 16 * 2 * 2 * 32 * 2 > block
+    tokens = windowed["page_tokens"]
+    assert tokens < 16 and tokens * 2 * 2 * 32 * 2 <= block < 2 * tokens * 2 * 2 * 32 * 2
+    assert windowed["page_bytes"] == tokens * 2 * 2 * 32 * 2 and windowed["block_bytes"] == block
+    assert not windowed["block_grows"] and windowed["pages_per_decoding_sequence"] == -(-8 // tokens) + 1
+    assert windowed["registry_bytes"] == 8 * 2 * 2 * 32 * 2
