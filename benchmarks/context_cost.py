@@ -165,6 +165,9 @@ def fits(rows: list[dict]) -> dict:
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
+    import numba
+
+    numba.set_num_threads(min(args.threads, numba.config.NUMBA_NUM_THREADS))  # the kernels get what the others get
     from kvsqueeze.eval.texts import load_text
     from kvsqueeze.integrations.loading import load_model
     from kvsqueeze.recipe import Recipe
@@ -177,7 +180,16 @@ def main(argv=None) -> None:
         raise SystemExit(f"--llama-types: unknown {', '.join(unknown)}; known: {', '.join(LLAMA_TYPES)}")
     out = Path(args.json)
     payload = json.loads(out.read_text()) if out.exists() else {"rows": []}
-    have = {r["context"] for r in payload["rows"]}
+    here = {"machine": machine(), "model": args.model, "recipe": args.recipe, "threads": args.threads,
+            "new_tokens": args.new}
+    if payload["rows"]:  # a run adds lengths to the file's, measured as its were, or starts another file
+        differ = "; ".join(f"{k} {payload.get(k)!r}, here {v!r}" for k, v in here.items() if payload.get(k) != v)
+        if differ:
+            raise SystemExit(f"{out} was measured with other settings ({differ}): its slopes would mix the two; "
+                             "run with those, or with --json of a new file")
+    wanted = {"DynamicCache", "StaticCache", *(f"kvsqueeze {m}" for m in methods)}  # llama.cpp's may be missing
+    have = {n for n in {r["context"] for r in payload["rows"]}
+            if wanted <= {r["cache"] for r in payload["rows"] if r["context"] == n}}  # every cache asked for there
     model, tok = load_model(args.model, "float32", "cpu")
     recipe = Recipe.load(args.recipe)
     ids = tok(load_text("bbc").evaluation, return_tensors="pt")["input_ids"]
@@ -197,7 +209,9 @@ def main(argv=None) -> None:
             payload["llama_cpp"] = llama
         else:
             rows += llama
-        payload["rows"] = sorted(payload["rows"] + rows, key=lambda r: (r["context"], r["cache"]))
+        fresh = {r["cache"] for r in rows}  # a length measured again replaces its rows of the same caches
+        kept = [r for r in payload["rows"] if r["context"] != length or r["cache"] not in fresh]
+        payload["rows"] = sorted(kept + rows, key=lambda r: (r["context"], r["cache"]))
         payload["fits"] = fits(payload["rows"])
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(payload, indent=1) + "\n")

@@ -352,8 +352,19 @@ def e2e_rows(args, recipe) -> list[dict]:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    if args.layers < 1:
-        raise SystemExit(f"--layers must be at least 1, got {args.layers}")
+    if args.layers < 1 or args.rounds < 1:
+        raise SystemExit(f"--layers and --rounds must be at least 1, got {args.layers} and {args.rounds}")
+    if args.step and args.layers > 1:
+        raise SystemExit("--step times one layer's cache (its append and reset keep one store warm): run it with "
+                         "--layers 1")
+    from kvsqueeze.methods import MethodError
+
+    try:  # every name checked before any timing, so that a typo does not end a run after its kernel rows
+        for name in (*args.methods.split(","), *(args.e2e_methods.split(",") if args.e2e else ())):
+            parse_method(name)
+        [int(b) for b in args.quantized_cache_bits.split(",") if b]
+    except (MethodError, ValueError) as exc:
+        raise SystemExit(f"decode.py: {exc}") from None
     recipe = prepare(args.threads, args.recipe)
     info = decode_machine()
     rows = kernel_rows(args, recipe)

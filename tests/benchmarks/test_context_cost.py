@@ -26,3 +26,17 @@ def test_unknown_llama_cache_types_are_refused_before_any_loading():
     cc = _load()
     with pytest.raises(SystemExit, match="unknown q5_1; known: f16, q8_0, q4_0"):
         cc.main(["--llama-types", "f16,q5_1", "--json", "/nonexistent/x.json"])
+
+
+def test_a_file_of_another_machine_or_settings_is_refused_before_loading(tmp_path):
+    """Lengths measured on another machine (or with other threads, recipe, model) would join this run's in one
+    slope: refused before any model loads, naming what differs."""
+    import json
+
+    cc = _load()
+    out = tmp_path / "cc.json"
+    out.write_text(json.dumps({"rows": [{"cache": "DynamicCache", "context": 1024, "ms_per_token": 1.0}],
+                               "machine": "another machine", "model": "smollm2-135m", "recipe": "out/recipe",
+                               "threads": 2, "new_tokens": 12}))
+    with pytest.raises(SystemExit, match="machine 'another machine', here"):
+        cc.main(["--json", str(out), "--llama-types", ""])
