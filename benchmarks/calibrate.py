@@ -37,8 +37,10 @@ def main(argv=None) -> None:
         with tempfile.TemporaryDirectory() as tmp:
             load = os.getloadavg()
             t0 = time.perf_counter()
-            subprocess.run([str(exe), "calibrate", "--model", args.model, "--text", args.text, "--out", tmp],
-                           check=True, stdout=subprocess.DEVNULL)
+            run = subprocess.run([str(exe), "calibrate", "--model", args.model, "--text", args.text, "--out", tmp],
+                                 stdout=subprocess.DEVNULL)
+            if run.returncode:  # its own error is above, on stderr
+                raise SystemExit(f"kvsqueeze calibrate failed (exit {run.returncode}): nothing timed")
             wall = time.perf_counter() - t0
             meta = json.loads((Path(tmp) / "recipe.json").read_text())
         rows.append({"run": i, "wall_s": round(wall, 1), "timings_s": meta["timings_s"],

@@ -79,6 +79,8 @@ def main(argv=None) -> None:
     p.add_argument("--recipe", default=DEFAULT_RECIPE)
     p.add_argument("--json", default=str(Path(__file__).parent / "results" / "paged_decode.json"))
     args = p.parse_args(argv)
+    if not (Path(args.recipe) / "recipe.json").is_file():
+        raise SystemExit(f"no recipe at {args.recipe}: run `make demo` (it writes out/recipe) or give --recipe DIR")
     recipe = prepare(args.threads, args.recipe)
     hq, h, d = shape(argparse.Namespace(heads=None, kv_heads=None, head_dim=None), recipe)
     kq, vq = quantizers(args.method, recipe, h * d)
@@ -92,6 +94,7 @@ def main(argv=None) -> None:
            "block_size": args.block_size, "shape": {"query_heads": hq, "kv_heads": h, "head_dim": d},
            "timing": f"median of {args.rounds} interleaved rounds; one layer's decode_attention, view included",
            "rows": rows}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.json}")
 

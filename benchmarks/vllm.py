@@ -122,6 +122,10 @@ def main() -> None:
     model_dir = resolve_model_path(args.model)
     _, tok = load_model(args.model, "float32")
     ids = tok(load_text("bbc").evaluation, return_tensors="pt").input_ids[0]
+    need = max(args.compare * args.compare_length, (10 + args.concurrent) * args.prompt_tokens)
+    if ids.numel() < need:  # a prompt cut past the text's end would be shorter than the JSON says
+        raise SystemExit(f"the BBC evaluation part has {ids.numel()} tokens; these prompts need {need}: ask for "
+                         "fewer or shorter ones")
     cut = lambda n, i: ids[i * n:(i + 1) * n].tolist()  # noqa: E731
     compare = [cut(args.compare_length, i) for i in range(args.compare)]
     batch = [cut(args.prompt_tokens, 10 + i) for i in range(args.concurrent)]

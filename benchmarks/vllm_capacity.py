@@ -60,6 +60,10 @@ def main(argv: list[str] | None = None) -> int:
     bf16_block = 2 * 2 * shape.channels * shape.layers * args.block_size  # keys and values, 2 bytes each
     kv_bytes = (args.fit * blocks + 1) * bf16_block
     ids = tok(load_text("bbc").evaluation, add_special_tokens=False).input_ids
+    if len(ids) < (20 + args.queue) * args.prompt_tokens:  # a prompt cut past the text's end: shorter, or empty
+        raise SystemExit(f"the BBC evaluation part has {len(ids)} tokens; {args.queue} prompts of "
+                         f"{args.prompt_tokens} from token {20 * args.prompt_tokens} on need "
+                         f"{(20 + args.queue) * args.prompt_tokens}: ask for fewer or shorter ones")
     queue = [ids[(20 + i) * args.prompt_tokens:(21 + i) * args.prompt_tokens] for i in range(args.queue)]
     runs = {}
     with tempfile.TemporaryDirectory() as tmpdir:
