@@ -153,7 +153,8 @@ def main() -> None:
                                               "--max-model-len", str(args.prompt_tokens + args.decode_tokens + 64)],
                                              tmp, f"decode-{name}")
             result.update({
-                "capacity": {"kv_bytes": args.kv_gib << 30, "dtype": "bfloat16",
+                "capacity": {"machine": machine(), "method": method, "kv_bytes": args.kv_gib << 30,
+                             "dtype": "bfloat16",
                              "block_size": through["vllm"]["block_size"],
                              "kvsqueeze_tokens": through["kvsqueeze"]["kv_tokens"],
                              "vllm_tokens": through["vllm"]["kv_tokens"]},
