@@ -212,7 +212,9 @@ def step_inputs(recipe):
 def decode_step(method: str, recipe, q, k1, v1, rope: Rope, scaling: float, tokens: int, seed: int = 0):
     """One layer's fused decode step as `decode.py --step` times it, over a `fill_store` of `tokens - 1` tokens
     (with the method's fp16 window, if it has one): (store, step, reset); `step()` appends the token (k1, v1
-    [1, 1, C]) and attends with the numba kernel, `reset()` crops the store back, its window as it was. The step's result is checked against the reference before it is returned."""
+    [1, 1, C]) and attends with the numba kernel, `reset()` crops the store back, its window as it was (in place:
+    the view's memo stays, as in a decode step). The step's result is checked against the reference before it is
+    returned."""
     import torch
 
     from kvsqueeze.cache.positions import PositionLog
@@ -243,10 +245,12 @@ def decode_step(method: str, recipe, q, k1, v1, rope: Rope, scaling: float, toke
 
 
 # ---- memory ------------------------------------------------------------------------------------------
-def read_records(path: Path) -> list[dict]:
-    """The JSON records of a file written one line per record (none where it is missing). A last line cut short
-    (a run killed while appending) is dropped from the file with a warning, so the next append starts a whole
-    line; a bad line elsewhere stops with its line number."""
+def read_records(path: Path, repair: bool = True) -> list[dict]:
+    """The JSON records of a file written one line per record (none where it is missing); a bad line before the
+    last stops with its line number. `repair` (the process that appends to the file): a last line cut short (a run
+    killed while appending) is dropped from the file with a warning, and a whole last line without its newline
+    gets one, so the next append starts a line of its own; a reader alone (a summary beside a run that may be
+    appending now) skips a cut line and leaves the file as it is."""
     path = Path(path)
     if not path.is_file():
         return []
@@ -260,11 +264,15 @@ def read_records(path: Path) -> list[dict]:
             out.append(json.loads(line))
         except ValueError:
             if n == len(lines) and not text.endswith("\n"):
-                print(f"warning: {path}:{n} was cut short (a run stopped while appending it): dropped",
-                      file=sys.stderr)
-                path.write_text(text[:len(text) - len(line)])
-                break
+                print(f"warning: {path}:{n} was cut short (a run stopped while appending it, or one is appending "
+                      f"it now): {'dropped' if repair else 'skipped'}", file=sys.stderr)
+                if repair:
+                    path.write_text(text[:len(text) - len(line)])
+                return out
             raise SystemExit(f"{path}:{n} is not a JSON record; remove that line or give another file") from None
+    if repair and text and not text.endswith("\n"):
+        with path.open("a") as f:
+            f.write("\n")
     return out
 
 

@@ -168,8 +168,9 @@ def main(argv: list[str] | None = None) -> int:
 
     out = Path(args.json)
     log = out.with_name(out.stem + "_windows.jsonl")
-    records = read_records(log)
-    segments = {r["segment"] for r in records if "segment" in r} - {args.segment}
+    records = read_records(log, repair=not args.summarize_only)
+    logged = json.loads(out.read_text()).get("segment", 1024) if out.is_file() else args.segment
+    segments = {r.get("segment", logged) for r in records} - {args.segment}  # older records: the JSON's
     if segments:
         raise SystemExit(f"the windows in {log} were scored in segments of {sorted(segments)} tokens, this run asks "
                          f"for --segment {args.segment}: run with that, or with another --json")

@@ -239,7 +239,7 @@ def main() -> None:
     tasks = args.tasks.split(",")
     answers_path = Path(args.answers)
     timing_path = answers_path.with_name(answers_path.stem + "_timing.jsonl")
-    log = AnswerLog(answers_path)
+    log = AnswerLog(answers_path, repair=not args.summarize_only)  # a summary beside a run only reads
     if not args.summarize_only:
         from kvsqueeze.integrations.loading import load_model
         from kvsqueeze.recipe import Recipe
@@ -295,7 +295,7 @@ def main() -> None:
     kept, pending, partial, missing = comparable(kept)
     scores = summarize(kept)
     quantized = [a for a in kept if a.method != "fp16"]
-    timing = read_records(timing_path)
+    timing = read_records(timing_path, repair=not args.summarize_only)
     cost: dict = {}
     for t in timing:
         c = cost.setdefault(t["model"], {}).setdefault(str(t["length"]), {"seconds": 0.0, "answers": 0})

@@ -573,3 +573,22 @@ def test_an_answer_row_cut_short_at_the_end_is_dropped_and_asked_again(tmp_path)
     with pytest.warns(UserWarning, match="cut short"):
         again = AnswerLog(path)
     assert len(again.answers) == 1 and path.read_text() == whole
+
+
+def test_a_reader_beside_a_running_append_leaves_the_answers_file_as_it_is(tmp_path):
+    """A summary reads the file while a run appends to it: a line it sees half written is skipped, not cut from
+    the file (which would lose what the run writes meanwhile); a whole last row without its newline gets one from
+    the appending process, so its next row starts a line of its own."""
+    from kvsqueeze.eval.ruler_eval import Answer, AnswerLog
+
+    path = tmp_path / "a.jsonl"
+    log = AnswerLog(path)
+    log.add(Answer("m", "fp16", "dense-prefill", "vt", 4096, 0, 7, 100, 1.0, "x", ("x",)))
+    whole = path.read_text()
+    path.write_text(whole + whole[:40])
+    with pytest.warns(UserWarning, match="skipped"):
+        assert len(AnswerLog(path, repair=False).answers) == 1
+    assert path.read_text() == whole + whole[:40]
+    path.write_text(whole.rstrip("\n"))
+    AnswerLog(path).add(Answer("m", "q3.5", "dense-prefill", "vt", 4096, 0, 7, 100, 1.0, "x", ("x",)))
+    assert len(AnswerLog(path).answers) == 2 and path.read_text().count("\n") == 2

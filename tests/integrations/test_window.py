@@ -522,3 +522,22 @@ def test_serving_a_budget_whose_layers_keep_different_key_outlier_shares(tiny_re
     # the registry counts the bytes of the same slots: a page's data is what the registry says it holds
     spec, recipe = config.spec, config._recipe
     assert [family(spec).layouts(spec, recipe, layer)[0].slots for layer in shares] == [4, 1]
+
+
+def test_a_crop_to_a_window_state_restores_the_tables_in_place(tiny_recipe):
+    """`crop(tokens, state)` puts the sink and window tables back into the tensors the store holds, so a view's
+    memo of them (the numba kernel's arrays) stays valid across a rollback, as across a decode step."""
+    from kvsqueeze.cache.store import KVStore
+    from kvsqueeze.methods import build_quantizers
+
+    kq, vq = build_quantizers(parse_method("nuq3-1%"), tiny_recipe, 0, 32)
+    store = KVStore(kq, vq, 32, 1, head_dim=16, window=4)
+    store.append(torch.randn(1, 10, 32), torch.randn(1, 10, 32))
+    state = store.window_state()
+    tables = (store.sink_k, store.sink_v, store.sink_slot, store.sinks_taken, store.window_taken)
+    before = [t.clone() for t in tables]
+    store.append(torch.randn(1, 3, 32), torch.randn(1, 3, 32))
+    store.crop(10, state)
+    assert all(a is b for a, b in zip(tables, (store.sink_k, store.sink_v, store.sink_slot, store.sinks_taken,
+                                               store.window_taken)))
+    assert all(torch.equal(a, b) for a, b in zip(tables, before))

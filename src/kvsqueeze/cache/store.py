@@ -452,8 +452,14 @@ class KVStore:
         for sparse in self._sparse():
             sparse.truncate(tokens * self.batch)
         if state is not None:  # the tables as they were at `tokens` tokens
-            self.sink_k, self.sink_v, self.sink_slot = state.sink_k.clone(), state.sink_v.clone(), state.sink_slot.clone()
-            self.sinks_taken, self.window_taken = state.sinks_taken.clone(), state.window_taken.clone()
+            mine = (self.sink_k, self.sink_v, self.sink_slot, self.sinks_taken, self.window_taken)
+            kept = (state.sink_k, state.sink_v, state.sink_slot, state.sinks_taken, state.window_taken)
+            if all(a.shape == b.shape and a.dtype == b.dtype and a.device == b.device for a, b in zip(mine, kept)):
+                for a, b in zip(mine, kept):  # in place: the views' memos of these tensors stay valid
+                    a.copy_(b)
+            else:
+                self.sink_k, self.sink_v, self.sink_slot = (x.clone() for x in kept[:3])
+                self.sinks_taken, self.window_taken = kept[3].clone(), kept[4].clone()
         else:
             gone = self.sink_slot >= tokens
             self.sinks_taken -= gone[:, : self.sinks].sum(dim=1)

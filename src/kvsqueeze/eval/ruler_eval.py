@@ -94,7 +94,10 @@ class Answer:
 class AnswerLog:
     """Answers appended to a JSONL file as they are made; those already there are not asked again."""
 
-    def __init__(self, path: str | Path | None = None):
+    def __init__(self, path: str | Path | None = None, repair: bool = True):
+        """`repair`: this process appends to the file, so a last line cut short (a run stopped while writing it)
+        is dropped from the file and a last line without its newline gets one; a reader alone (a summary, beside
+        a run that may be appending) leaves the file as it is and skips such a line."""
         self.path = Path(path) if path is not None else None
         self.answers: list[Answer] = []
         self._keys: set[tuple] = set()
@@ -109,13 +112,19 @@ class AnswerLog:
                     ans = Answer(**{**row, "expected": tuple(row["expected"])})
                 except (ValueError, TypeError, KeyError) as exc:
                     if n == len(lines) and not text.endswith("\n"):  # cut short by a run stopped while appending
-                        warnings.warn(f"{self.path}:{n} was cut short (a run stopped while appending it): dropped, "
-                                      "its question is asked again", stacklevel=2)
-                        self.path.write_text(text[:len(text) - len(line)])
+                        warnings.warn(f"{self.path}:{n} was cut short (a run stopped while appending it, or one is "
+                                      "appending it now): " + ("dropped, its question is asked again" if repair
+                                                               else "skipped"), stacklevel=2)
+                        if repair:
+                            self.path.write_text(text[:len(text) - len(line)])
                         break
                     raise ValueError(f"{self.path}:{n} is not an answer row of this suite ({exc}); give another "
                                      "--answers file or remove that line") from exc
                 self._remember(ans)
+            else:
+                if repair and text and not text.endswith("\n"):  # a whole last row without its newline
+                    with self.path.open("a") as f:
+                        f.write("\n")
 
     def _remember(self, ans: Answer) -> None:
         if ans.key not in self._keys:
