@@ -560,16 +560,23 @@ def test_answers_name_the_method_recipe_and_dtype_they_came_from(tiny_setup, tin
     assert {a.dtype for a in answers} == {"float32"}
 
 
-def test_an_answer_row_cut_short_at_the_end_is_dropped_and_asked_again(tmp_path):
-    """A run stopped while appending an answer: the half line is dropped with a warning (its question is asked
-    again), where before the file could not be read until edited by hand."""
+def _half_written(tmp_path):
+    """An answers file of one whole row and the first 40 characters of the next: (its path, the whole row)."""
     from kvsqueeze.eval.ruler_eval import Answer, AnswerLog
 
     path = tmp_path / "a.jsonl"
-    log = AnswerLog(path)
-    log.add(Answer("m", "fp16", "dense-prefill", "vt", 4096, 0, 7, 100, 1.0, "x", ("x",)))
+    AnswerLog(path).add(Answer("m", "fp16", "dense-prefill", "vt", 4096, 0, 7, 100, 1.0, "x", ("x",)))
     whole = path.read_text()
     path.write_text(whole + whole[:40])
+    return path, whole
+
+
+def test_an_answer_row_cut_short_at_the_end_is_dropped_and_asked_again(tmp_path):
+    """A run stopped while appending an answer: the half line is dropped with a warning (its question is asked
+    again), where before the file could not be read until edited by hand."""
+    from kvsqueeze.eval.ruler_eval import AnswerLog
+
+    path, whole = _half_written(tmp_path)
     with pytest.warns(UserWarning, match="cut short"):
         again = AnswerLog(path)
     assert len(again.answers) == 1 and path.read_text() == whole
@@ -581,11 +588,7 @@ def test_a_reader_beside_a_running_append_leaves_the_answers_file_as_it_is(tmp_p
     the appending process, so its next row starts a line of its own."""
     from kvsqueeze.eval.ruler_eval import Answer, AnswerLog
 
-    path = tmp_path / "a.jsonl"
-    log = AnswerLog(path)
-    log.add(Answer("m", "fp16", "dense-prefill", "vt", 4096, 0, 7, 100, 1.0, "x", ("x",)))
-    whole = path.read_text()
-    path.write_text(whole + whole[:40])
+    path, whole = _half_written(tmp_path)
     with pytest.warns(UserWarning, match="skipped"):
         assert len(AnswerLog(path, repair=False).answers) == 1
     assert path.read_text() == whole + whole[:40]
