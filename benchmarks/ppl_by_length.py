@@ -195,6 +195,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {out}")
         return 0
     model, tok = load_model(args.model)
+    from kvsqueeze.shape import context_length
+
+    limit = context_length(model.config)
+    if limit and max(lengths) > limit:  # positions past it were never trained: their PPL says nothing
+        raise SystemExit(f"--lengths {max(lengths)} is past {args.model}'s {limit}-token context; use lengths up to "
+                         f"{limit}")
     text = load_text(args.text)
     fp16 = preset_for("fp16", 2)
     check_head(model, torch.arange(100, 164).view(1, -1), lambda: SimulatedQuantization(model, fp16, recipe).new_cache())

@@ -161,3 +161,19 @@ def test_a_record_cut_short_at_the_end_is_dropped_and_one_elsewhere_refused(tmp_
     with pytest.raises(SystemExit, match=r"w.jsonl:2 is not a JSON record"):
         read_records(log)
     assert read_records(tmp_path / "none.jsonl") == []
+
+
+def test_lengths_past_the_model_s_context_are_refused_before_any_window(tiny_recipe, tmp_path, monkeypatch):
+    """A 64-token window on a model of 48 tokens of context: scored before, now refused as soon as the model is
+    loaded, before any window's forward."""
+    from types import SimpleNamespace
+
+    from transformers import LlamaConfig
+
+    pbl = _load()
+    recipe_dir = tiny_recipe.save(tmp_path / "recipe")
+    model = SimpleNamespace(config=LlamaConfig(max_position_embeddings=48))
+    monkeypatch.setattr("kvsqueeze.integrations.loading.load_model", lambda *a, **k: (model, None))
+    with pytest.raises(SystemExit, match="--lengths 64 is past no-such-model's 48-token context"):
+        pbl.main(["--model", "no-such-model", "--recipe", str(recipe_dir), "--lengths", "64", "--tokens", "64",
+                  "--json", str(tmp_path / "p.json")])
