@@ -203,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                          f"{limit}")
     text = load_text(args.text)
     fp16 = preset_for("fp16", 2)
-    check_head(model, torch.arange(100, 164).view(1, -1), lambda: SimulatedQuantization(model, fp16, recipe).new_cache())
+    check_head(model, torch.arange(100, 164).view(1, -1),
+               lambda: SimulatedQuantization(model, fp16, recipe).new_cache())
     result = {"model": args.model, "recipe": args.recipe, "text": args.text, "machine": machine(),
               "threads": torch.get_num_threads(), "segment": args.segment, "tokens_per_length": args.tokens,
               "command": "python benchmarks/ppl_by_length.py " + " ".join(argv if argv is not None else sys.argv[1:])}
