@@ -388,7 +388,7 @@ def test_paired_interval_covers_the_change_and_narrows_with_agreeing_windows():
 def test_paired_interval_covers_the_true_change_95_times_in_100(windows):
     """Windows whose NLL differences vary from window to window (as a text's windows do): over 2,000 draws the
     95% interval holds the true change 93-97% of the time at the 3-8 windows tables are measured on (a
-    percentile bootstrap over windows held it about 75% of the time at three and 82% at five)."""
+    percentile bootstrap over windows held it about 75% of the time at three and 84% at five)."""
     from kvsqueeze.eval.perplexity import paired_interval
 
     g = torch.Generator().manual_seed(windows)

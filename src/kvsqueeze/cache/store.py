@@ -458,8 +458,8 @@ class KVStore:
                 for a, b in zip(mine, kept):  # in place: the views' memos of these tensors stay valid
                     a.copy_(b)
             else:
-                self.sink_k, self.sink_v, self.sink_slot = (x.clone() for x in kept[:3])
-                self.sinks_taken, self.window_taken = kept[3].clone(), kept[4].clone()
+                (self.sink_k, self.sink_v, self.sink_slot, self.sinks_taken,
+                 self.window_taken) = (x.clone() for x in kept)
         else:
             gone = self.sink_slot >= tokens
             self.sinks_taken -= gone[:, : self.sinks].sum(dim=1)

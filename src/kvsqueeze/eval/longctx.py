@@ -15,6 +15,7 @@ from ..config import PasskeyConfig
 from ..integrations.simulate import SimulatedQuantization
 from ..methods import MethodSpec
 from ..recipe import Recipe
+from ..shape import context_length
 from .passkey import PasskeyPrompt, PasskeyResult, build_passkey_prompts, run_passkey
 
 ANSWER_TOKENS = 8  # a 5-digit key plus a space and punctuation, whatever the tokenizer
@@ -44,7 +45,7 @@ def passkey_eval(model, tok, specs: list[MethodSpec], lengths: list[int], trials
     """Exact-match passkey accuracy for each method and prompt length (same prompts for all methods)."""
     if engine not in ENGINES:
         raise ValueError(f"engine must be one of {ENGINES}, got {engine!r}")
-    limit = getattr(model.config, "max_position_embeddings", None)
+    limit = context_length(model.config)
     for n in lengths:
         if n < 1:
             raise ValueError(f"passkey length must be positive, got {n}")

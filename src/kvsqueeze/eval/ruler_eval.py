@@ -51,9 +51,10 @@ from ..integrations.prefill import DensePrefill, check_full_attention, compresse
 from ..integrations.simulate import SimulatedQuantization
 from ..methods import MethodSpec, needs_recipe
 from ..recipe import Recipe
+from ..shape import context_length
 from .ruler import TASKS, Context, Question, question_digest, score_answer
 from .skinny import skinny_linears
-from .stats import cluster_interval, t975  # noqa: F401  (t975: where it was first defined)
+from .stats import cluster_interval
 from .tables import text_table
 
 ENGINES = ("dense-prefill", "chunked", "sim")
@@ -330,7 +331,7 @@ def ruler_eval(model, tok, specs: Sequence[MethodSpec], contexts: Sequence[Conte
         raise ValueError(f"max_rows and row_memory must be positive, got {max_rows} and {row_memory}")
     log = log if log is not None else AnswerLog()
     name = model_name or str(getattr(model.config, "name_or_path", "model"))
-    limit = getattr(model.config, "max_position_embeddings", None)
+    limit = context_length(model.config)
     device = next(model.parameters()).device
     hint = "Use engine='chunked' (--engine chunked): each method then prefills through its own cache"
     if engine == "dense-prefill":

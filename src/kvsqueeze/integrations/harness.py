@@ -43,6 +43,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
 from ..config import DEFAULT_DTYPE, DEFAULT_METHOD, DEFAULT_MODEL
 from ..methods import family, needs_recipe, parse_method
 from ..recipe import Recipe
+from ..shape import context_length
 from .loading import load_model
 from .prefill import compressed
 from .simulate import SimulatedQuantization
@@ -83,7 +84,7 @@ class KVSqueezeLM(HFLM):
         self.kv_method_check(model)
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token  # HFLM pads batches
-        kwargs.setdefault("max_length", getattr(model.config, "max_position_embeddings", None) or 2048)
+        kwargs.setdefault("max_length", context_length(model.config) or 2048)
         super().__init__(pretrained=model, tokenizer=tok, **kwargs)
 
     def kv_method_check(self, model) -> None:
