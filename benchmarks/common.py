@@ -27,7 +27,6 @@ import platform
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from pathlib import Path
@@ -246,34 +245,15 @@ def decode_step(method: str, recipe, q, k1, v1, rope: Rope, scaling: float, toke
 
 # ---- memory ------------------------------------------------------------------------------------------
 def read_records(path: Path, repair: bool = True) -> list[dict]:
-    """The JSON records of a file written one line per record (none where it is missing); a bad line before the
-    last stops with its line number. `repair` (the process that appends to the file): a last line cut short (a run
-    killed while appending) is dropped from the file with a warning, and a whole last line without its newline
-    gets one, so the next append starts a line of its own; a reader alone (a summary beside a run that may be
-    appending now) skips a cut line and leaves the file as it is."""
-    path = Path(path)
-    if not path.is_file():
-        return []
-    text = path.read_text()
-    lines = text.splitlines()
-    out = []
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            out.append(json.loads(line))
-        except ValueError:
-            if n == len(lines) and not text.endswith("\n"):
-                print(f"warning: {path}:{n} was cut short (a run stopped while appending it, or one is appending "
-                      f"it now): {'dropped' if repair else 'skipped'}", file=sys.stderr)
-                if repair:
-                    path.write_text(text[:len(text) - len(line)])
-                return out
-            raise SystemExit(f"{path}:{n} is not a JSON record; remove that line or give another file") from None
-    if repair and text and not text.endswith("\n"):
-        with path.open("a") as f:
-            f.write("\n")
-    return out
+    """The JSON records of a file written one line per record (none where it is missing), as
+    `kvsqueeze.eval.records.read_jsonl` reads them (`repair`: the process that appends to the file drops a last
+    line cut short); a bad line before the last stops the run with its line number."""
+    from kvsqueeze.eval.records import RecordError, read_jsonl
+
+    try:
+        return [record for _, record in read_jsonl(path, repair)]
+    except RecordError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 def same_recipe(recipe_dir, digest: str | None, named, measured: str, fix: str, who: str = "") -> None:

@@ -239,7 +239,10 @@ def main() -> None:
     tasks = args.tasks.split(",")
     answers_path = Path(args.answers)
     timing_path = answers_path.with_name(answers_path.stem + "_timing.jsonl")
-    log = AnswerLog(answers_path, repair=not args.summarize_only)  # a summary beside a run only reads
+    try:
+        log = AnswerLog(answers_path, repair=not args.summarize_only)  # a summary beside a run only reads
+    except ValueError as exc:  # a bad row: its line and the fix
+        raise SystemExit(f"ruler.py: {exc}") from None
     if not args.summarize_only:
         from kvsqueeze.integrations.loading import load_model
         from kvsqueeze.recipe import Recipe

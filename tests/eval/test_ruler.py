@@ -595,3 +595,18 @@ def test_a_reader_beside_a_running_append_leaves_the_answers_file_as_it_is(tmp_p
     path.write_text(whole.rstrip("\n"))
     AnswerLog(path).add(Answer("m", "q3.5", "dense-prefill", "vt", 4096, 0, 7, 100, 1.0, "x", ("x",)))
     assert len(AnswerLog(path).answers) == 2 and path.read_text().count("\n") == 2
+
+
+def test_an_answers_file_with_a_bad_row_before_its_end_is_refused_with_the_line(tmp_path):
+    """Only the last line can be an append cut short; a bad row elsewhere (a record of another file, a line cut in
+    the middle by an edit) stops the run with its line number instead of being skipped without a word."""
+    from kvsqueeze.eval.ruler_eval import AnswerLog
+
+    path, whole = _half_written(tmp_path)
+    path.write_text(whole + '{"model": "m"}\n' + whole)
+    with pytest.raises(ValueError, match=r"a.jsonl:2 is not an answer row of this suite"):
+        AnswerLog(path)
+    path.write_text(whole[:40] + "\n" + whole)
+    with pytest.raises(ValueError, match=r"a.jsonl:1 is not a JSON record"):
+        AnswerLog(path, repair=False)
+    assert path.read_text() == whole[:40] + "\n" + whole  # refused, not repaired

@@ -40,7 +40,6 @@ import copy
 import json
 import math
 import time
-import warnings
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -52,6 +51,7 @@ from ..integrations.simulate import SimulatedQuantization
 from ..methods import MethodSpec, needs_recipe
 from ..recipe import Recipe
 from ..shape import context_length
+from .records import read_jsonl
 from .ruler import TASKS, Context, Question, question_digest, score_answer
 from .skinny import skinny_linears
 from .stats import cluster_interval
@@ -96,36 +96,19 @@ class AnswerLog:
     """Answers appended to a JSONL file as they are made; those already there are not asked again."""
 
     def __init__(self, path: str | Path | None = None, repair: bool = True):
-        """`repair`: this process appends to the file, so a last line cut short (a run stopped while writing it)
-        is dropped from the file and a last line without its newline gets one; a reader alone (a summary, beside
-        a run that may be appending) leaves the file as it is and skips such a line."""
+        """`repair`: this process appends to the file (`records.read_jsonl`: a last line cut short by a run stopped
+        while writing it is dropped and its question asked again); a reader alone (a summary, beside a run that
+        may be appending) leaves the file as it is and skips such a line."""
         self.path = Path(path) if path is not None else None
         self.answers: list[Answer] = []
         self._keys: set[tuple] = set()
-        if self.path is not None and self.path.exists():
-            text = self.path.read_text()
-            lines = text.splitlines()
-            for n, line in enumerate(lines, 1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                    ans = Answer(**{**row, "expected": tuple(row["expected"])})
-                except (ValueError, TypeError, KeyError) as exc:
-                    if n == len(lines) and not text.endswith("\n"):  # cut short by a run stopped while appending
-                        warnings.warn(f"{self.path}:{n} was cut short (a run stopped while appending it, or one is "
-                                      "appending it now): " + ("dropped, its question is asked again" if repair
-                                                               else "skipped"), stacklevel=2)
-                        if repair:
-                            self.path.write_text(text[:len(text) - len(line)])
-                        break
-                    raise ValueError(f"{self.path}:{n} is not an answer row of this suite ({exc}); give another "
-                                     "--answers file or remove that line") from exc
-                self._remember(ans)
-            else:
-                if repair and text and not text.endswith("\n"):  # a whole last row without its newline
-                    with self.path.open("a") as f:
-                        f.write("\n")
+        for n, row in read_jsonl(self.path, repair, "dropped, its question is asked again") if self.path else ():
+            try:
+                ans = Answer(**{**row, "expected": tuple(row["expected"])})
+            except (TypeError, KeyError) as exc:
+                raise ValueError(f"{self.path}:{n} is not an answer row of this suite ({exc!r}); give another "
+                                 "--answers file or remove that line") from exc
+            self._remember(ans)
 
     def _remember(self, ans: Answer) -> None:
         if ans.key not in self._keys:
