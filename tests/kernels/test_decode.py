@@ -174,6 +174,45 @@ def test_backend_equals_reference(backend, case):
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
+WINDOW_CASES = [  # tokens, batch, kv heads, head_dim, G, bits (0: channels of their own widths), fraction, sinks, window
+    (70, 2, 2, 64, 3, 3, 0.01, 1, 8),
+    (45, 1, 3, 80, 2, 0, 0.02, 0, 32),  # head_dim 80: 40 rotary pairs, the last lanes of a vector unused
+    (300, 2, 2, 64, 3, 0, 0.01, 2, 32),
+    (20, 1, 1, 16, 4, 4, 0.05, 1, 32),  # a window longer than the cache: every token but the sink exact
+]
+
+
+@pytest.mark.parametrize("backend", FAST_BACKENDS)
+@pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: "T{}-B{}-H{}-D{}-G{}-b{}-p{}-s{}-w{}".format(*c))
+def test_backend_equals_reference_with_an_fp16_window(backend, case):
+    """A method's fp16 window (`:rN`): its tokens' exact copies enter the kernels as sink entries, whose scores
+    and values the sink passes put in place of the quantized ones (16 pairs or channels a vector), over value
+    outliers of fixed counts or per-slot pointers, codes of one width or of each channel's own."""
+    tokens, batch, heads, head_dim, group, bits, fraction, sinks, window = case
+    c = heads * head_dim
+    g = torch.Generator().manual_seed(tokens)
+    keys, values = random_kv(batch, tokens, c, g)
+    kq, vq = make_quantizers(keys.reshape(-1, c), bits or 4, fraction)
+    if not bits:
+        books = {w: uniform_levels(w) if w == 1 else normal_float_levels(w) for w in range(1, 7)}
+        kq, vq = (replace(x, widths=torch.randint(1, 7, (c,), generator=g), codebooks=books, levels=books[6])
+                  for x in (kq, vq))
+    store = KVStore(kq, vq, c, sinks, head_dim=head_dim, window=window)
+    store.append(keys[:, : tokens // 2], values[:, : tokens // 2])
+    store.append(keys[:, tokens // 2:], values[:, tokens // 2:])  # the window's ring written across two appends
+    kv = view_of(store)
+    assert int((kv.sink_slot >= 0).sum()) == batch * min(tokens, sinks + window)
+    q = torch.randn(batch, heads * group, head_dim, generator=torch.Generator().manual_seed(1))
+    rope = Rope.default(head_dim)
+    ref = decode_attention(q, kv, rope, head_dim**-0.5, backend=Backend.REFERENCE)
+    for variant in [kv, *outlier_variants(kv)]:
+        if backend is Backend.NUMBA and variant.v_offsets is not None and any(
+                s is not None and s.nnz and s.code is None for s in (variant.k_outliers, variant.v_outliers)):
+            continue  # channels of their own widths need the code under every outlier (refused, tested above)
+        got = decode_attention(q, variant, rope, head_dim**-0.5, backend=backend)
+        torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
+
+
 def outlier_variants(kv: StoreView) -> list[StoreView]:
     """kv with its outliers described less precisely: value outliers as general CSR (counts per slot not known
     to be equal), and codes under the outliers not known (the backend must read them), alone and together."""

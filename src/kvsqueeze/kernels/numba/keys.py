@@ -8,19 +8,28 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .common import K_CODES, ZERO, block_rotation, cos_sin_at, decode, gather_words, head_words, max_head_words
+from .common import K_CODES, ZERO, block_rotation, decode, gather_words, head_words, max_head_words
 from .tables import BLOCK
 from .simd import (
     LANES,
     f16,
+    ulanes,
+    vadd,
     vfma,
     vfms,
+    vgather,
+    vhalf,
     vhmax,
+    vhsum,
+    vindex16,
     vload,
+    vload_first,
     vmax,
     vmul,
     vsplat,
+    vstore,
     vstore_first,
+    vsub,
 )
 
 KEY_TILE = 3  # query heads per pass over a block: 3 x 4 accumulator vectors in registers
@@ -143,38 +152,46 @@ def _dot_group(q, b, qh, ng, wb, w0, c0, half, d, bits, offs, klut, cs, sn, n, v
 
 @njit(parallel=True, cache=True)
 def sink_scores(q, heads, positions, cos_hi, sin_hi, cos_lo, sin_lo, scaling, sink_k, sink_slot, scores):
-    """Overwrite the scores of sink tokens with those of their exact keys (fp16 bits, uint16 [B, S, C], pre-RoPE).
+    """Overwrite the scores of sink tokens with those of their exact keys (fp16 bits, uint16 [B, S, C], pre-RoPE):
+    the attention sinks and a method's fp16 window.
 
-    One work item per (row, entry): the entry's key is turned once for every KV head, then dotted with each query
-    head of the head's group (the same products, added in the same order, as one query head at a time)."""
+    One work item per (row, entry), 16 rotary pairs at a time in vector lanes: the cos and sin of the entry's
+    position are formed once for every KV head (as `block_rotation` forms them), each head's pairs are turned and
+    multiplied into every query head of its group, each query head summing its lanes at the end. Channels past
+    the rotary ones (partial rotary) are added one by one."""
     hq_all, d = q.shape[1], q.shape[2]
     g_size = hq_all // heads
     half = cos_lo.shape[0]  # rotary pairs (j, j + half); channels from 2 * half on are not turned
-    n_s = sink_slot.shape[1]
+    n_s, c_all = sink_slot.shape[1], sink_k.shape[2]
     for i in prange(sink_slot.shape[0] * n_s):
         b, s = i // n_s, i % n_s
         t = sink_slot[b, s]
         if t < 0:
             continue
         p = positions[t, b]
-        kr = np.empty(heads * d, np.float32)
-        for h in range(heads):
-            base = h * d
-            for j in range(half):
-                cos, sin = cos_sin_at(p, j, cos_hi, sin_hi, cos_lo, sin_lo)
-                x, y = f16(sink_k[b, s, base + j]), f16(sink_k[b, s, base + j + half])
-                kr[base + j] = x * cos - y * sin
-                kr[base + j + half] = y * cos + x * sin
+        hi = p // BLOCK
+        lo = p - hi * BLOCK
+        entry = (b * n_s + s) * c_all
+        acc = np.zeros((hq_all, LANES), np.float32)
+        for j in range(0, half, LANES):
+            m = min(LANES, half - j)
+            ch, sh = vload_first(cos_hi, hi * half + j, m), vload_first(sin_hi, hi * half + j, m)
+            cl, sl = vgather(cos_lo, j * BLOCK + lo, BLOCK, m), vgather(sin_lo, j * BLOCK + lo, BLOCK, m)
+            cos, sin = vsub(vmul(ch, cl), vmul(sh, sl)), vadd(vmul(sh, cl), vmul(ch, sl))
+            for h in range(heads):
+                x = vhalf(vindex16(sink_k, entry + h * d + j, ulanes(), m))
+                y = vhalf(vindex16(sink_k, entry + h * d + j + half, ulanes(), m))
+                kx, ky = vsub(vmul(x, cos), vmul(y, sin)), vadd(vmul(y, cos), vmul(x, sin))
+                for r in range(h * g_size, (h + 1) * g_size):
+                    qo = (b * hq_all + r) * d
+                    a = vfma(vload_first(q, qo + j, m), kx, vload(acc, r * LANES))
+                    vstore(acc, r * LANES, vfma(vload_first(q, qo + half + j, m), ky, a))
+        for r in range(hq_all):
+            total = vhsum(vload(acc, r * LANES))
+            base = (r // g_size) * d
             for j in range(2 * half, d):
-                kr[base + j] = f16(sink_k[b, s, base + j])
-        for hq in range(hq_all):
-            base = (hq // g_size) * d
-            acc = ZERO
-            for j in range(half):
-                acc += q[b, hq, j] * kr[base + j] + q[b, hq, j + half] * kr[base + j + half]
-            for j in range(2 * half, d):
-                acc += q[b, hq, j] * kr[base + j]
-            scores[b, hq, t] = acc * scaling
+                total += q[b, r, j] * f16(sink_k[b, s, base + j])
+            scores[b, r, t] = total * scaling
 
 
 @njit(parallel=True, cache=True)

@@ -8,15 +8,25 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
-from .common import (SCALE_ZERO, SPAN, TILE, V_CHANNELS, V_CODES, V_VALUES, ZERO, at, code_at, decode, gather_words,
+from .common import (SCALE_ZERO, SPAN, TILE, V_CHANNELS, V_CODES, V_VALUES, ZERO, at, decode, gather_words,
                      head_words, max_head_words)
 from .simd import (
     LANES,
     f16,
+    uadd,
+    ulanes,
+    umin,
+    umul,
+    uand,
+    ushr,
     vadd,
     vexp,
     vfma,
+    vfunnel,
+    vhalf,
     vhsum,
+    vindex,
+    vindex16,
     vload,
     vload_first,
     vmul,
@@ -146,13 +156,6 @@ def _accumulate(wb, w0, c0, d, bits, offs, vlut, weights, gt, ng, width, acc, fr
             vstore(acc, i1 + 3 * d * LANES, e3)
 
 
-@njit(cache=True, inline="always")
-def _dense_value(codes, first, c, offs, vlut, scale_zero, e_sz):
-    s = f16(scale_zero[e_sz])
-    z = f16(scale_zero[e_sz + 1])
-    return vlut[c, code_at(codes, first, offs[c], offs[c + 1] - offs[c])] * s + z
-
-
 @njit(parallel=True, cache=True)
 def sink_values(probs, codes, rows, geo, shift, vlut, offs, heads, scale_zero, pointers, fixed, channels, values,
                 sink_v, sink_slot, out):
@@ -160,13 +163,25 @@ def sink_values(probs, codes, rows, geo, shift, vlut, offs, heads, scale_zero, p
     and the outlier pass summed for that slot (its dequantized element or an outlier stored there).
     codes, rows, geo, shift, scale_zero: as `value_sums`. fixed > 0: every slot holds that many outliers, where
     `geo` puts them (`pointers` is not read); else pointers [T*B + 1] by slot (a store's token-major arrays) or
-    empty. One work item per (row, KV head), which alone writes its query heads' outputs, sinks in order."""
+    empty. One work item per (row, KV head), which alone writes its query heads' outputs, sinks in order.
+
+    16 channels of the head at a time in vector lanes: each lane gathers its code's word and the next (a code may
+    straddle them; the next is never past the slot's last word), funnel-shifts the code down and reads its level
+    from its channel's table row, whose entries repeat with the code's period, so the bits above the code select
+    the same level. An outlier stored in the slot replaces its lane's element before the products are added."""
     n_rows = rows.shape[0]
     hq_all, d = out.shape[1], out.shape[2]
     g_size = hq_all // heads
+    row = vlut.shape[1]  # 16, or 64 with 5- and 6-bit channels: a power of two
+    n_s, c_all = sink_slot.shape[1], sink_v.shape[2]
+    last = (offs[offs.shape[0] - 1] - 1) >> 5  # a slot's last code word
     for i in prange(sink_slot.shape[0] * heads):
         b, h = i // heads, i % heads
-        for s in range(sink_slot.shape[1]):
+        lane_offs = np.empty(-(-d // LANES) * LANES, np.uint32)  # the head's channels' first bits, by lane
+        for k in range(lane_offs.shape[0]):  # lanes past the head's channels repeat its first (addresses in range)
+            lane_offs[k] = offs[h * d + k] if k < d else offs[h * d]
+        delta = np.empty(LANES, np.float32)
+        for s in range(n_s):
             t = sink_slot[b, s]
             if t < 0:
                 continue
@@ -178,15 +193,23 @@ def sink_values(probs, codes, rows, geo, shift, vlut, offs, heads, scale_zero, p
             elif pointers.shape[0] > 0:
                 e, e_end = pointers[t * n_rows + b], pointers[t * n_rows + b + 1]
             first, e_sz = at(slot, geo, V_CODES, shift), at(slot, geo, SCALE_ZERO, shift)
-            for j in range(d):
-                c = h * d + j
-                while e < e_end and np.int64(channels[e]) < c:  # entries of a slot are in channel order
+            scale, zero = vsplat(f16(scale_zero[e_sz])), vsplat(f16(scale_zero[e_sz + 1]))
+            for j in range(0, d, LANES):
+                m = min(LANES, d - j)
+                c0 = h * d + j
+                off = vload(lane_offs, j)
+                word = ushr(off, 5)
+                code = vfunnel(vindex(codes, first, word, m), vindex(codes, first, umin(uadd(word, 1), last), m),
+                               uand(off, 31))
+                level = vindex(vlut, c0 * row, uadd(umul(ulanes(), row), uand(code, row - 1)), m)
+                exact = vhalf(vindex16(sink_v, (b * n_s + s) * c_all + c0, ulanes(), m))
+                vstore(delta, 0, vsub(exact, vadd(vmul(level, scale), zero)))
+                while e < e_end and np.int64(channels[e]) < c0 + m:  # entries of a slot are in channel order
+                    c = np.int64(channels[e])
+                    if c >= c0:
+                        delta[c - c0] = f16(sink_v[b, s, c]) - f16(values[e + to_value])
                     e += 1
-                if e < e_end and np.int64(channels[e]) == c:
-                    stored = f16(values[e + to_value])
-                    e += 1
-                else:
-                    stored = _dense_value(codes, first, c, offs, vlut, scale_zero, e_sz)
-                delta = f16(sink_v[b, s, c]) - stored
-                for g in range(g_size):
-                    out[b, h * g_size + g, j] += probs[b, h * g_size + g, t] * delta
+                dv = vload(delta, 0)
+                for r in range(h * g_size, (h + 1) * g_size):
+                    o = (b * hq_all + r) * d + j
+                    vstore_first(out, o, vadd(vload_first(out, o, m), vmul(vsplat(probs[b, r, t]), dv)), m)
