@@ -2,14 +2,22 @@
 
     python benchmarks/vllm_capacity.py [--model smollm2-135m] [--recipe out/recipe]
         [--method q3.5] [--fit 2] [--queue 8] [--prompt-tokens 2048] [--new-tokens 128]
-        [--block-size 128] [--max-num-batched-tokens 256] [--json benchmarks/results/vllm.json]
+        [--block-size 128] [--max-num-batched-tokens 256] [--key capacity_bound] [--json benchmarks/results/vllm.json]
 
 The KV space is sized so that vLLM's own bfloat16 cache holds `--fit` requests of `--prompt-tokens` +
 `--new-tokens` tokens at once (plus one block); `--queue` such requests (prompts cut from the BBC evaluation text,
 greedy) are submitted at once to each engine in turn, bfloat16: vLLM with its default CPU backend, then with the
 kvsqueeze backend serving the method, whose pages hold several times more tokens in the same bytes; and vLLM's
 own backend again with kvsqueeze's prefill chunk. vLLM's scheduler runs what fits and queues (or preempts, and
-later recomputes) the rest.
+later recomputes) the rest. Each engine's preemptions are counted (vLLM's scheduler, in the run's process): a
+request preempted when the space runs out mid-generation gives its pages back and computes its prompt and every
+token it generated again when it resumes.
+
+Two shapes of queue answer different questions. Long prompts and short answers (the defaults, 2,048 + 128) fill
+the space at admission: vLLM admits only what fits whole and never preempts, so the queue measures prefill speed
+with more requests in flight. Short prompts and long answers (`--prompt-tokens 256 --new-tokens 768 --key
+capacity_bound_long_answers`) are admitted on their prompts' pages and outgrow the space while they decode: vLLM
+preempts and recomputes, which a cache holding 4-5 times the tokens avoids.
 
 The prefill chunk (`--max-num-batched-tokens`, tokens a step computes) matters to a method with an fp16 window:
 vLLM keeps the window's pages of every token a step computes until the step ends, so a request prefilling a chunk
@@ -46,7 +54,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--max-num-batched-tokens", type=int, default=256,
                     help="kvsqueeze's prefill chunk (vLLM's own backend runs at its default and at this)")
+    ap.add_argument("--key", default="capacity_bound",
+                    help="the section of --json this queue's results go to, and `<key>_ratio` beside it (the default "
+                         "section's ratio is `capacity_bound_ratio`, its vLLM count `capacity_ratio_vllm`)")
     args = ap.parse_args(argv)
+    if not args.key.isidentifier():
+        raise SystemExit(f"--key {args.key!r}: give a name of letters, digits and underscores "
+                         "(e.g. capacity_bound_long_answers)")
 
     from kvsqueeze.eval.texts import load_text
     from kvsqueeze.integrations.cache import kv_shape
@@ -93,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         "requests_at_once_vllm": {k: (r.get("kv_tokens_vllm") or 0) // per_request for k, r in runs.items()},
         "kv_cache_groups": {k: r.get("kv_cache_groups") for k, r in runs.items()},
         "seconds": {k: r["runs"][0]["seconds"] for k, r in runs.items()},
+        # requests the scheduler preempted (None: the engine core ran in another process and was not counted)
+        "preemptions": {k: r["runs"][0].get("preemptions") for k, r in runs.items()},
         "requests_per_s": {k: round(v, 4) for k, v in rate.items()},
         # the token slots each engine's allocator gives this space (vLLM.py's top-level capacity_ratio is a 1 GiB
         # space's)
@@ -102,13 +118,15 @@ def main(argv: list[str] | None = None) -> int:
                "against vLLM's own backend at the faster of its two prefill chunks (`baseline`)",
         "baseline": best,
     }
-    whole = merge_json(args.json, capacity_bound=result,
-                       capacity_bound_ratio=round(rate["kvsqueeze"] / rate[best], 3),
-                       capacity_ratio_vllm=round(runs["kvsqueeze"]["kv_tokens_vllm"] / runs[best]["kv_tokens_vllm"],
-                                                 3))
-    print(json.dumps(result, indent=1))
-    print("capacity_bound_ratio", whole["capacity_bound_ratio"], "capacity_ratio (this space)",
-          result["capacity_ratio"], "capacity_ratio_vllm", whole["capacity_ratio_vllm"])
+    result["capacity_ratio_vllm"] = round(runs["kvsqueeze"]["kv_tokens_vllm"] / runs[best]["kv_tokens_vllm"], 3)
+    result["ratio"] = round(rate["kvsqueeze"] / rate[best], 3)
+    parts = {args.key: result, f"{args.key}_ratio": result["ratio"]}
+    if args.key == "capacity_bound":  # the keys the serving issue names
+        parts["capacity_ratio_vllm"] = result["capacity_ratio_vllm"]
+    merge_json(args.json, **parts)
+    print(json.dumps({k: v for k, v in result.items() if k != "kv_cache_groups"}, indent=1))
+    print(f"{args.key}_ratio", result["ratio"], "capacity_ratio (this space)", result["capacity_ratio"],
+          "capacity_ratio_vllm", result["capacity_ratio_vllm"], "preemptions", result["preemptions"])
     return 0
 
 

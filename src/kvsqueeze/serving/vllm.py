@@ -51,6 +51,7 @@ import weakref
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from vllm.config import get_current_vllm_config
@@ -741,11 +742,13 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             bw = self.window_store.tokens().shape[1]
             slot = wmd.slot_mapping[:n].to(torch.int64)
             keep = slot >= 0  # padding tokens have none
-            hit = memo["window_write"] = (keep, slot[keep] // bw, slot[keep] % bw, wmd.block_table)
+            slot = slot[keep]
+            hit = memo["window_write"] = (None if bool(keep.all()) else keep, slot // bw, slot % bw, wmd.block_table)
         keep, page, off, table = hit
         store = self.window_store.tokens()
-        both = torch.stack([k_pre[keep], v[keep]], dim=1).to(torch.float16)  # [n, 2, C]
-        store[page, off, self.layer] = both
+        if keep is not None:
+            k_pre, v = k_pre[keep], v[keep]
+        store[page, off, self.layer] = torch.stack([k_pre, v], dim=1).to(torch.float16)  # [n, 2, C]
         return store, table
 
     def _read_window(self, store: torch.Tensor, table: torch.Tensor, md: KVSqueezeMetadata):
@@ -758,9 +761,23 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             pos = md.decode_lens.to(torch.int64).view(-1, 1) - w + torch.arange(w).view(1, -1)
             rows = _decode_rows(table, md.decode, md.lead)
             page, off = WindowStore.slots(rows.to(pos.device), pos.clamp(min=0), store.shape[1])
-            hit = md.memo["window_read"] = (page, off, (pos < 0).view(*pos.shape, 1, 1))
-        page, off, before = hit
-        kv = store[page, off, self.layer].masked_fill(before, 0)  # [D, W, 2, C]
+            before = (pos < 0).view(*pos.shape, 1, 1)
+            starts = None
+            if store.device.type == "cpu":  # each entry's first element in the buffer at layer 0, for `copy_rows`
+                starts = (page * store.stride(0) + off * store.stride(1)).view(-1).numpy()
+            hit = md.memo["window_read"] = (page, off, before if bool(before.any()) else None, starts)
+        page, off, before, starts = hit
+        if starts is None:
+            kv = store[page, off, self.layer]  # [D, W, 2, C]
+        else:  # one row copy an entry: torch's indexing of a 16-bit tensor takes several times as long
+            from ..kernels.numba.pages import copy_rows
+
+            rows = np.empty((starts.shape[0], 2 * store.shape[-1]), np.int16)
+            flat = store.as_strided(((store.shape[0] - 1) * store.stride(0) + store[0].numel(),), (1,))
+            copy_rows(flat.view(torch.int16).numpy(), starts + self.layer * store.stride(2), rows)
+            kv = torch.from_numpy(rows).view(torch.float16).view(*page.shape, 2, store.shape[-1])
+        if before is not None:
+            kv = kv.masked_fill(before, 0)
         return kv[:, :, 0], kv[:, :, 1]
 
     _warm = False
@@ -798,6 +815,10 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
                 decode_attention(torch.randn(1, hq, d, generator=g, dtype=f32), view, self.rope, self.scale,
                                  key_mask=mask, backend=self.config.decode, softcap=self.softcap)
             seen.add(empty)
+        if self.window:  # the window's reader (`_read_window`)
+            from ..kernels.numba.pages import copy_rows
+
+            copy_rows(np.zeros(8, np.int16), np.zeros(1, np.int64), np.empty((1, 4), np.int16))
 
     def _pre_rope(self, k: torch.Tensor, pos: torch.Tensor, eps: float) -> torch.Tensor:
         """This step's keys [N, H, D] before RoPE: as the rotary step was given them where they are this layer's,

@@ -39,6 +39,27 @@ def kv_space(llm) -> dict:
             "kv_cache_groups": groups, "kv_tokens_vllm": getattr(cache, "kv_cache_size_tokens", None)}
 
 
+class Preemptions:
+    """Counts the requests the engine's scheduler preempts (its pages freed, the request queued again to compute
+    its tokens anew), where the engine core runs in this process; `count` is None where it does not (its scheduler
+    is in another process)."""
+
+    def __init__(self, llm):
+        self.count = None
+        try:
+            scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+            preempt = scheduler._preempt_request
+        except AttributeError:
+            return
+        self.count = 0
+
+        def counted(*args, **kwargs):
+            self.count += 1
+            return preempt(*args, **kwargs)
+
+        scheduler._preempt_request = counted
+
+
 def _numba_layer() -> str | None:
     """The threading layer numba's parallel kernels ran on in this process (None: none ran)."""
     numba = sys.modules.get("numba")
@@ -229,6 +250,7 @@ def main(argv: list[str] | None = None) -> None:
     llm = LLM(**kwargs)
     started = time.perf_counter() - t0
     built = kernel_variants()  # what the backend's warm-up loaded as the model was built
+    preempted = Preemptions(llm)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     runs = []
     if args.predict:
@@ -259,10 +281,12 @@ def main(argv: list[str] | None = None) -> None:
         score_seconds = round((time.perf_counter() - t1) / len(rounds), 2)
     for _ in range(args.repeat if not (args.predict or args.score) else 0):
         t1 = time.perf_counter()
+        before = preempted.count
         outs = llm.generate(inputs, params, use_tqdm=False)
         wall = time.perf_counter() - t1
         runs.append({"tokens": [list(o.outputs[0].token_ids) for o in outs], "seconds": round(wall, 3),
-                     "generated": sum(len(o.outputs[0].token_ids) for o in outs)})
+                     "generated": sum(len(o.outputs[0].token_ids) for o in outs),
+                     "preemptions": None if before is None else preempted.count - before})
     result = {
         **({"predicted": predicted} if args.predict else {}),
         **({"scores": scores, "score_seconds": score_seconds} if args.score else {}),
