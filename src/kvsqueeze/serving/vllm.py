@@ -666,8 +666,12 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             _check_rotary(self.rope, self.head_size)
             name = getattr(layer, "layer_name", "")
             self.layer = _layer_index(name)
-            layout = self.config.layout(self.layer, self.channels, self.head_size, self.block_size, self.rank,
-                                        self.ranks)
+            # built outside the engine's inference mode: tensors made inside it keep no version counter, and the
+            # decode kernel's tables of them (`kernels.numba.attend._luts`) would be built again on every call
+            with torch.inference_mode(False):
+                layout = self.config.layout(self.layer, self.channels, self.head_size, self.block_size, self.rank,
+                                            self.ranks)
+                layout._levels(kv_cache.device)  # the levels a view decodes with, kept by the layout
             if kv_cache[0].numel() != layout.page_bytes:
                 raise ServingError(f"attention {name!r}: the engine gave it pages of {kv_cache[0].numel()} bytes, its "
                                    f"layout takes {layout.page_bytes} ({self.config.spec.name})")
