@@ -747,7 +747,9 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             slot = wmd.slot_mapping[:n].to(torch.int64)
             keep = slot >= 0  # padding tokens have none
             slot = slot[keep]
-            hit = memo["window_write"] = (None if bool(keep.all()) else keep, slot // bw, slot % bw, wmd.block_table)
+            if slot.device.type == "cpu" and bool(keep.all()):  # no padding: no mask to apply (read on the host alone)
+                keep = None
+            hit = memo["window_write"] = (keep, slot // bw, slot % bw, wmd.block_table)
         keep, page, off, table = hit
         store = self.window_store.tokens()
         if keep is not None:
@@ -766,19 +768,23 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             rows = _decode_rows(table, md.decode, md.lead)
             page, off = WindowStore.slots(rows.to(pos.device), pos.clamp(min=0), store.shape[1])
             before = (pos < 0).view(*pos.shape, 1, 1)
-            starts = None
-            if store.device.type == "cpu":  # each entry's first element in the buffer at layer 0, for `copy_rows`
-                starts = (page * store.stride(0) + off * store.stride(1)).view(-1).numpy()
-            hit = md.memo["window_read"] = (page, off, before if bool(before.any()) else None, starts)
-        page, off, before, starts = hit
-        if starts is None:
+            host = None
+            if store.device.type == "cpu":  # the buffer's 16-bit words and each entry's first one at layer 0
+                if not bool(before.any()):
+                    before = None
+                flat = store.as_strided(((store.shape[0] - 1) * store.stride(0) + store[0].numel(),), (1,))
+                starts = (page * store.stride(0) + off * store.stride(1)).view(-1)
+                host = (flat.view(torch.int16).numpy(), starts.numpy())
+            hit = md.memo["window_read"] = (page, off, before, host)
+        page, off, before, host = hit
+        if host is None:
             kv = store[page, off, self.layer]  # [D, W, 2, C]
         else:  # one row copy an entry: torch's indexing of a 16-bit tensor takes several times as long
             from ..kernels.numba.pages import copy_rows
 
+            words, starts = host
             rows = np.empty((starts.shape[0], 2 * store.shape[-1]), np.int16)
-            flat = store.as_strided(((store.shape[0] - 1) * store.stride(0) + store[0].numel(),), (1,))
-            copy_rows(flat.view(torch.int16).numpy(), starts + self.layer * store.stride(2), rows)
+            copy_rows(words, starts + self.layer * store.stride(2), rows)
             kv = torch.from_numpy(rows).view(torch.float16).view(*page.shape, 2, store.shape[-1])
         if before is not None:
             kv = kv.masked_fill(before, 0)
