@@ -61,16 +61,21 @@ def make_store(tokens: int, batch: int, heads: int, head_dim: int, bits: int, fr
     return store
 
 
+def own_widths(kq: VectorQuantizer, vq: VectorQuantizer, channels: int,
+               g: torch.Generator) -> list[VectorQuantizer]:
+    """The key and value quantizers with random widths of each channel's own (1 to 6 bits, `nuq@AVG:chan`)."""
+    books = {w: uniform_levels(w) if w == 1 else normal_float_levels(w) for w in range(1, 7)}
+    widths = [torch.randint(1, 7, (channels,), generator=g) for _ in (kq, vq)]
+    return [replace(q, widths=w, codebooks=books, levels=books[int(w.max())]) for q, w in zip((kq, vq), widths)]
+
+
 def make_mixed_store(tokens: int, batch: int, heads: int, head_dim: int, fraction: float, sinks: int,
                      seed: int = 0) -> tuple[KVStore, torch.Tensor, torch.Tensor]:
     """A store whose key and value channels have random widths of their own (1 to 6 bits), and its inputs."""
     c = heads * head_dim
     g = torch.Generator().manual_seed(seed)
     keys, values = random_kv(batch, tokens, c, g)
-    kq, vq = make_quantizers(keys.reshape(-1, c), 4, fraction)
-    books = {w: uniform_levels(w) if w == 1 else normal_float_levels(w) for w in range(1, 7)}
-    widths = [torch.randint(1, 7, (c,), generator=g) for _ in (kq, vq)]
-    mixed = [replace(q, widths=w, codebooks=books, levels=books[int(w.max())]) for q, w in zip((kq, vq), widths)]
+    mixed = own_widths(*make_quantizers(keys.reshape(-1, c), 4, fraction), c, g)
     store = KVStore(*mixed, c, sinks, head_dim=head_dim)
     store.append(keys, values)
     return store, keys, values
@@ -194,9 +199,7 @@ def test_backend_equals_reference_with_an_fp16_window(backend, case):
     keys, values = random_kv(batch, tokens, c, g)
     kq, vq = make_quantizers(keys.reshape(-1, c), bits or 4, fraction)
     if not bits:
-        books = {w: uniform_levels(w) if w == 1 else normal_float_levels(w) for w in range(1, 7)}
-        kq, vq = (replace(x, widths=torch.randint(1, 7, (c,), generator=g), codebooks=books, levels=books[6])
-                  for x in (kq, vq))
+        kq, vq = own_widths(kq, vq, c, g)
     store = KVStore(kq, vq, c, sinks, head_dim=head_dim, window=window)
     store.append(keys[:, : tokens // 2], values[:, : tokens // 2])
     store.append(keys[:, tokens // 2:], values[:, tokens // 2:])  # the window's ring written across two appends
