@@ -179,7 +179,7 @@ def test_backend_equals_reference(backend, case):
         torch.testing.assert_close(got, ref, atol=2e-5, rtol=1e-4)
 
 
-WINDOW_CASES = [  # tokens, batch, kv heads, head_dim, G, bits (0: channels of their own widths), fraction, sinks, window
+WINDOW_CASES = [  # tokens, batch, kv heads, head_dim, G, bits (0: each channel its own), fraction, sinks, window
     (70, 2, 2, 64, 3, 3, 0.01, 1, 8),
     (45, 1, 3, 80, 2, 0, 0.02, 0, 32),  # head_dim 80: 40 rotary pairs, the last lanes of a vector unused
     (300, 2, 2, 64, 3, 0, 0.01, 2, 32),
