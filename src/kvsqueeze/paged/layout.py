@@ -315,15 +315,16 @@ class PageLayout:
             the number of key outliers clipped because a token had more than `key_slots` of them.
         """
         self._check_pages(pages)
+        fast = self._fast(pages)
+        if fast is not None:  # the same checks and work on numpy arrays: a step writes a few tokens a layer
+            return self._write_numba(fast, pages, slots, keys, values, positions)
         keep = slots >= 0
         if not bool(keep.all()):
             slots, keys, values, positions = slots[keep], keys[keep], values[keep], positions[keep]
         n, c = keys.shape
         if n == 0:
             return 0
-        if c != self.full_channels or values.shape != keys.shape:
-            raise ValueError(f"write: keys and values must be [N, {self.full_channels}] (every KV head's), got "
-                             f"{tuple(keys.shape)} and {tuple(values.shape)}")
+        self._check_write(keys.shape, values.shape)
         slots = slots.long()
         block, offset = slots // self.block_size, slots % self.block_size
         if int(block.max()) >= pages.shape[0] or int(slots.min()) < 0:
@@ -331,12 +332,7 @@ class PageLayout:
         xk, xv = keys.float(), values.float()
         for name, x in (("keys", xk), ("values", xv)):
             if not bool((x.abs() <= FP16_MAX).all()):  # NaN fails it too
-                raise ValueError(f"write: {name} reach {float(x.nan_to_num(float('inf')).abs().max()):.4g} (or NaN), "
-                                 "beyond float16's 65,504 that pages store scales, outliers and sinks in; serve this "
-                                 "model with vLLM's own KV cache")
-        fast = self._fast(pages)
-        if fast is not None:
-            return self._write_numba(fast, pages, block, offset, xk, xv, positions)
+                self._refuse_range(name, float(x.nan_to_num(float('inf')).abs().max()))
         sink = (positions.long() < self.sinks).view(-1, 1)  # [N, 1]
         kq, vq = self.k_quant, self.v_quant
         c0, c1 = self.first_channel, self.first_channel + self.channels
@@ -381,16 +377,42 @@ class PageLayout:
         self._put(pages, f"{side}_channels", block, offset, channel.to(torch.int32).to(torch.int16))
         self._put(pages, f"{side}_values", block, offset, exact.half())
 
-    def _write_numba(self, fast, pages, block, offset, xk, xv, positions) -> int:
-        tab = self._tables
+    def _check_write(self, keys: tuple, values: tuple) -> None:
+        if len(keys) != 2 or keys[1] != self.full_channels or tuple(values) != tuple(keys):
+            raise ValueError(f"write: keys and values must be [N, {self.full_channels}] (every KV head's), got "
+                             f"{tuple(keys)} and {tuple(values)}")
+
+    @staticmethod
+    def _refuse_range(name: str, largest: float) -> None:
+        raise ValueError(f"write: {name} reach {largest:.4g} (or NaN), beyond float16's 65,504 that pages store "
+                         "scales, outliers and sinks in; serve this model with vLLM's own KV cache")
+
+    def _write_numba(self, fast, pages, slots, keys, values, positions) -> int:
+        """`write` through the numba kernel: its checks on numpy arrays, then one compiled call."""
+        s = slots.numpy().astype(np.int64, copy=False)
+        xk = keys.detach().to(torch.float32).numpy()
+        xv = values.detach().to(torch.float32).numpy()
+        pos = positions.numpy().astype(np.int64, copy=False)
+        keep = s >= 0
+        if not keep.all():
+            s, xk, xv, pos = s[keep], xk[keep], xv[keep], pos[keep]
         n = xk.shape[0]
+        if n == 0:
+            return 0
+        self._check_write(xk.shape, xv.shape)
+        block, offset = s // self.block_size, s % self.block_size
+        if block.max() >= pages.shape[0]:
+            raise ValueError(f"write: slot {int(s.max())} is past the {pages.shape[0]} pages of the buffer")
+        for name, x in (("keys", xk), ("values", xv)):
+            if not (np.abs(x) <= FP16_MAX).all():  # NaN fails it too
+                self._refuse_range(name, float(np.abs(np.nan_to_num(x, nan=np.inf)).max()))
+        tab = self._tables
         clipped = np.zeros(n, np.int64)
         side = self.v_quant.outliers_per_side(self.full_channels) if self.value_slots else 0
-        as_np = lambda x: np.ascontiguousarray(x.numpy())  # noqa: E731
-        fast.write_tokens(as_np(xk.contiguous()), as_np(xv.contiguous()), as_np(block), as_np(offset),
-                          as_np(positions.long()), self.sinks, self.first_channel, self.channels, tab["k_mids"],
-                          tab["k_levels"], tab["k_scale"], tab["k_zero"], tab["k_lo"], tab["k_hi"], tab["k_offs"],
-                          self.key_slots, tab["v_mids"], tab["v_levels"], tab["v_offs"], side,
+        c = np.ascontiguousarray
+        fast.write_tokens(c(xk), c(xv), c(block), c(offset), c(pos), self.sinks, self.first_channel, self.channels,
+                          tab["k_mids"], tab["k_levels"], tab["k_scale"], tab["k_zero"], tab["k_lo"], tab["k_hi"],
+                          tab["k_offs"], self.key_slots, tab["v_mids"], tab["v_levels"], tab["v_offs"], side,
                           *self._regions_np(pages), clipped)
         return int(clipped.sum())
 
@@ -554,6 +576,11 @@ class PageLayout:
             sink_slot = torch.cat([view.sink_slot, slot], dim=1)
             if memo is not None:  # (the sink slots of a memoized view are the same tensor at every layer)
                 memo[key] = (lens, view.sink_slot, sink_slot)
+        if dev.type == "cpu":  # numpy's copy: torch's cat of 16-bit rows costs more than the attention in an engine
+            both = [np.concatenate([s.numpy(), x.to(torch.float16).numpy()], axis=1)
+                    for s, x in ((view.sink_k, keys), (view.sink_v, values))]
+            return view._replace(sink_k=torch.from_numpy(both[0]), sink_v=torch.from_numpy(both[1]),
+                                 sink_slot=sink_slot)
         return view._replace(sink_k=torch.cat([view.sink_k, keys.to(dev, torch.float16)], dim=1),
                              sink_v=torch.cat([view.sink_v, values.to(dev, torch.float16)], dim=1),
                              sink_slot=sink_slot)

@@ -586,6 +586,18 @@ def _check_rotary(rope: Rope, head_size: int) -> None:
         _ROTARIES_CHECKED.setdefault(rotary, set()).add(memo)
 
 
+def _words(store: torch.Tensor) -> np.ndarray:
+    """The window's pages (`WindowStore.tokens`) as one flat run of 16-bit words (int16), from the first page's
+    first entry to the last page's last: the buffer the compiled window reads and writes address."""
+    flat = store.as_strided(((store.shape[0] - 1) * store.stride(0) + store[0].numel(),), (1,))
+    return flat.view(torch.int16).numpy()
+
+
+def _host(x: torch.Tensor) -> np.ndarray:
+    """A CPU float32 tensor [N, C] as a C-contiguous numpy array (no copy when it is one already)."""
+    return np.ascontiguousarray(x.to(torch.float32).numpy())
+
+
 class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
     def __init__(self, num_heads: int, head_size: int, scale: float, num_kv_heads: int | None = None,
                  alibi_slopes=None, sliding_window: int | None = None, kv_cache_dtype: str = "auto",
@@ -734,8 +746,11 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
                       memo: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this layer's fp16 keys (pre-RoPE) and values of every token of the step into the window's pages
         (`WindowStore`); the window pages [blocks, Bw, layers, 2, C] and their block table [R, blocks]. The
-        slots are found once per step (`memo`: the step's, shared by its layers)."""
+        slots are found once per step (`memo`: the step's, shared by its layers). On CPU one compiled call writes
+        them (`kernels.numba.pages.put_halves`): torch's indexed write of 16-bit pages took several times the
+        decode kernel's own time in the engine."""
         hit = memo.get("window_write")
+        store = self.window_store.tokens()
         if hit is None:
             md = get_forward_context().attn_metadata
             wmd = md.get(self.window_store.layer_name) if isinstance(md, dict) else None
@@ -743,15 +758,23 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
                 raise ServingError(f"the step's attention metadata holds none for {self.window_store.layer_name!r}, "
                                    "the fp16 window's pages: this vLLM does not build the window's KV group (serve "
                                    "with the vLLM version kvsqueeze pins, without micro-batching)")
-            bw = self.window_store.tokens().shape[1]
+            bw = store.shape[1]
             slot = wmd.slot_mapping[:n].to(torch.int64)
-            keep = slot >= 0  # padding tokens have none
-            slot = slot[keep]
-            if slot.device.type == "cpu" and bool(keep.all()):  # no padding: no mask to apply (read on the host alone)
-                keep = None
-            hit = memo["window_write"] = (keep, slot // bw, slot % bw, wmd.block_table)
-        keep, page, off, table = hit
-        store = self.window_store.tokens()
+            if store.device.type == "cpu":  # each token's first word in the buffer, -1 for padding (no slot)
+                starts = torch.where(slot >= 0, slot // bw * store.stride(0) + slot % bw * store.stride(1), -1)
+                hit = (None, None, None, wmd.block_table, (_words(store).view(np.uint16), starts.numpy()))
+            else:
+                keep = slot >= 0  # padding tokens have none
+                slot = slot[keep]
+                hit = (keep, slot // bw, slot % bw, wmd.block_table, None)
+            memo["window_write"] = hit
+        keep, page, off, table, host = hit
+        if host is not None:
+            from ..kernels.numba.pages import put_halves
+
+            words, starts = host
+            put_halves(words, starts, self.layer * store.stride(2), _host(k_pre), _host(v), store.stride(3))
+            return store, table
         if keep is not None:
             k_pre, v = k_pre[keep], v[keep]
         store[page, off, self.layer] = torch.stack([k_pre, v], dim=1).to(torch.float16)  # [n, 2, C]
@@ -772,9 +795,8 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             if store.device.type == "cpu":  # the buffer's 16-bit words and each entry's first one at layer 0
                 if not bool(before.any()):
                     before = None
-                flat = store.as_strided(((store.shape[0] - 1) * store.stride(0) + store[0].numel(),), (1,))
                 starts = (page * store.stride(0) + off * store.stride(1)).view(-1)
-                host = (flat.view(torch.int16).numpy(), starts.numpy())
+                host = (_words(store), starts.numpy())
             hit = md.memo["window_read"] = (page, off, before, host)
         page, off, before, host = hit
         if host is None:
@@ -825,10 +847,12 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
                 decode_attention(torch.randn(1, hq, d, generator=g, dtype=f32), view, self.rope, self.scale,
                                  key_mask=mask, backend=self.config.decode, softcap=self.softcap)
             seen.add(empty)
-        if self.window:  # the window's reader (`_read_window`)
-            from ..kernels.numba.pages import copy_rows
+        if self.window:  # the window's reader and writer (`_read_window`, `_write_window`)
+            from ..kernels.numba.pages import copy_rows, put_halves
 
             copy_rows(np.zeros(8, np.int16), np.zeros(1, np.int64), np.empty((1, 4), np.int16))
+            put_halves(np.zeros(8, np.uint16), np.array([0, -1]), 0, np.zeros((2, 2), np.float32),
+                       np.zeros((2, 2), np.float32), 2)
 
     def _pre_rope(self, k: torch.Tensor, pos: torch.Tensor, eps: float) -> torch.Tensor:
         """This step's keys [N, H, D] before RoPE: as the rotary step was given them where they are this layer's,

@@ -18,7 +18,9 @@ arithmetic:
   pages through its block table (what a prefill chunk attends);
 * `gather_rows`: one region of every token of a batch of sequences, token-major [T, B, w], through their block
   tables, dead slots zeroed (what the decode kernel reads);
-* `copy_rows`: rows of a flat buffer by their first element (a decode step's fp16 window entries).
+* `copy_rows`: rows of a flat buffer by their first element (a decode step's fp16 window entries);
+* `put_halves`: float32 keys and values as fp16 into a flat buffer at each token's first element (a step's
+  fp16 window entries).
 
 Page regions arrive as numpy views of the page buffer (strided: a region is a slice of every page), with
 16-bit floats as their uint16 bits.
@@ -271,3 +273,20 @@ def copy_rows(src, starts, out):
     w = out.shape[1]
     for i in range(starts.shape[0]):
         out[i, :] = src[starts[i]:starts[i] + w]
+
+
+@njit(cache=True)
+def put_halves(dst, starts, shift, keys, values, second):
+    """dst[starts[i] + shift + c] = keys[i, c] and dst[starts[i] + shift + second + c] = values[i, c], each rounded
+    to fp16 (to nearest, ties to even, as torch's `.half()`) and stored as its bits, for every token i of keys and
+    values float32 [N, C] whose start is not negative (a padding token's is -1): a step's fp16 window entries
+    written into the window's pages (a flat uint16 view) in one call instead of torch's indexing."""
+    w = keys.shape[1]
+    for i in range(starts.shape[0]):
+        if starts[i] < 0:
+            continue
+        at = starts[i] + shift
+        for c in range(w):
+            dst[at + c] = half_bits(keys[i, c])
+            dst[at + second + c] = half_bits(values[i, c])
+
