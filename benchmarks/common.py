@@ -431,23 +431,32 @@ def serving_setup(args) -> tuple[Path, str, str]:
     return py, recipe, ServingConfig(recipe, args.method).spec.name
 
 
-def engines_against_vllm(kvsqueeze: list[str], chunk: int) -> tuple[tuple[str, list[str]], ...]:
-    """The three engines a serving comparison runs, as (name, `vllm_run` arguments): kvsqueeze's backend (its
+def engines_against_vllm(kvsqueeze: list[str], chunk: int,
+                         both_chunks: bool = False) -> tuple[tuple[str, list[str]], ...]:
+    """The engines a serving comparison runs, as (name, `vllm_run` arguments): kvsqueeze's backend (its
     arguments, `kvsqueeze`) with a prefill chunk of `chunk` tokens, and vLLM's own backend at its default chunk
-    (`vllm`) and at kvsqueeze's (`vllm_same_chunk`), so that the baseline is vLLM at its better setting."""
+    (`vllm`) and at kvsqueeze's (`vllm_same_chunk`), so that the baseline is vLLM at its better setting; with
+    `both_chunks`, kvsqueeze's backend at vLLM's default chunk too (`kvsqueeze_default_chunk`), so that each side
+    is measured at its better setting."""
     same = ["--max-num-batched-tokens", str(chunk)]
-    return (("kvsqueeze", [*kvsqueeze, *same]), ("vllm", ["--backend", "vllm"]),
-            ("vllm_same_chunk", ["--backend", "vllm", *same]))
+    ours = (("kvsqueeze", [*kvsqueeze, *same]),) + ((("kvsqueeze_default_chunk", kvsqueeze),) if both_chunks else ())
+    return (*ours, ("vllm", ["--backend", "vllm"]), ("vllm_same_chunk", ["--backend", "vllm", *same]))
 
 
-def chunks_run(chunk: int) -> dict:
+def chunks_run(chunk: int, both_chunks: bool = False) -> dict:
     """The prefill chunk each engine of `engines_against_vllm` ran with, as the JSON says it."""
-    return {"kvsqueeze": chunk, "vllm": "vLLM's default", "vllm_same_chunk": chunk}
+    return {"kvsqueeze": chunk, **({"kvsqueeze_default_chunk": "vLLM's default"} if both_chunks else {}),
+            "vllm": "vLLM's default", "vllm_same_chunk": chunk}
 
 
 def faster_vllm(rate: dict) -> str:
     """The name of vLLM's own engine with the higher rate (the baseline kvsqueeze is measured against)."""
     return max(("vllm", "vllm_same_chunk"), key=rate.get)
+
+
+def faster_kvsqueeze(rate: dict) -> str:
+    """The name of kvsqueeze's engine with the higher rate (of those `engines_against_vllm` ran)."""
+    return max((k for k in ("kvsqueeze", "kvsqueeze_default_chunk") if k in rate), key=rate.get)
 
 
 def write_section(path: str | Path, key: str, result: dict) -> None:

@@ -358,14 +358,17 @@ def _score_cell(row: dict | None, ref: dict | None, method: str) -> str:
     return f"{row['score']:.1f} ({100 * row['score'] / ref['score']:.0f}%){partial}"
 
 
-def _served(data: dict, chunk: bool = True) -> str:
-    """What the capacity and speed rows served, where it is not the method of the token rows."""
-    th = data["throughput"]
+def _served(data: dict, chunk: bool = True, th: dict | None = None) -> str:
+    """What the capacity and speed rows served, where it is not the method of the token rows, and the prefill chunk
+    of kvsqueeze's run the speed row `th` counts."""
+    th = th or data["throughput"]
     served = data.get("throughput_method")
     if not served or served == data["method"]:
         return ""
-    tokens = th.get("max_num_batched_tokens", {}).get("kvsqueeze") if chunk else None
-    return f"; `{served}`" + (f", prefill chunks of {tokens} tokens" if tokens else "") + (
+    tokens = th.get("max_num_batched_tokens", {}).get(th.get("kvsqueeze_engine", "kvsqueeze")) if chunk else None
+    size = "" if not tokens else (f", {tokens} prefill chunk" if isinstance(tokens, str) else
+                                  f", prefill chunks of {tokens} tokens")
+    return f"; `{served}`" + size + (
         f", on {th['machine']}" if th.get("machine") and th["machine"] != data["machine"] else "")
 
 
@@ -392,7 +395,7 @@ def vllm(data: dict) -> str:
     if data.get("throughput_decode"):
         td = data["throughput_decode"]
         rows.append(f"| the same, {td['new_tokens']} new tokens each | {td['kvsqueeze_tokens_per_s']:.2f} | "
-                    f"{td['vllm_tokens_per_s']:.2f} | {td['ratio']:.2f}x, decoding most of the time{_served(data)} |")
+                    f"{td['vllm_tokens_per_s']:.2f} | {td['ratio']:.2f}x, decoding most of the time{_served(data, th=td)} |")
     if data.get("serve"):
         sv = data["serve"]
         rows.append(f"| completion from `vllm serve`'s OpenAI server | {sv['request_seconds']:.1f} s | – | "
