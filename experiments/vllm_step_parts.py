@@ -2,11 +2,11 @@
 
 Runs `kvsqueeze.serving.vllm_run` (8 requests of 2,048 BBC tokens or `--prompt-tokens`, greedy, bfloat16, the
 3.5-bit preset, a prefill chunk of 256) in vLLM's environment once per `GOMP_SPINCOUNT` asked for (`default`:
-libgomp's own), with wall-clock timers around the backend's parts (its `forward` on decode-only steps and on
-steps with a prefill chunk, `decode_attention`, `PageLayout.view` and `write`, the prefill attention, the fp16
-window's reads and writes), and vLLM's own backend under the same settings for the same prompts. Each part's
-median per call and total; the run's wall time. One run per setting: the machine's noise between runs is a few
-percent, at times far more.
+libgomp's own), with wall-clock timers around the backend's parts (its `forward` on decode-only steps and on steps
+with a prefill chunk, `decode_attention`, `PageLayout.view` and `write`, the prefill attention, the fp16 window's
+reads (`read_window`; `with_window` once it read sinks and window in one pass) and writes), and vLLM's own backend
+under the same settings for the same prompts. Each part's median per call and total; the run's wall time. One run
+per setting: the machine's noise between runs is a few percent, at times far more.
 
 Two fixed workloads show how much slower the same code runs between the engine's layers than alone: a loop of
 2,000 Python additions and 20 numpy sums of an [8, 192] float32 array, timed once before every backend call in
@@ -57,8 +57,9 @@ if os.environ.get("STEP_PARTS_PROBES"):
             t0 = time.perf_counter(); f(); T.setdefault(name, []).append(time.perf_counter() - t0)
         return _f(self, *a, **k)
     sv.KVSqueezeImpl.forward = probed
-for n in ("_read_window", "_write_window", "_prefill"):
-    setattr(sv.KVSqueezeImpl, n, timed(n.strip("_"), getattr(sv.KVSqueezeImpl, n)))
+for n in ("_read_window", "_with_window", "_write_window", "_prefill"):  # those the code run has
+    if hasattr(sv.KVSqueezeImpl, n):
+        setattr(sv.KVSqueezeImpl, n, timed(n.strip("_"), getattr(sv.KVSqueezeImpl, n)))
 pl.PageLayout.view = timed("view", pl.PageLayout.view)
 pl.PageLayout.write = timed("write", pl.PageLayout.write)
 def report():

@@ -332,3 +332,47 @@ def test_window_entries_written_and_read_back_as_torch_would():
     both = torch.from_numpy(rows).view(torch.float16).view(kept.size, 2, c).float()
     assert torch.equal(both[:, 0], keys[starts >= 0].half().float())
     assert torch.equal(both[:, 1], values[starts >= 0].half().float())
+
+
+def test_sinks_and_window_gathered_in_one_pass_give_what_with_window_gives():
+    """Each decode row's sinks (from its first page) and its window entries (from a window buffer, zeros before
+    position 0) copied side by side by `sinks_and_window`, handed to `with_window(joined=True)`, give the view
+    that `with_window` builds from the window's keys and values: the same exact entries, slots and attention."""
+    case = (96, 32, 3, 0.02, 2, 4, 8)
+    layout, _ = _pair(*case, seed=4)
+    c, d, bs = case[0], case[1], case[6]
+    lens = [3 * bs + 5, 1, 20, 2 * bs]
+    w, layers, layer = 6, 3, 1
+    seqs, table, n_pages = _sequences(layout, lens, seed=5)
+    pages = layout.allocate(n_pages)
+    for k, v, slots, pos in seqs:
+        layout.write(pages, slots, k, v, pos)
+    g = torch.Generator().manual_seed(6)
+    # a window buffer of entries [layers, 2, C] (keys, values) for every token of every row, in shuffled order
+    entries = sum(lens)
+    store = torch.randn(entries, layers, 2, c, generator=g).half()
+    where = torch.randperm(entries, generator=g)
+    lens_t = torch.tensor(lens)
+    first_entry = torch.cumsum(lens_t, 0) - lens_t
+    pos = lens_t.view(-1, 1) - w + torch.arange(w).view(1, -1)  # [B, W]
+    entry = where[(first_entry.view(-1, 1) + pos.clamp(min=0))]
+    wk = store[entry, layer, 0].masked_fill((pos < 0).unsqueeze(-1), 0)
+    wv = store[entry, layer, 1].masked_fill((pos < 0).unsqueeze(-1), 0)
+    view, mask = layout.view(pages, table, lens_t, in_place=True)
+    want = layout.with_window(view, wk, wv, lens_t)
+    words = store.view(torch.int16).reshape(-1).numpy()
+    starts = torch.where(pos < 0, -1, entry * layers * 2 * c).numpy()
+    out = np.empty((2, len(lens), layout.sinks + w, c), np.int16)
+    page_kernels.sinks_and_window(*layout.sink_regions(pages), table[:, 0].long().numpy(), words, starts,
+                                  layer * 2 * c, c, out[0], out[1])
+    both = torch.from_numpy(out).view(torch.float16)
+    got = layout.with_window(view, both[0], both[1], lens_t, joined=True)
+    for name in ("sink_k", "sink_v", "sink_slot"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    q = torch.randn(len(lens), 2 * (c // d), d, generator=g)
+    rope = Rope.default(d)
+    torch.testing.assert_close(decode_attention(q, got, rope, d**-0.5, key_mask=mask, backend="numba"),
+                               decode_attention(q, want, rope, d**-0.5, key_mask=mask, backend="reference"),
+                               rtol=2e-4, atol=2e-5)
+    with pytest.raises(ValueError, match="with the sinks first"):
+        layout.with_window(view, wk.float(), wv.float(), lens_t, joined=True)  # float32: not the joined rows

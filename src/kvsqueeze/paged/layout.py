@@ -556,15 +556,20 @@ class PageLayout:
                          positions, self._memo, *self._offsets(dev), rows=where)
 
     def with_window(self, view: StoreView, keys: torch.Tensor, values: torch.Tensor, lens: torch.Tensor,
-                    memo: dict | None = None) -> StoreView:
+                    memo: dict | None = None, joined: bool = False) -> StoreView:
         """`view` (of `view()`) whose rows also read their most recent tokens exact: an fp16 window (`:rN`), held
         wherever the engine keeps it, given as the pre-RoPE keys and values [B, W, C] of each row's positions
         lens - W .. lens - 1. The kernels read them as they read sinks (exact entries naming their token); a
-        position below the sinks or below 0 gets no entry, so no token is named twice."""
-        b, w = keys.shape[:2]
-        if keys.shape != values.shape or keys.shape[2] != self.channels or b != view.sink_k.shape[0]:
-            raise ValueError(f"with_window: keys and values [{view.sink_k.shape[0]}, W, {self.channels}] expected, "
-                             f"got {tuple(keys.shape)} and {tuple(values.shape)}")
+        position below the sinks or below 0 gets no entry, so no token is named twice. `joined`: keys and values
+        are fp16 [B, S + W, C] that hold each row's S sinks first, as `view.sink_k` / `sink_v` do, then its window
+        (`sink_regions` and `kernels.numba.pages.sinks_and_window` gather both in one pass)."""
+        b, w = keys.shape[0], keys.shape[1] - (self.sinks if joined else 0)
+        if keys.shape != values.shape or keys.shape[2] != self.channels or b != view.sink_k.shape[0] or w < 0 \
+                or (joined and keys.dtype != torch.float16):
+            what = "fp16 [B, S + W, C] with the sinks first" if joined else "[B, W, C]"
+            raise ValueError(f"with_window: keys and values {what} expected for B = {view.sink_k.shape[0]}, S = "
+                             f"{self.sinks}, C = {self.channels}, got {keys.dtype} {tuple(keys.shape)} and "
+                             f"{tuple(values.shape)}")
         dev = view.sink_k.device
         key = ("window", w, self.sinks, dev)
         hit = memo.get(key) if memo is not None else None
@@ -576,7 +581,9 @@ class PageLayout:
             sink_slot = torch.cat([view.sink_slot, slot], dim=1)
             if memo is not None:  # (the sink slots of a memoized view are the same tensor at every layer)
                 memo[key] = (lens, view.sink_slot, sink_slot)
-        if dev.type == "cpu":  # numpy's copy: torch's cat of 16-bit rows costs more than the attention in an engine
+        if joined:
+            return view._replace(sink_k=keys.to(dev), sink_v=values.to(dev), sink_slot=sink_slot)
+        if dev.type == "cpu":  # numpy's copy: a few rows, where torch's cat costs more in its call than in its work
             both = [np.concatenate([s.numpy(), x.to(torch.float16).numpy()], axis=1)
                     for s, x in ((view.sink_k, keys), (view.sink_v, values))]
             return view._replace(sink_k=torch.from_numpy(both[0]), sink_v=torch.from_numpy(both[1]),
@@ -584,6 +591,12 @@ class PageLayout:
         return view._replace(sink_k=torch.cat([view.sink_k, keys.to(dev, torch.float16)], dim=1),
                              sink_v=torch.cat([view.sink_v, values.to(dev, torch.float16)], dim=1),
                              sink_slot=sink_slot)
+
+    def sink_regions(self, pages: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """The sink keys and values of every page of a CPU buffer as numpy int16 views [blocks, S, C] (fp16 bits,
+        strided as the pages are): what a compiled reader takes a row's sinks from."""
+        regions = dict(zip(self._REGION_ORDER, self._regions_np(pages)))
+        return regions["sink_k"].view(np.int16), regions["sink_v"].view(np.int16)
 
     def _levels(self, dev) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value levels a view decodes with: the codebook, or [C, 2**bits] with channel widths."""

@@ -716,8 +716,7 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         if nd:
             view, mask = layout.view(pages, md.decode_table, md.decode_lens, in_place=True, memo=md.memo)
             if window is not None:  # each row's last W tokens read exact, as the HF store's window gives them
-                wk, wv = self._read_window(*window, md)
-                view = layout.with_window(view, wk, wv, md.decode_lens, memo=md.memo)
+                view = self._with_window(layout, pages, view, *window, md)
             rows = md.decode if md.lead else qsl[md.decode]  # decode requests first: their tokens are rows 0 .. D - 1
             o = decode_attention(_decode_rows(q, rows, md.lead).contiguous(), view, self.rope, self.scale,
                                  key_mask=mask, backend=self.config.decode, softcap=self.softcap)
@@ -780,10 +779,14 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         store[page, off, self.layer] = torch.stack([k_pre, v], dim=1).to(torch.float16)  # [n, 2, C]
         return store, table
 
-    def _read_window(self, store: torch.Tensor, table: torch.Tensor, md: KVSqueezeMetadata):
-        """Keys (pre-RoPE) and values [D, W, C] of each decode request's positions lens - W .. lens - 1 from the
-        window's pages (zeros before position 0: `with_window` gives them no entry); where they lie is found
-        once per step (`md.memo`)."""
+    def _with_window(self, layout, pages: torch.Tensor, view, store: torch.Tensor, table: torch.Tensor,
+                     md: KVSqueezeMetadata):
+        """`view` whose decode rows also read their last W tokens exact (`PageLayout.with_window`): the keys
+        (pre-RoPE) and values of positions lens - W .. lens - 1 from the window's pages (`store` and its block
+        table; zeros before position 0, which `with_window` gives no entry); where they lie is found once per step
+        (`md.memo`). On CPU one compiled pass copies each row's sinks and window entries side by side
+        (`kernels.numba.pages.sinks_and_window`), where torch's indexing of 16-bit pages and two joins took
+        several calls a layer."""
         hit = md.memo.get("window_read")
         if hit is None:
             w = self.window
@@ -792,25 +795,24 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
             page, off = WindowStore.slots(rows.to(pos.device), pos.clamp(min=0), store.shape[1])
             before = (pos < 0).view(*pos.shape, 1, 1)
             host = None
-            if store.device.type == "cpu":  # the buffer's 16-bit words and each entry's first one at layer 0
-                if not bool(before.any()):
-                    before = None
-                starts = (page * store.stride(0) + off * store.stride(1)).view(-1)
-                host = (_words(store), starts.numpy())
+            if store.device.type == "cpu":  # the buffer's 16-bit words, each entry's first at layer 0 (-1: none)
+                starts = torch.where(pos < 0, -1, page * store.stride(0) + off * store.stride(1))
+                first = md.decode_table[:, 0].to(torch.int64)
+                host = (_words(store), starts.numpy(), first.numpy())
             hit = md.memo["window_read"] = (page, off, before, host)
         page, off, before, host = hit
         if host is None:
-            kv = store[page, off, self.layer]  # [D, W, 2, C]
-        else:  # one row copy an entry: torch's indexing of a 16-bit tensor takes several times as long
-            from ..kernels.numba.pages import copy_rows
+            kv = store[page, off, self.layer].masked_fill(before, 0)  # [D, W, 2, C]
+            return layout.with_window(view, kv[:, :, 0], kv[:, :, 1], md.decode_lens, memo=md.memo)
+        from ..kernels.numba.pages import sinks_and_window
 
-            words, starts = host
-            rows = np.empty((starts.shape[0], 2 * store.shape[-1]), np.int16)
-            copy_rows(words, starts + self.layer * store.stride(2), rows)
-            kv = torch.from_numpy(rows).view(torch.float16).view(*page.shape, 2, store.shape[-1])
-        if before is not None:
-            kv = kv.masked_fill(before, 0)
-        return kv[:, :, 0], kv[:, :, 1]
+        words, starts, first = host
+        c = store.shape[-1]
+        out = np.empty((2, starts.shape[0], layout.sinks + starts.shape[1], c), np.int16)
+        sinks_and_window(*layout.sink_regions(pages), first, words, starts, self.layer * store.stride(2),
+                         store.stride(3), out[0], out[1])
+        both = torch.from_numpy(out).view(torch.float16)
+        return layout.with_window(view, both[0], both[1], md.decode_lens, memo=md.memo, joined=True)
 
     _warm = False
 
@@ -847,10 +849,14 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
                 decode_attention(torch.randn(1, hq, d, generator=g, dtype=f32), view, self.rope, self.scale,
                                  key_mask=mask, backend=self.config.decode, softcap=self.softcap)
             seen.add(empty)
-        if self.window:  # the window's reader and writer (`_read_window`, `_write_window`)
-            from ..kernels.numba.pages import copy_rows, put_halves
+        if self.window:  # the window's reader and writer (`_with_window`, `_write_window`)
+            from ..kernels.numba.pages import put_halves, sinks_and_window
 
-            copy_rows(np.zeros(8, np.int16), np.zeros(1, np.int64), np.empty((1, 4), np.int16))
+            layout = self.config.layout(0, self.channels, self.head_size, self.block_size, self.rank, self.ranks)
+            sinks = layout.sink_regions(layout.allocate(2))
+            out = np.empty((2, 1, layout.sinks + 2, layout.channels), np.int16)
+            sinks_and_window(*sinks, np.zeros(1, np.int64), np.zeros(8 * out.shape[-1], np.int16),
+                             np.array([[0, -1]]), 0, out.shape[-1], out[0], out[1])
             put_halves(np.zeros(8, np.uint16), np.array([0, -1]), 0, np.zeros((2, 2), np.float32),
                        np.zeros((2, 2), np.float32), 2)
 
