@@ -38,8 +38,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from common import (chunks_run, engines_against_vllm, faster_kvsqueeze, faster_vllm, machine, merge_json, openai_server,  # noqa: E402
-                    vllm_engine)
+from common import (chunks_run, engines_against_vllm, faster_kvsqueeze, faster_vllm, machine,  # noqa: E402
+                    merge_json, openai_server, vllm_engine)
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -583,11 +583,6 @@ class PageLayout:
                 memo[key] = (lens, view.sink_slot, sink_slot)
         if joined:
             return view._replace(sink_k=keys.to(dev), sink_v=values.to(dev), sink_slot=sink_slot)
-        if dev.type == "cpu":  # numpy's copy: a few rows, where torch's cat costs more in its call than in its work
-            both = [np.concatenate([s.numpy(), x.to(torch.float16).numpy()], axis=1)
-                    for s, x in ((view.sink_k, keys), (view.sink_v, values))]
-            return view._replace(sink_k=torch.from_numpy(both[0]), sink_v=torch.from_numpy(both[1]),
-                                 sink_slot=sink_slot)
         return view._replace(sink_k=torch.cat([view.sink_k, keys.to(dev, torch.float16)], dim=1),
                              sink_v=torch.cat([view.sink_v, values.to(dev, torch.float16)], dim=1),
                              sink_slot=sink_slot)

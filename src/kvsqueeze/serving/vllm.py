@@ -746,8 +746,7 @@ class KVSqueezeImpl(AttentionImpl[KVSqueezeMetadata]):
         """Write this layer's fp16 keys (pre-RoPE) and values of every token of the step into the window's pages
         (`WindowStore`); the window pages [blocks, Bw, layers, 2, C] and their block table [R, blocks]. The
         slots are found once per step (`memo`: the step's, shared by its layers). On CPU one compiled call writes
-        them (`kernels.numba.pages.put_halves`): torch's indexed write of 16-bit pages took several times the
-        decode kernel's own time in the engine."""
+        them (`kernels.numba.pages.put_halves`) instead of torch's stack, cast and indexed write of 16-bit pages."""
         hit = memo.get("window_write")
         store = self.window_store.tokens()
         if hit is None:

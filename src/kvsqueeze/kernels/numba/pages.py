@@ -18,7 +18,6 @@ arithmetic:
   pages through its block table (what a prefill chunk attends);
 * `gather_rows`: one region of every token of a batch of sequences, token-major [T, B, w], through their block
   tables, dead slots zeroed (what the decode kernel reads);
-* `copy_rows`: rows of a flat buffer by their first element (a decode step's fp16 window entries);
 * `put_halves`: float32 keys and values as fp16 into a flat buffer at each token's first element (a step's
   fp16 window entries);
 * `sinks_and_window`: each decode row's sinks and fp16 window entries side by side, as the decode kernel reads
@@ -266,15 +265,6 @@ def gather_rows(region, table, lens, bs, out):
             else:
                 for i in range(w):
                     out[t, b, i] = 0
-
-
-@njit(cache=True)
-def copy_rows(src, starts, out):
-    """out[i] = src[starts[i] : starts[i] + w] for every row i of out [N, w]: rows of a flat buffer (16-bit floats
-    as their bits) found by their first element, such as the fp16 window entries a decode step reads."""
-    w = out.shape[1]
-    for i in range(starts.shape[0]):
-        out[i, :] = src[starts[i]:starts[i] + w]
 
 
 @njit(cache=True)
