@@ -531,7 +531,22 @@ class PageLayout:
         """`view(..., in_place=True)`: flat views of the whole buffer and where each slot's data lies in them
         (`rows`: of `_paged_rows`)."""
         slots, t, first, sink_slot, positions = rows
-        bs, dev = self.block_size, pages.device
+        words, halves, k_out, v_out, geometry = self._flat_views(pages)
+        where = Rows(slots, self.block_size.bit_length() - 1, *geometry)
+        dev = pages.device
+        return StoreView(self.heads, self.head_dim, self.k_bits, self.v_bits, t, words, words, self.k_scale.to(dev),
+                         self.k_zero.to(dev), *self._levels(dev), halves, k_out, v_out,
+                         self.region(pages, "sink_k")[first], self.region(pages, "sink_v")[first], sink_slot,
+                         positions, self._memo, *self._offsets(dev), rows=where)
+
+    def _flat_views(self, pages: torch.Tensor) -> tuple:
+        """(the buffer as int32 words, as 16-bit halves, the key and value outliers over them, (page, width,
+        offset) of every array of `ARRAYS` in elements of its dtype): the same tensors at every step for the
+        buffer an engine hands each step, so the kernels' conversions of them are kept too (`StoreView.memo`)."""
+        key = (pages.data_ptr(), pages.shape[0], pages.stride(0), pages.device)
+        hit = getattr(self, "_flat_hit", None)
+        if hit is not None and hit[0] == key:
+            return hit[1]
         flat = self._flat(pages)
         words, halves = flat.view(torch.int32), flat.view(torch.float16)
         page, width, offset = [], [], []
@@ -541,8 +556,7 @@ class PageLayout:
             page.append(pages.stride(0) // size)  # from one page to the next: the page, or the block stride
             width.append(r.shape[1])
             offset.append(r.offset // size)
-        where = Rows(slots, bs.bit_length() - 1, tuple(page), tuple(width), tuple(offset))
-        n_slots = pages.shape[0] * bs
+        n_slots = pages.shape[0] * self.block_size
         k_out = v_out = None
         if self.key_slots:
             k_out = Outliers(None, flat.view(torch.int16), halves, n_slots * self.key_slots, self.key_slots,
@@ -550,10 +564,9 @@ class PageLayout:
         if self.value_slots:
             v_out = Outliers(None, flat.view(torch.int16), halves, n_slots * self.value_slots, self.value_slots,
                              OUTLIER_CODE)
-        return StoreView(self.heads, self.head_dim, self.k_bits, self.v_bits, t, words, words, self.k_scale.to(dev),
-                         self.k_zero.to(dev), *self._levels(dev), halves, k_out, v_out,
-                         self.region(pages, "sink_k")[first], self.region(pages, "sink_v")[first], sink_slot,
-                         positions, self._memo, *self._offsets(dev), rows=where)
+        views = (words, halves, k_out, v_out, (tuple(page), tuple(width), tuple(offset)))
+        self._flat_hit = (key, views)  # held: while it is, the memory at that address is this buffer's
+        return views
 
     def with_window(self, view: StoreView, keys: torch.Tensor, values: torch.Tensor, lens: torch.Tensor,
                     memo: dict | None = None, joined: bool = False) -> StoreView:

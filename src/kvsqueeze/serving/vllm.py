@@ -400,6 +400,11 @@ def _decode_rows(x: torch.Tensor, index: torch.Tensor, lead: bool) -> torch.Tens
 
 
 class KVSqueezeMetadataBuilder(AttentionMetadataBuilder[KVSqueezeMetadata]):
+    # (the step's common metadata, what was built from it), shared by every builder: layers whose pages differ in
+    # size (a budget's per-layer widths) fall in attention groups of their own, each with its own builder, which
+    # the engine hands the same common metadata within a step; one metadata, and one memo, then serves them all
+    _last: tuple[CommonAttentionMetadata, KVSqueezeMetadata] | None = None
+
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self._init_reorder_batch_threshold(1)  # decodes first
@@ -407,6 +412,9 @@ class KVSqueezeMetadataBuilder(AttentionMetadataBuilder[KVSqueezeMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> KVSqueezeMetadata:
         m = common_attn_metadata
+        last = KVSqueezeMetadataBuilder._last
+        if last is not None and last[0] is m:  # built from nothing but `m`: the same for every attention group
+            return last[1]
         n = m.num_actual_tokens
         qsl = m.query_start_loc_cpu[: m.num_reqs + 1].to(torch.int64)
         lens = m.seq_lens[: m.num_reqs].to("cpu", torch.int64)
@@ -421,9 +429,11 @@ class KVSqueezeMetadataBuilder(AttentionMetadataBuilder[KVSqueezeMetadata]):
         decode = (qlens == 1).nonzero().flatten()
         nd = decode.numel()
         lead = nd == 0 or int(decode[-1]) == nd - 1
-        return KVSqueezeMetadata(n, qsl, lens, table, m.slot_mapping[:n], positions, decode, lead,
-                                 _decode_rows(table, decode, lead), _decode_rows(lens, decode, lead),
-                                 tuple((qlens > 1).nonzero().flatten().tolist()))
+        md = KVSqueezeMetadata(n, qsl, lens, table, m.slot_mapping[:n], positions, decode, lead,
+                               _decode_rows(table, decode, lead), _decode_rows(lens, decode, lead),
+                               tuple((qlens > 1).nonzero().flatten().tolist()))
+        KVSqueezeMetadataBuilder._last = (m, md)  # held: its id cannot name another object while it is
+        return md
 
 
 class KVSqueezeWindowBackend(KVSqueezeBackend):

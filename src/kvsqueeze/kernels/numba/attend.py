@@ -265,7 +265,7 @@ def _paged_inputs(kv: StoreView, a: "_Arrays", t: int):
 class _Arrays(NamedTuple):
     """numpy views of a `StoreView`'s allocations, as the kernels read them (16-bit floats as uint16 bits)."""
 
-    sources: tuple  # the tensors viewed
+    sources: tuple  # the allocations viewed: codes, value scales, outliers (`_sources`)
     k_codes: np.ndarray  # uint32 [>= T, B, W], or flat (a view into pages)
     v_codes: np.ndarray
     scale_zero: np.ndarray  # uint16 [>= T, B, 2], or flat (a view into pages)
@@ -278,36 +278,42 @@ class _Arrays(NamedTuple):
 
 
 def _sources(kv: StoreView) -> tuple:
-    out = [kv.k_codes, kv.v_codes, kv.v_scale_zero, kv.positions, kv.sink_k, kv.sink_v, kv.sink_slot]
+    """The view's allocations: the same tensors at every step of a store (between reallocations) or of a layer's
+    pages, while its positions and sinks are a step's own (a paged view's, a window's)."""
+    out = [kv.k_codes, kv.v_codes, kv.v_scale_zero]
     for s in (kv.k_outliers, kv.v_outliers):
         out += [None, None, None] if s is None else [s.pointers, s.channels, s.values]
     return tuple(out)
 
 
+def _bits16(x: np.ndarray) -> np.ndarray:
+    return x.view(np.uint16)  # numba has no float16: kernels read the bits with `f16`
+
+
 def _arrays(kv: StoreView) -> _Arrays:
-    """The view's arrays in numpy, kept in its memo while the view holds the same tensors (a store's views do
-    between reallocations): a decode step then converts nothing."""
+    """The view's arrays in numpy; those of its allocations kept in its memo while the view holds the same
+    tensors (a store's views do between reallocations, a layer's paged views while its pages stay): a decode step
+    then converts only its positions and sinks."""
     src = _sources(kv)
     memo = kv.memo if kv.memo is not None else {}
     hit = memo.get("numba")
-    if hit is not None and len(hit.sources) == len(src) and all(map(operator.is_, hit.sources, src)):
-        return hit
-    views = [_np(x) if x is not None else None for x in src]
-    bits16 = lambda x: x.view(np.uint16)  # noqa: E731  numba has no float16: kernels read the bits with `f16`
+    if hit is None or len(hit[0]) != len(src) or not all(map(operator.is_, hit[0], src)):
+        views = [_np(x) if x is not None else None for x in src]
 
-    def sparse(i: int):
-        if src[i + 1] is None:
-            return None
-        ptr = views[i]
-        if ptr is not None:  # int64 pointers (2**31 entries or more) are converted on each call instead
-            ptr = ptr.view(np.uint32) if ptr.dtype == np.int32 else None
-        return ptr, bits16(views[i + 1]), bits16(views[i + 2])
+        def sparse(i: int):
+            if src[i + 1] is None:
+                return None
+            ptr = views[i]
+            if ptr is not None:  # int64 pointers (2**31 entries or more) are converted on each call instead
+                ptr = ptr.view(np.uint32) if ptr.dtype == np.int32 else None
+            return ptr, _bits16(views[i + 1]), _bits16(views[i + 2])
 
-    hit = _Arrays(src, views[0].view(np.uint32), views[1].view(np.uint32), bits16(views[2]), views[3],
-                  bits16(views[4]), bits16(views[5]), views[6], sparse(7), sparse(10))
-    if all(x is None or x.is_contiguous() for x in src):  # else some array is a copy: convert again next time
-        memo["numba"] = hit
-    return hit
+        hit = (src, views[0].view(np.uint32), views[1].view(np.uint32), _bits16(views[2]), sparse(3), sparse(6))
+        if all(x is None or x.is_contiguous() for x in src):  # else some array is a copy: convert again next time
+            memo["numba"] = hit
+    _, k_codes, v_codes, scale_zero, k_out, v_out = hit
+    return _Arrays(src, k_codes, v_codes, scale_zero, _np(kv.positions), _bits16(_np(kv.sink_k)),
+                   _bits16(_np(kv.sink_v)), _np(kv.sink_slot), k_out, v_out)
 
 
 def _sparse(s: Outliers | None, arrays: tuple | None, slots: int, fixed: bool):
