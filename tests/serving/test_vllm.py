@@ -471,6 +471,25 @@ def test_the_plugin_is_registered_for_vllm():
     assert "kvsqueeze.serving.vllm:register" in out.stdout, out.stderr
 
 
+def test_vllm_after_numba_says_what_went_wrong_and_the_fix(tiny_model_dir, tmp_path):
+    """With numba imported before the engine is built (kvsqueeze's HF path imports it), vLLM's CPU worker fails
+    while it replaces its Triton kernels, with its own backend too; with the plugin installed the failure names
+    numba and the fix instead of an AttributeError from inside the worker."""
+    pf = tmp_path / "p.json"
+    pf.write_text(json.dumps([[1, 2, 3]]))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("KVSQUEEZE_", "TRITON_"))}
+    code = ("import numba, sys\nfrom kvsqueeze.serving import vllm_run\n"
+            "vllm_run.main(sys.argv[1:])\n")
+    run = subprocess.run([str(VLLM_PYTHON), "-c", code, "--model", str(tiny_model_dir), "--backend", "vllm",
+                          "--prompts", str(pf), "--max-model-len", "256", "--kv-bytes", str(64 << 20),
+                          "--skip-tokenizer-init", "--out", str(tmp_path / "o.json")], env=env, capture_output=True,
+                         text=True, timeout=900)
+    assert run.returncode != 0
+    said = run.stdout + run.stderr
+    assert "numba was imported in this process before the engine was built" in said, said[-3000:]
+    assert "kvsqueeze.serving.vllm_run" in said
+
+
 KEYS_SNIPPET = """
 import torch
 from vllm.model_executor.layers.rotary_embedding.base import RotaryEmbedding

@@ -47,6 +47,7 @@ scalings whose frequencies change with the length.
 from __future__ import annotations
 
 import re
+import sys
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import ClassVar
@@ -102,6 +103,32 @@ def register() -> None:
 
     get_attn_backend_cls._kvsqueeze = True
     CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
+    _explain_kernel_overrides(CpuPlatform)
+
+
+def _explain_kernel_overrides(platform) -> None:
+    """vLLM's CPU worker replaces Triton kernels by scanning the attributes of every loaded module, and the scan
+    fails on an object of numba's compiler (llvmlite) when numba was imported first, with vLLM's own backend as
+    with this one: a bare AttributeError from inside the worker. Said in words, with the fix, instead."""
+    current = getattr(platform, "register_triton_kernel_overrides", None)
+    if current is None or getattr(current, "_kvsqueeze", False):
+        return
+    original = current.__func__
+
+    def register_triton_kernel_overrides(cls):
+        try:
+            return original(cls)
+        except AttributeError as exc:
+            if "numba" not in sys.modules:
+                raise
+            raise ServingError("vLLM's CPU worker could not set up its kernels because numba was imported in this "
+                               "process before the engine was built (kvsqueeze's CPU kernels import it; so does "
+                               f"its HF path), and vLLM's search for the Triton kernels it replaces fails on one of "
+                               f"numba's objects ({exc}); build the engine before using numba in the same process, "
+                               "or run it in a process of its own (python -m kvsqueeze.serving.vllm_run)") from exc
+
+    register_triton_kernel_overrides._kvsqueeze = True
+    platform.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
 
 
 class PreRopeKeys:
