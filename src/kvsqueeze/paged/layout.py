@@ -252,15 +252,22 @@ class PageLayout:
 
     _REGION_ORDER = (*ARRAYS, "sink_k", "sink_v")  # what the numba page kernels take, in this order
 
+    def _kept(self, pages: torch.Tensor, what: str, make):
+        """`make()`, derived from this buffer, kept while the layout is handed the same buffer (the one an engine
+        hands at every step): while anything derived from it is kept, the memory it views stays allocated, so a
+        buffer at the same address, of the same size and strides, is that memory."""
+        key = (pages.data_ptr(), pages.shape[0], pages.stride(0), pages.device)
+        kept = self.__dict__.get("_buffer")
+        if kept is None or kept[0] != key:
+            kept = self._buffer = (key, {})
+        hit = kept[1].get(what)
+        if hit is None:
+            hit = kept[1][what] = make()
+        return hit
+
     def _regions_np(self, pages: torch.Tensor) -> list[np.ndarray]:
-        """numpy views of every region of the buffer, in `_REGION_ORDER`; kept for the buffer an engine hands every
-        step (while they are kept, the memory they view stays allocated: a buffer at the same address and of the
-        same size is that memory)."""
-        key = (pages.data_ptr(), pages.shape[0], pages.stride(0))
-        hit = getattr(self, "_np_views", None)
-        if hit is None or hit[0] != key:
-            hit = self._np_views = (key, {name: _numpy(self.region(pages, name)) for name in self._REGION_ORDER})
-        return list(hit[1].values())
+        """numpy views of every region of the buffer, in `_REGION_ORDER` (`_kept` for the buffer)."""
+        return self._kept(pages, "numpy", lambda: [_numpy(self.region(pages, name)) for name in self._REGION_ORDER])
 
     def region(self, pages: torch.Tensor, name: str) -> torch.Tensor:
         """One region of every page, as [num_blocks, *shape] of its dtype (a view of `pages`, no copy)."""
@@ -541,12 +548,11 @@ class PageLayout:
 
     def _flat_views(self, pages: torch.Tensor) -> tuple:
         """(the buffer as int32 words, as 16-bit halves, the key and value outliers over them, (page, width,
-        offset) of every array of `ARRAYS` in elements of its dtype): the same tensors at every step for the
-        buffer an engine hands each step, so the kernels' conversions of them are kept too (`StoreView.memo`)."""
-        key = (pages.data_ptr(), pages.shape[0], pages.stride(0), pages.device)
-        hit = getattr(self, "_flat_hit", None)
-        if hit is not None and hit[0] == key:
-            return hit[1]
+        offset) of every array of `ARRAYS` in elements of its dtype): `_kept` for the buffer, so that the kernels'
+        conversions of these tensors are kept too (`StoreView.memo`)."""
+        return self._kept(pages, "flat", lambda: self._make_flat_views(pages))
+
+    def _make_flat_views(self, pages: torch.Tensor) -> tuple:
         flat = self._flat(pages)
         words, halves = flat.view(torch.int32), flat.view(torch.float16)
         page, width, offset = [], [], []
@@ -564,9 +570,7 @@ class PageLayout:
         if self.value_slots:
             v_out = Outliers(None, flat.view(torch.int16), halves, n_slots * self.value_slots, self.value_slots,
                              OUTLIER_CODE)
-        views = (words, halves, k_out, v_out, (tuple(page), tuple(width), tuple(offset)))
-        self._flat_hit = (key, views)  # held: while it is, the memory at that address is this buffer's
-        return views
+        return words, halves, k_out, v_out, (tuple(page), tuple(width), tuple(offset))
 
     def with_window(self, view: StoreView, keys: torch.Tensor, values: torch.Tensor, lens: torch.Tensor,
                     memo: dict | None = None, joined: bool = False) -> StoreView:

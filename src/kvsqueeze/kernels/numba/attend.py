@@ -265,7 +265,6 @@ def _paged_inputs(kv: StoreView, a: "_Arrays", t: int):
 class _Arrays(NamedTuple):
     """numpy views of a `StoreView`'s allocations, as the kernels read them (16-bit floats as uint16 bits)."""
 
-    sources: tuple  # the allocations viewed: codes, value scales, outliers (`_sources`)
     k_codes: np.ndarray  # uint32 [>= T, B, W], or flat (a view into pages)
     v_codes: np.ndarray
     scale_zero: np.ndarray  # uint16 [>= T, B, 2], or flat (a view into pages)
@@ -312,7 +311,7 @@ def _arrays(kv: StoreView) -> _Arrays:
         if all(x is None or x.is_contiguous() for x in src):  # else some array is a copy: convert again next time
             memo["numba"] = hit
     _, k_codes, v_codes, scale_zero, k_out, v_out = hit
-    return _Arrays(src, k_codes, v_codes, scale_zero, _np(kv.positions), _bits16(_np(kv.sink_k)),
+    return _Arrays(k_codes, v_codes, scale_zero, _np(kv.positions), _bits16(_np(kv.sink_k)),
                    _bits16(_np(kv.sink_v)), _np(kv.sink_slot), k_out, v_out)
 
 
