@@ -64,6 +64,7 @@ def hf_rows(model, recipe, ids: torch.Tensor, length: int, methods: list[str], n
 
     from kvsqueeze.integrations.fused import fused_decode
     from kvsqueeze.integrations.prefill import dense_prefill, filled_cache
+    from kvsqueeze.integrations.preflight import model_windows
     from kvsqueeze.methods import preset_for
 
     prompt, follow = ids[:, :length], ids[:, length: length + new]
@@ -84,7 +85,7 @@ def hf_rows(model, recipe, ids: torch.Tensor, length: int, methods: list[str], n
     rows = []
     caches = [(kind, lambda kind=kind: (dense(kind), None)) for kind in ("DynamicCache", "StaticCache")]
     for name in methods:
-        spec = preset_for(name, length)
+        spec = preset_for(name, length, model_windows(model))
         caches.append((f"kvsqueeze {name}", lambda spec=spec: (filled_cache(model, recipe, spec, prefill), spec)))
     for label, make in caches:
         cache, spec = make()

@@ -28,6 +28,7 @@ from kvsqueeze.eval.perplexity import evaluate, format_table
 from kvsqueeze.eval.plots import plot_ppl_by_length
 from kvsqueeze.eval.texts import load_text, token_windows
 from kvsqueeze.integrations.loading import load_model
+from kvsqueeze.integrations.preflight import model_windows
 from kvsqueeze.methods import parse_methods
 from kvsqueeze.recipe import Recipe
 
@@ -48,10 +49,12 @@ def main() -> None:
     ap.add_argument("--plot", default="benchmarks/results/ppl_by_length.png")
     args = ap.parse_args()
 
-    specs = parse_methods(args.methods)
+    parse_methods(args.methods, layer_windows=())  # a typo is refused before the model loads
     lengths = [int(x) for x in args.lengths.split(",")]
     model, tok = load_model(args.model)
     recipe = Recipe.load(args.recipe)
+    windows = model_windows(model)  # a preset's fp16 window follows the tokens the model's layers hold
+    specs = parse_methods(args.methods, layer_windows=windows)
     text = load_text(args.text)
     t0 = time.perf_counter()
     runs: list[dict] = []
@@ -76,7 +79,7 @@ def main() -> None:
         write()  # each length is kept as soon as it is measured
     plot_ppl_by_length(runs, args.plot)
     if not args.skip_passkey:
-        pk_specs = parse_methods(args.passkey_methods) if args.passkey_methods else specs
+        pk_specs = parse_methods(args.passkey_methods, layer_windows=windows) if args.passkey_methods else specs
         for n in lengths:  # one method and length at a time, written as it completes
             for spec in pk_specs:
                 if any(r["method"] == spec.name and r["length"] == n for r in passkey):

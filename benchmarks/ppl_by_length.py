@@ -153,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     checks = [m.strip() for m in args.check_methods.split(",") if m.strip()]
     for name in methods + checks:
         for length in lengths:
-            preset_for(name, length)  # a typo is refused before the model loads
+            preset_for(name, length, ())  # a typo is refused before the model loads
     if args.segment < 1 or any(n < 2 for n in lengths) or args.tokens < max(lengths):
         raise SystemExit("--segment must be positive, lengths at least 2, and --tokens at least the longest length")
 
@@ -163,6 +163,7 @@ def main(argv: list[str] | None = None) -> int:
     from kvsqueeze.eval.texts import evaluation_windows, load_text
     from kvsqueeze.integrations.cache import cache_for
     from kvsqueeze.integrations.loading import load_model
+    from kvsqueeze.integrations.preflight import model_windows
     from kvsqueeze.integrations.simulate import SimulatedQuantization
     from kvsqueeze.recipe import Recipe
 
@@ -201,8 +202,15 @@ def main(argv: list[str] | None = None) -> int:
     if limit and max(lengths) > limit:  # positions past it were never trained: their PPL says nothing
         raise SystemExit(f"--lengths {max(lengths)} is past {args.model}'s {limit}-token context; use lengths up to "
                          f"{limit}")
+    windows = model_windows(model)  # a preset's fp16 window follows the tokens the model's layers hold
+    moved = sorted({(r["method"], r["length"], r["resolved"]) for r in records if "resolved" in r
+                    and preset_for(r["method"], r["length"], windows).name != r["resolved"]})
+    if moved:
+        m, n, was = moved[0]
+        raise SystemExit(f"{log} scored {m} at {n} tokens as {was}; on {args.model} it is now "
+                         f"{preset_for(m, n, windows).name}: run with another --json")
     text = load_text(args.text)
-    fp16 = preset_for("fp16", 2)
+    fp16 = preset_for("fp16", 2, ())
     check_head(model, torch.arange(100, 164).view(1, -1),
                lambda: SimulatedQuantization(model, fp16, recipe).new_cache())
     result = {"model": args.model, "recipe": args.recipe, "text": args.text, "machine": machine(),
@@ -244,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
                 ref_s = time.perf_counter() - t0
                 keep_reference(stored, ids, reference, ref_s)
             for method in todo:
-                spec = preset_for(method, length)
+                spec = preset_for(method, length, windows)
                 t1 = time.perf_counter()
                 if method == "fp16":
                     hidden, elements = reference, ref_sim.elements(length)
@@ -269,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
             if need_check:
                 checks_out = []
                 for method in checks:
-                    spec = preset_for(method, length)
+                    spec = preset_for(method, length, windows)
                     with SimulatedQuantization(model, spec, recipe) as sim:
                         simulated = hidden_states(model, ids, sim.new_cache())
                     cache = cache_for(model, recipe, spec)

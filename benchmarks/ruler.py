@@ -21,8 +21,9 @@ rows at most, and as many as `--row-gb` of repeated caches hold): one forward re
 all of them, which is what an answer costs on a CPU. Greedy answers, scored as RULER does (the share of the
 expected strings found).
 
-Presets (`q4.5`, `q3.5`, `q2.5`: `kvsqueeze.methods.PRESETS`) are chosen for each length they run at
-(`q3.5` at 8,192 tokens is `nuq@3.5:r32:chan:ctx8k`); their answers are logged under the preset's name.
+Presets (`q4.5`, `q3.5`, `q2.5`: `kvsqueeze.methods.PRESETS`) are chosen for each length they run at and for
+the tokens the model's layers hold (`q3.5` at 8,192 tokens is `nuq@3.5:r32:chan:ctx8k` where every layer holds
+every token); their answers are logged under the preset's name.
 
 The run is sample-major (sample 0 at every length of every model, then sample 1, ...) and appends each answer
 to `--answers` as it is made: stopped anywhere, it resumes there, and what it has is balanced over lengths.
@@ -66,7 +67,9 @@ from kvsqueeze.eval.plots import plot_ruler
 from kvsqueeze.eval.ruler import LAYOUTS, TASKS, build_contexts
 from kvsqueeze.eval.ruler_eval import AnswerLog, format_ruler_table, paired, ruler_eval, summarize
 from kvsqueeze.eval.texts import load_text
+from kvsqueeze.integrations.preflight import model_windows
 from kvsqueeze.methods import PRESETS, parse_methods, preset_for
+from kvsqueeze.methods.spec import PRESET_WINDOW
 
 sys.path.insert(0, str(Path(__file__).parent))
 from common import machine, read_records, same_recipe  # noqa: E402
@@ -226,10 +229,11 @@ def main() -> None:
                  f"--samples be at least 1 (got {args.samples})")
     runs = [parse_run(r) for r in (args.run or RUNS)]
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    def specs_at(length: int):
-        """The methods at one length: presets chosen for it (two names that come to one method there refused),
-        and {spec name: preset name} to log them under."""
-        specs = parse_methods(",".join(names), context=length)
+    def specs_at(length: int, windows=()):
+        """The methods at one length: presets chosen for it and for the model's layer windows (`windows`; before a
+        model loads, layers that hold every token), two names that come to one method there refused, and
+        {spec name: preset name} to log them under."""
+        specs = parse_methods(",".join(names), context=length, layer_windows=windows)
         return specs, {s.name: n.lower() for s, n in zip(specs, names) if n.lower() in PRESETS}
 
     for _, _, lengths, _ in runs:  # refused before any model loads
@@ -273,11 +277,12 @@ def main() -> None:
         for sample in range(args.samples):
             for model_name, _, lengths, _ in runs:
                 model, tok, recipe, contexts = loaded[model_name]
+                windows = model_windows(model)
                 for n in lengths:
                     mine = [c for c in contexts[n] if c.sample == sample]
                     t0 = time.perf_counter()
                     before = len(log.answers)
-                    specs, labels = specs_at(n)
+                    specs, labels = specs_at(n, windows)
                     ruler_eval(model, tok, specs, mine, recipe, engine=args.engine, chunk=args.chunk,
                                model_name=model_name, log=log, labels=labels, max_rows=args.rows,
                                row_memory=int(args.row_gb * 2**30), prefill_store=args.prefills or None)
@@ -291,7 +296,7 @@ def main() -> None:
                     print(format_ruler_table(summarize([a for a in log.answers if a.model == model_name])),
                           flush=True)
 
-    shown = [n.lower() if n.lower() in PRESETS else preset_for(n, 2048).name for n in names]
+    shown = [n.lower() if n.lower() in PRESETS else preset_for(n, 2048, ()).name for n in names]
     kept = [a for a in log.answers if a.method in shown and a.engine == args.engine and a.task in tasks]
     one_haystack(kept, answers_path)
     one_method_each(kept, answers_path)
@@ -313,7 +318,9 @@ def main() -> None:
             "machine": "; ".join(sorted({t.get("machine", "not recorded") for t in timing})) or here,
             "dtype": args.dtype,
             "engine": args.engine, "chunk": args.chunk, "methods": shown,
-            "presets": {p: f"{PRESETS[p]}:ctxN at each length N" for p in shown if p in PRESETS},
+            "presets": {p: f"{PRESETS[p]}:ctxN at each length N, with an fp16 window (:rW) of 1/64 of the fewest "
+                           f"tokens a layer of the model holds, at most {PRESET_WINDOW} (`preset_window`)"
+                        for p in shown if p in PRESETS},
             "tasks": tasks, "seed": args.seed, "samples_requested": args.samples,
             "runs": summary_runs(kept, runs, Path(args.json)),
             "haystack": "BBC corpus, evaluation part (articles held out from calibration)",

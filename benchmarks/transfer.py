@@ -9,7 +9,9 @@ recipe into `--recipes/M/T` (kept, and reused when it is there: delete it to cal
 content digest, and a recipe with another digest than the one a model's cells were measured with is refused); each
 method is then evaluated on `--windows` windows of `--seqlen` tokens spread over the evaluation part of every
 `--eval` text, against fp16 on the same windows: perplexity, its change with a paired 95% interval, KL divergence,
-top-1, and the average bits the cache holds at `--seqlen` tokens, every table counted (presets resolve for `--seqlen`).
+top-1, and the average bits the cache holds at `--seqlen` tokens, every table counted (presets resolve for `--seqlen`
+and the tokens the model's layers hold). A cell whose presets resolve otherwise now than when it was measured is
+measured again; its rows move to `superseded`, with why.
 `plays` is in no calibration text, so every recipe meets one kind of text it never saw.
 
 One cell (model, calibration text, evaluation text) at a time, written into the JSON as it finishes; a run that
@@ -107,7 +109,7 @@ def summary(rows: list[dict]) -> list[dict]:
 
 
 def evaluate_cell(model, tok, recipe, text, methods: list[str], windows: int, seqlen: int,
-                  checkpoint: Path | None = None) -> tuple[list, dict]:
+                  checkpoint: Path | None = None, layer_windows=()) -> tuple[list, dict]:
     """Every method on the text's evaluation windows; with `checkpoint`, each finished window is kept there and a
     stopped cell resumes after it (`evaluate`). `seconds` is this call's time; `resumed_after` the windows it
     found done."""
@@ -116,9 +118,9 @@ def evaluate_cell(model, tok, recipe, text, methods: list[str], windows: int, se
     from kvsqueeze.methods import preset_for
 
     ew = evaluation_windows(tok, text, seqlen, windows)
-    refused = refusals(model, recipe, methods, seqlen)
+    refused = refusals(model, recipe, methods, seqlen, layer_windows)
     kept = [name for name in methods if name not in refused]
-    specs = [preset_for(name, seqlen) for name in kept]
+    specs = [preset_for(name, seqlen, layer_windows) for name in kept]
     found = checkpoint_windows(checkpoint) if checkpoint is not None else 0
     t0 = time.perf_counter()
     rows = evaluate(model, ew.ids, specs, recipe, progress=False, checkpoint=checkpoint)
@@ -130,7 +132,7 @@ def evaluate_cell(model, tok, recipe, text, methods: list[str], windows: int, se
                                                        **({"refused": refused} if refused else {})}
 
 
-def refusals(model, recipe, methods: list[str], seqlen: int) -> dict[str, str]:
+def refusals(model, recipe, methods: list[str], seqlen: int, layer_windows=()) -> dict[str, str]:
     """The methods this model's cache cannot hold as named at `seqlen` tokens (a budget below what its layers
     must store, e.g. an fp16 window on sliding-window layers that hold few tokens), each with the refusal a user
     gets; they are left out of the cell and recorded with it."""
@@ -140,7 +142,7 @@ def refusals(model, recipe, methods: list[str], seqlen: int) -> dict[str, str]:
     out = {}
     for name in methods:
         try:
-            SimulatedQuantization(model, preset_for(name, seqlen), recipe)
+            SimulatedQuantization(model, preset_for(name, seqlen, layer_windows), recipe)
         except MethodError as exc:
             out[name] = str(exc)
     return out
@@ -162,6 +164,42 @@ def outlier_shares(model, recipe, ids, method: str = "nuq3-1%") -> dict:
 
 
 OWN = ("machine", "threads", "settings", "command", "rows", "summary")  # what each run writes anew
+
+
+def model_windows_of(name: str) -> list[int | None]:
+    """Each layer's sliding window of model `name` (None: every token), from its config alone."""
+    from transformers import AutoConfig
+
+    from kvsqueeze.integrations.loading import resolve_model_path
+    from kvsqueeze.integrations.parts import config_windows
+
+    return config_windows(AutoConfig.from_pretrained(resolve_model_path(name)), name)
+
+
+def supersede_moved(result: dict, rows: list[dict], windows: dict[str, list], seqlen: int) -> list[dict]:
+    """Rows whose presets resolve as measured (`windows`: each model's layer windows); the cells of the others move
+    to `result["superseded"]` with why, and are measured again."""
+    from kvsqueeze.methods import preset_for
+
+    moved = {}
+    for r in rows:
+        if r["model"] in windows and "resolved" in r:  # (a row of a version before it named none: kept)
+            now = preset_for(r["method"], seqlen, windows[r["model"]]).name
+            if now != r["resolved"]:
+                moved.setdefault(cell_key(r), f"{r['method']} was {r['resolved']}, now {now}")
+    if not moved:
+        return rows
+    old = result.get("superseded")
+    blocks = [] if old is None else old if isinstance(old, list) else [old]
+    blocks.append({"why": "the presets' fp16 window now follows the tokens a model's layers hold (`preset_window`): "
+                          + "; ".join(sorted(set(moved.values()))),
+                   "rows": [r for r in rows if cell_key(r) in moved],
+                   "cells": {"/".join(k): result["cells"].pop("/".join(k)) for k in moved
+                             if "/".join(k) in result["cells"]}})
+    result["superseded"] = blocks
+    for k, why in moved.items():
+        print(f"{'/'.join(k)}: measured again ({why})", flush=True)
+    return [r for r in rows if cell_key(r) not in moved]
 
 
 def carried(old: dict) -> dict:
@@ -201,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     if "fp16" not in methods:
         methods.insert(0, "fp16")
     for name in methods:  # a typo is refused before any model is loaded
-        preset_for(name, args.seqlen)
+        preset_for(name, args.seqlen, ())
     if args.windows < 1 or args.seqlen < 2:
         raise SystemExit("--windows must be at least 1 and --seqlen at least 2")
 
@@ -214,13 +252,15 @@ def main(argv: list[str] | None = None) -> int:
     path, root = Path(args.json), Path(args.recipes)
     settings = {"windows": args.windows, "seqlen": args.seqlen, "methods": methods}
     rows = load_rows(path, settings)
-    done = {cell_key(r) for r in rows}
     texts = {}
     result = {"machine": machine(), "threads": torch.get_num_threads(), "settings": settings,
               "command": "python benchmarks/transfer.py " + " ".join(argv if argv is not None else sys.argv[1:]),
               "recipes": {}, "cells": {}}
     if path.is_file() and rows:
         result.update(carried(json.loads(path.read_text())))
+    layer_windows = {m: model_windows_of(m) for m in models}
+    rows = supersede_moved(result, rows, layer_windows, args.seqlen)
+    done = {cell_key(r) for r in rows}
 
     def write() -> None:
         result["rows"], result["summary"] = rows, summary(rows)
@@ -262,10 +302,11 @@ def main(argv: list[str] | None = None) -> int:
                 text = texts.setdefault(evaluated, load_text(evaluated))
                 cell_name = f"{model_name}.{calib}.{evaluated}.{args.windows}x{args.seqlen}"
                 ckpt = root / "checkpoints" / f"{cell_name}.safetensors"
-                pairs, cell = evaluate_cell(model, tok, recipe, text, methods, args.windows, args.seqlen, ckpt)
+                pairs, cell = evaluate_cell(model, tok, recipe, text, methods, args.windows, args.seqlen, ckpt,
+                                            layer_windows[model_name])
                 base = next(r for name, r in pairs if name == "fp16")
                 for name, r in pairs:
-                    spec = preset_for(name, args.seqlen)
+                    spec = preset_for(name, args.seqlen, layer_windows[model_name])
                     delta = 100 * (r.ppl / base.ppl - 1)
                     rows.append({"model": model_name, "calib_text": calib, "eval_text": evaluated, "method": name,
                                  "resolved": spec.name, "in_domain": in_domain(calib, evaluated),
@@ -278,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
                                  "window_nll": [round(x, 4) for x in r.window_nll]})
                 for name, why in cell.get("refused", {}).items():
                     rows.append({"model": model_name, "calib_text": calib, "eval_text": evaluated, "method": name,
-                                 "resolved": preset_for(name, args.seqlen).name,
+                                 "resolved": preset_for(name, args.seqlen, layer_windows[model_name]).name,
                                  "in_domain": in_domain(calib, evaluated), "refused": why})
                 result["cells"][f"{model_name}/{calib}/{evaluated}"] = {**cell, "machine": machine(),
                                                                         "recipe_sha256": digest}

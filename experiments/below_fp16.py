@@ -45,6 +45,7 @@ def main() -> None:
     from kvsqueeze.integrations.loading import load_model
     from kvsqueeze.integrations.simulate import SimulatedQuantization
     from kvsqueeze.methods import preset_for
+    from kvsqueeze.methods.budget import recipe_windows
     from kvsqueeze.recipe import Recipe
 
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -52,7 +53,7 @@ def main() -> None:
     recipe = Recipe.load(args.recipe)
     # the windows benchmarks/ppl_by_length.py scores at this length (65,536 evaluation tokens spread evenly)
     ew = evaluation_windows(tok, load_text("bbc"), args.length, max(1, 65536 // args.length))
-    fp16 = preset_for("fp16", 2)
+    fp16 = preset_for("fp16", 2, ())
     totals: dict[str, dict] = {}
     per_window = []
     for w in range(args.windows):
@@ -62,7 +63,7 @@ def main() -> None:
         for m in methods:
             engine = m.startswith("cache:")
             name = m.split(":", 1)[1] if engine else m
-            spec = preset_for(name, args.length)
+            spec = preset_for(name, args.length, recipe_windows(recipe))
             t0 = time.perf_counter()
             if engine:
                 hidden = hidden_states(model, ids, cache_for(model, recipe, spec))

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from kvsqueeze.methods import preset_for
+from kvsqueeze.methods.budget import recipe_windows
 from kvsqueeze.methods.budget import spec_allocation
 from kvsqueeze.recipe import Recipe
 
@@ -50,7 +51,7 @@ def main() -> None:
     fp = recipe.meta["model"]["fingerprint"]
     head_dim = int(fp["head_dim"])
     channels = int(fp["kv_heads"]) * head_dim
-    spec = preset_for(args.method, args.tokens)
+    spec = preset_for(args.method, args.tokens, recipe_windows(recipe))
     alloc = spec_allocation(spec, recipe)
     widths = np.array([k.widths if k.widths is not None else [k.bits] * channels for k in alloc.keys])
     table = by_frequency(widths, head_dim)

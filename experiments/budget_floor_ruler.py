@@ -28,6 +28,7 @@ from kvsqueeze.eval.ruler_eval import AnswerLog, paired, ruler_eval
 from kvsqueeze.eval.texts import load_text
 from kvsqueeze.integrations.loading import load_model
 from kvsqueeze.methods import preset_for
+from kvsqueeze.methods.budget import recipe_windows
 from kvsqueeze.methods.budget import spec_allocation
 from kvsqueeze.recipe import Recipe
 
@@ -72,14 +73,15 @@ def main() -> None:
 
     recipe = Recipe.load(args.recipe)
     low = floored(recipe)
-    spec = preset_for("q3.5", args.length)
+    spec = preset_for("q3.5", args.length, recipe_windows(recipe))
     plain, floor = spec_allocation(spec, recipe), spec_allocation(spec, low)
     model, tok = load_model(args.model)
     contexts = build_contexts(tok, load_text("bbc").evaluation, args.length, args.samples, seed=args.seed,
                               layout="many")
     log = AnswerLog(args.answers)
     t0 = time.perf_counter()
-    ruler_eval(model, tok, [preset_for(m, args.length) for m in ("fp16", "nuq3-1%", "q3.5")], contexts, recipe,
+    ruler_eval(model, tok, [preset_for(m, args.length, recipe_windows(recipe)) for m in ("fp16", "nuq3-1%", "q3.5")],
+               contexts, recipe,
                model_name=args.model, log=log, labels={spec.name: "q3.5"})
     ruler_eval(model, tok, [spec], contexts, low, model_name=args.model, log=log, labels={spec.name: "q3.5-floor"})
     seconds = time.perf_counter() - t0

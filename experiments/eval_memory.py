@@ -53,6 +53,7 @@ def main() -> None:
     from kvsqueeze.eval.texts import evaluation_windows, load_text
     from kvsqueeze.integrations.loading import load_model
     from kvsqueeze.methods import parse_methods
+    from kvsqueeze.methods.budget import recipe_windows
     from kvsqueeze.recipe import Recipe
 
     torch.set_num_threads(1)
@@ -63,7 +64,8 @@ def main() -> None:
     steps = {"model loaded": gb(_status("VmHWM"))}
     t0 = time.perf_counter()
     _reset_peak()
-    rows = P.evaluate(model, ids, parse_methods(f"fp16,{args.method}"), recipe, progress=False)
+    specs = parse_methods(f"fp16,{args.method}", layer_windows=recipe_windows(recipe))
+    rows = P.evaluate(model, ids, specs, recipe, progress=False)
     steps["evaluate, fp16 and the method, one window: peak"] = gb(_status("VmHWM"))
     steps["after it"] = gb(_status("VmRSS"))
     entry = {"label": args.label, "peak_gib": steps, "seconds": round(time.perf_counter() - t0, 1),

@@ -27,6 +27,7 @@ from kvsqueeze.eval.ruler import build_contexts  # noqa: E402
 from kvsqueeze.eval.ruler_eval import AnswerLog, ruler_eval  # noqa: E402
 from kvsqueeze.eval.texts import load_text  # noqa: E402
 from kvsqueeze.methods import PRESETS, preset_for  # noqa: E402
+from kvsqueeze.methods.budget import recipe_windows  # noqa: E402
 
 
 def main() -> None:
@@ -50,9 +51,9 @@ def main() -> None:
     contexts = [c for c in build_contexts(tok, load_text("bbc").evaluation, args.length, args.samples, seed=0,
                                           layout=args.layout) if c.sample == args.sample]
     names = [m.strip() for m in args.methods.split(",") if m.strip()]
-    specs = [preset_for(n, args.length) for n in names]
-    labels = {s.name: n.lower() for s, n in zip(specs, names) if n.lower() in PRESETS}
     recipe = Recipe.load(args.recipe)
+    specs = [preset_for(n, args.length, recipe_windows(recipe)) for n in names]
+    labels = {s.name: n.lower() for s, n in zip(specs, names) if n.lower() in PRESETS}
     t0 = time.perf_counter()
     fresh = ruler_eval(model, tok, specs, contexts, recipe, model_name=args.model, labels=labels,
                        log=AnswerLog(None), prefill_store=None)

@@ -31,6 +31,7 @@ from kvsqueeze.eval import ruler_eval as R  # noqa: E402
 from kvsqueeze.eval.ruler import LAYOUTS, build_contexts  # noqa: E402
 from kvsqueeze.eval.texts import load_text  # noqa: E402
 from kvsqueeze.methods import parse_methods  # noqa: E402
+from kvsqueeze.methods.budget import recipe_windows  # noqa: E402
 from kvsqueeze.methods.spec import PRESETS  # noqa: E402
 
 
@@ -115,10 +116,10 @@ def main() -> None:
     from kvsqueeze.recipe import Recipe
 
     names = args.methods.split(",")
-    specs = parse_methods(args.methods, context=args.length)
+    recipe = Recipe.load(args.recipe)
+    specs = parse_methods(args.methods, context=args.length, layer_windows=recipe_windows(recipe))
     labels = {s.name: n.lower() for s, n in zip(specs, names) if n.lower() in PRESETS}
     model, tok = load_model(args.model, "float32")
-    recipe = Recipe.load(args.recipe)
     contexts = [c for c in build_contexts(tok, load_text("bbc").evaluation, args.length, args.samples, seed=0,
                                           layout=args.layout) if c.sample == args.sample]
     runs, seconds = {}, {}

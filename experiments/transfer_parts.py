@@ -36,6 +36,7 @@ from common import machine  # noqa: E402
 
 from kvsqueeze.eval.perplexity import against_reference, paired_interval, window_logits  # noqa: E402
 from kvsqueeze.integrations.simulate import SimulatedQuantization  # noqa: E402
+from kvsqueeze.integrations.preflight import model_windows  # noqa: E402
 from kvsqueeze.methods import parse_method, preset_for  # noqa: E402
 from kvsqueeze.recipe import Recipe  # noqa: E402
 
@@ -138,11 +139,12 @@ def main() -> None:
             raise SystemExit(f"--only {', '.join(unknown)}: no such variant ({', '.join(variants)})")
         variants = {v: variants[v] for v in keep}
     model, tok = load_model(args.model)
+    windows = model_windows(model)  # a preset's fp16 window follows the tokens the model's layers hold
     ids = evaluation_windows(tok, load_text(args.text), 2048, 8).ids[:args.windows]
     done = result.setdefault("done", {})
     result.update({"model": args.model, "text": args.text, "recipes": digests, "machine": machine(),
                    "windows": "the first N of the 8 evaluation windows of 2,048 tokens transfer.py scores",
-                   "methods": {m: preset_for(m, 2048).name for m in METHODS}})
+                   "methods": {m: preset_for(m, 2048, windows).name for m in METHODS}})
 
     def write() -> None:
         result["rows"] = summarize(done, list(variants), args.windows)
@@ -169,7 +171,7 @@ def main() -> None:
                 if key in done or f"{variant}/{method}" not in wanted:
                     continue
                 t0 = time.perf_counter()
-                with SimulatedQuantization(model, preset_for(method, 2048), recipe) as sim:
+                with SimulatedQuantization(model, preset_for(method, 2048, windows), recipe) as sim:
                     logp = window_logits(model, window, sim)[0]
                     bits = 8 * sum(sim.storage(window.numel()).values())
                     elements = sim.elements(window.numel())

@@ -163,21 +163,27 @@ def test_parse_methods_rejects(text, match):
 def test_parse_methods_chooses_presets_for_the_tokens_a_cache_reaches():
     """With `reaching`, a preset is chosen for that many tokens (never fewer than 2,048), and a name that comes to
     the same method there is refused as a duplicate, though the two differ at 2,048."""
-    assert [s.name for s in parse_methods("fp16,q3.5,nuq3-1%", reaching=3000)] == [
+    assert [s.name for s in parse_methods("fp16,q3.5,nuq3-1%", reaching=3000, layer_windows=())] == [
         "fp16", "nuq@3.5:r32:chan:ctx3000", "nuq3-1%"]
-    assert [s.name for s in parse_methods("q3.5", reaching=512)] == ["nuq@3.5:r32:chan"]
+    assert [s.name for s in parse_methods("q3.5", reaching=512, layer_windows=())] == ["nuq@3.5:r32:chan"]
     parse_methods("q3.5,nuq@3.5:r32:chan:ctx3000")  # distinct at 2,048
     with pytest.raises(MethodError, match="same method"):
-        parse_methods("q3.5,nuq@3.5:r32:chan:ctx3000", reaching=3000)
+        parse_methods("q3.5,nuq@3.5:r32:chan:ctx3000", reaching=3000, layer_windows=())
+    with pytest.raises(TypeError, match="layer_windows"):  # chosen for a context, a preset needs the model's layers
+        parse_methods("q3.5", reaching=3000)
 
 
 def test_parse_methods_chooses_presets_for_an_exact_context():
     """With `context`, a preset is chosen for exactly that many tokens (below 2,048 too), duplicates refused there."""
-    assert [s.name for s in parse_methods("fp16,q3.5", context=512)] == ["fp16", "nuq@3.5:r32:chan:ctx512"]
+    assert [s.name for s in parse_methods("fp16,q3.5", context=4096, layer_windows=())] == [
+        "fp16", "nuq@3.5:r32:chan:ctx4k"]
+    # 512 tokens: the window is 1/64 of them
+    assert [s.name for s in parse_methods("fp16,q3.5", context=512, layer_windows=())] == [
+        "fp16", "nuq@3.5:r8:chan:ctx512"]
     with pytest.raises(MethodError, match="same method"):
-        parse_methods("q2.5,nuq@2.5:r32:chan:ctx512", context=512)
+        parse_methods("q2.5,nuq@2.5:r8:chan:ctx512", context=512, layer_windows=())
     with pytest.raises(ValueError, match="not both"):
-        parse_methods("q3.5", reaching=4096, context=4096)
+        parse_methods("q3.5", reaching=4096, context=4096, layer_windows=())
 
 
 def test_parse_methods_keeps_order():
@@ -305,12 +311,33 @@ def test_presets_resolve_to_a_windowed_per_channel_budget_at_the_context_given()
 
     assert parse_method("q3.5") == parse_method("nuq@3.5:r32:chan")
     assert parse_method("Q2.5:ctx32k").name == "nuq@2.5:r32:chan:ctx32k"
-    spec = preset_for("q4.5", 8192)
+    spec = preset_for("q4.5", 8192, ())
     assert (spec.budget, spec.window, spec.budget_unit, spec.context) == (4.5, 32, "channel", 8192)
-    assert preset_for("kivi2", 8192) == parse_method("kivi2")  # other names as they parse
+    assert preset_for("kivi2", 8192, [512]) == parse_method("kivi2")  # other names as they parse
     assert set(PRESETS) == {"q4.5", "q3.5", "q2.5"}
     with pytest.raises(MethodError, match="unknown preset 'q3.7'.*q4.5, q3.5, q2.5"):
         parse_method("q3.7")
+
+
+@pytest.mark.parametrize("context,windows,expected", [
+    (2048, (), 32), (32768, [None] * 4, 32),  # every layer holds every token: 32, also at long contexts
+    (2048, [512, None, 512], 8), (32768, [None, 512], 8),  # Gemma-3's local layers keep 512: 8 at any length
+    (2048, [4096, None], 32),  # a window longer than the context: the context decides
+    (1024, [None], 16), (512, (), 8), (100, [64], 1),  # short contexts and windows, never below one token
+])
+def test_a_presets_window_follows_the_fewest_tokens_a_layer_holds(context, windows, expected):
+    """The fp16 window is 1/64 of the tokens the model's fewest-holding layer keeps, at most 32: a layer of 511
+    tokens would otherwise pay 16 bits for 1/16 of them (a bit of its every element) for a window it holds alone."""
+    from kvsqueeze.methods import preset_for, preset_window
+
+    assert preset_window(context, windows) == expected
+    for name, bits in (("q4.5", 4.5), ("q3.5", 3.5), ("q2.5", 2.5)):
+        spec = preset_for(name, context, windows)
+        assert (spec.budget, spec.window, spec.budget_unit, spec.budget_context) == (bits, expected, "channel",
+                                                                                     context)
+        assert parse_method(spec.name) == spec  # the name written in tables parses back to the same method
+    assert preset_for("q3.5:ctx32k", context, windows).budget_context == 32768  # its own context, the layers' window
+    assert preset_for("q3.5:ctx32k", context, windows).window == preset_window(32768, windows)
 
 
 @pytest.mark.parametrize("name", ["nuq3-0.1234567%", "nuq@3.1234567", "nuq3-0.00001%"])

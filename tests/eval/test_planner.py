@@ -201,7 +201,7 @@ def test_a_preset_is_planned_as_chosen_for_each_context(tiny_model_dir, tiny_rec
     rows = {r["context"]: r for r in result["rows"]}
     assert set(rows) == {2048, 32768}
     for n, r in rows.items():
-        assert r["method"] == preset_reaching("q3.5", n).name
+        assert r["method"] == preset_reaching("q3.5", n, ()).name
     (held_2k_choice,) = run_memory_command(str(tiny_model_dir), "32K", "nuq@3.5:r32:chan",
                                            recipe=str(tiny_recipe_dir))["rows"]
     assert abs(held_2k_choice["avg_bits"] - rows[32768]["avg_bits"]) > 0.01

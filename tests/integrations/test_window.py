@@ -541,3 +541,34 @@ def test_a_crop_to_a_window_state_restores_the_tables_in_place(tiny_recipe):
     assert all(a is b for a, b in zip(tables, (store.sink_k, store.sink_v, store.sink_slot, store.sinks_taken,
                                                store.window_taken)))
     assert all(torch.equal(a, b) for a, b in zip(tables, before))
+
+
+def test_a_presets_window_follows_the_tokens_the_models_layers_hold(tmp_path, monkeypatch):
+    """On a model whose local layers keep 512 tokens (Gemma-3's), `q3.5` holds an 8-token fp16 window wherever it
+    is named: `cache_for`, the lm-eval adapter's resolution and the vLLM plugin's settings (from the recipe's
+    fingerprint) agree, and the cache holds the bits of that budget; on a model whose layers keep every token it
+    stays 32."""
+    import kvsqueeze
+    from kvsqueeze.calibrate.collect import collect
+    from kvsqueeze.calibrate.fit import CalibrationConfig, fit_recipe
+    from kvsqueeze.integrations.preflight import model_windows
+    from kvsqueeze.methods import preset_for
+    from kvsqueeze.serving.settings import ServingConfig
+    from test_families import GEMMA3, family_model
+
+    model = family_model("gemma3", seed=3, **dict(GEMMA3, sliding_window=512))
+    assert model_windows(model) == [512, None]
+    acts = collect(model, random_ids(2, 64, seed=5), sinks=1, progress=False)
+    recipe = fit_recipe(model, acts, CalibrationConfig(samples=2, seqlen=64), "tiny-gemma3", "random",
+                        progress=False)
+    cache = kvsqueeze.cache_for(model, recipe, "q3.5")
+    assert cache.spec.name == "nuq@3.5:r8:chan"
+    assert all(layer.store.window == 8 for layer in cache.layers)
+    assert preset_for("q3.5", DEFAULT_CONTEXT, model_windows(model)) == cache.spec  # the adapter's resolution
+    served = ServingConfig(recipe=str(recipe.save(tmp_path / "recipe")), method="q3.5").spec
+    assert (served.budget, served.window, served.budget_unit) == (3.5, 8, "channel")
+    with torch.no_grad():
+        model(random_ids(1, DEFAULT_CONTEXT, seed=6), cache=cache, use_cache=True)
+    bits = cache.memory_report().avg_bits  # at the context chosen for, the budget with that window holds its bits
+    assert 3.0 < bits <= 3.5 * 1.02, bits
+    assert kvsqueeze.cache_for(model, recipe, "nuq@3.5:r32:chan").spec.window == 32  # a name given is kept

@@ -392,7 +392,8 @@ def run_memory_command(
     shape = resolve_model(model)
     ctx = parse_contexts(contexts)
     # a preset (q3.5, ...) is chosen for the context it caches, as `generate`, `eval` and `ruler` choose it
-    by_context = {tokens: parse_methods(methods, reaching=tokens) for _, tokens in ctx}
+    by_context = {tokens: parse_methods(methods, reaching=tokens, layer_windows=shape.windows or ())
+                  for _, tokens in ctx}
     loaded = _budget_recipe(shape, [s for specs in by_context.values() for s in specs], recipe)
     mem = parse_bytes(gpu_mem)
     rows = []

@@ -30,7 +30,7 @@ from ..cache.positions import PositionLog
 from ..cache.report import COMPONENTS, MemoryReport
 from ..cache.store import KVStore
 from ..config import DEFAULT_METHOD
-from ..methods import MethodError, MethodSpec, family, parse_method
+from ..methods import DEFAULT_CONTEXT, MethodError, MethodSpec, family, preset_for
 from ..methods import build_quantizers
 from ..numerics.quantizer import VectorQuantizer
 from ..recipe import Recipe
@@ -40,8 +40,8 @@ from .attention import register_handler, switch_attention
 from .capture import ForwardCapture
 from .fingerprint import check_recipe
 from .layers import CompressedLayer, Fp16Layer, settle_step
-from .parts import attention_modules, layer_rotaries, layer_windows
-from .preflight import UnsupportedModelError, preflight
+from .parts import attention_modules, layer_rotaries
+from .preflight import UnsupportedModelError, model_windows, preflight
 from .simulate import SIMULATING, window_handler
 
 SUPPORTED = ("fp16, and int / nf / nuq with keys per channel before RoPE and values per token, outliers per "
@@ -197,7 +197,8 @@ def cache_for(model, recipe: Recipe | str | Path | None = None,
         recipe: the model's calibration recipe (a `Recipe` or its directory);
             required by nuq and by per-channel int/nf keys.
         method: a method name (see `kvsqueeze.methods`) or a parsed `MethodSpec`; by default the 3.5-bit preset
-            `q3.5`, chosen for 2,048 tokens (`q3.5:ctx32k` spends its bits at 32K; README, "Which method").
+            `q3.5`, chosen for 2,048 tokens and the tokens this model's layers hold (`preset_for`; `q3.5:ctx32k`
+            spends its bits at 32K; README, "Which method").
 
     A method with an fp16 window of recent tokens (`:rN`) switches `model` to kvsqueeze's attention, which reads
     each query's own window and falls through to the model's own attention for everything else.
@@ -207,7 +208,9 @@ def cache_for(model, recipe: Recipe | str | Path | None = None,
         RecipeError: no recipe, a recipe of another model, or one lacking this method's statistics.
         UnsupportedModelError: a model whose keys cannot be read before RoPE (`preflight`).
     """
-    spec = parse_method(method) if isinstance(method, str) else method
+    windows = model_windows(model)  # sliding-window layers keep what DynamicCache keeps
+    # a preset's fp16 window follows the tokens this model's layers hold
+    spec = preset_for(method, DEFAULT_CONTEXT, windows) if isinstance(method, str) else method
     check_supported(spec)
     simulating = getattr(model, SIMULATING, None)
     if simulating is not None:
@@ -218,10 +221,6 @@ def cache_for(model, recipe: Recipe | str | Path | None = None,
         recipe = Recipe.load(recipe)
     if recipe is not None:
         check_recipe(recipe, model)
-    try:
-        windows = layer_windows(model)  # sliding-window layers keep what DynamicCache keeps
-    except ValueError as exc:
-        raise UnsupportedModelError(str(exc)) from exc
     if not spec.quantized:
         layers = [Fp16Layer(w) for w in windows]
         for i, layer in enumerate(layers):

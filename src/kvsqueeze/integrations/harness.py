@@ -41,7 +41,7 @@ except ImportError as exc:  # pragma: no cover - the message is the point
                       f"(lm-eval==0.4.13); the import failed with: {exc}") from exc
 
 from ..config import DEFAULT_DTYPE, DEFAULT_METHOD, DEFAULT_MODEL
-from ..methods import family, needs_recipe, parse_method
+from ..methods import DEFAULT_CONTEXT, family, needs_recipe, parse_method, preset_for
 from ..recipe import Recipe
 from ..shape import context_length
 from .loading import load_model
@@ -81,6 +81,9 @@ class KVSqueezeLM(HFLM):
         self.recipe = Recipe.load(recipe) if recipe else None
         self.decode = decode
         model, tok = load_model(str(pretrained), dtype, _device(device))
+        from .preflight import model_windows
+
+        self.spec = preset_for(str(method), DEFAULT_CONTEXT, model_windows(model))  # a preset's window: this model's
         self.kv_method_check(model)
         if tok.pad_token_id is None:
             tok.pad_token = tok.eos_token  # HFLM pads batches

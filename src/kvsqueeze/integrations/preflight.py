@@ -163,14 +163,21 @@ def preflight(model, keys: bool = True) -> None:
 
 
 
-def _check_layers(model, attn: list) -> None:
-    """One self-attention per decoder layer, each full or sliding-window: hybrids (linear attention, state-space
-    layers) and decoders with cross-attention are refused here, before any forward."""
+def model_windows(model) -> list[int | None]:
+    """Each layer's sliding window as the caches keep it (None: every token; `parts.layer_windows`), what a preset's
+    fp16 window follows (`methods.preset_for`); a layer kind the caches do not hold (chunked attention, linear
+    attention, ...) is refused, naming the model's family."""
     try:
-        layer_windows(model)
+        return layer_windows(model)
     except ValueError as exc:
         raise _refuse(model, None, str(exc).split(";")[0], "kvsqueeze caches full and sliding-window attention "
                       "layers only") from exc
+
+
+def _check_layers(model, attn: list) -> None:
+    """One self-attention per decoder layer, each full or sliding-window: hybrids (linear attention, state-space
+    layers) and decoders with cross-attention are refused here, before any forward."""
+    model_windows(model)
     layers = kv_shape(model.config).layers
     cross = [i for i, a in enumerate(attn) if getattr(a, "is_cross_attention", False)]
     if cross or len(attn) != layers:

@@ -63,8 +63,8 @@ CHANNEL_BITS = (1, 2, 3, 4, 5, 6)  # widths a ':chan' budget gives channels (the
 CAPS = (4, 5, 6)  # the widest width a ':chan' unit may use: its decode table holds 2**cap levels per channel
 
 __all__ = ["Choice", "Allocation", "allocate", "allocate_channels", "recipe_allocation", "layer_choices",
-           "unit_bits", "shared_bits", "held_tokens", "held_sinks", "sliding_layers", "budget_key", "describe",
-           "measured_scales", "check_widths", "CHANNEL_BITS"]
+           "unit_bits", "shared_bits", "held_tokens", "held_sinks", "sliding_layers", "recipe_windows", "budget_key",
+           "describe", "measured_scales", "check_widths", "CHANNEL_BITS"]
 
 
 @dataclass(frozen=True)
@@ -127,7 +127,7 @@ def unit_bits(kv: str, choice: Choice, tokens: int, channels: int, sinks: int) -
     return 8.0 * storage.total(storage.tensor_bytes(layout, channels, tokens, n_sinks, held))
 
 
-def _layer_windows(recipe: Recipe) -> list[int | None]:
+def recipe_windows(recipe: Recipe) -> list[int | None]:
     """Each layer's sliding window from the recipe's fingerprint (a recipe without them: every layer full)."""
     fp = recipe.meta["model"]["fingerprint"]
     return fp.get("layer_windows") or [None] * int(fp["layers"])
@@ -136,7 +136,7 @@ def _layer_windows(recipe: Recipe) -> list[int | None]:
 def held_tokens(recipe: Recipe, tokens: int) -> list[int]:
     """Tokens each layer holds of a row of `tokens` (one row): all of them, or on a sliding-window layer the last
     window - 1, as the compressed cache keeps them (`storage.held_by_layer`)."""
-    return [tokens if h is None else h for h in storage.held_by_layer(_layer_windows(recipe), tokens)]
+    return [tokens if h is None else h for h in storage.held_by_layer(recipe_windows(recipe), tokens)]
 
 
 def held_sinks(held: list[int], sinks: int, tokens: int) -> list[int]:
@@ -148,7 +148,7 @@ def held_sinks(held: list[int], sinks: int, tokens: int) -> list[int]:
 
 def sliding_layers(recipe: Recipe) -> list[bool]:
     """Which layers slide (keep their own positions and drop old tokens), from the recipe's `layer_windows`."""
-    return [w is not None for w in _layer_windows(recipe)]
+    return [w is not None for w in recipe_windows(recipe)]
 
 
 def shared_bits(held: list[int], channels: int, sinks: int, window: int, tokens: int,

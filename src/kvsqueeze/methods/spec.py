@@ -11,7 +11,8 @@ Grammar::
 
     FAMILY BITS [-PCT%] [:FLAG ...]      or      nuq@AVG [:sinkN] [:rN] [:kl] [:chan] [:ctxN]
     or a preset: q4.5 | q3.5 | q2.5 [:ctxN]  (`PRESETS`: the recommended methods, a budget of that many
-    stored bits with a 32-token fp16 window and a width per channel, chosen for the context N)
+    stored bits with an fp16 window (`preset_window`: 32 tokens, fewer on a layer that holds fewer than
+    2,048) and a width per channel, chosen for the context N and the model's layers, `preset_for`)
 
     FAMILY  fp16 | int | nf | nuq | kivi | group | turbo
     AVG     a bit budget, e.g. 3.5: average stored bits per K/V element, every byte counted; each
@@ -194,7 +195,11 @@ def _parse_method(name: str) -> MethodSpec:
         if preset["name"] not in PRESETS:
             raise MethodError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)} (each with an optional "
                               "':ctxN', the context it is chosen for)")
-        return parse_method(PRESETS[preset["name"]] + (preset["ctx"] or ""))
+        # without a model: chosen for one whose every layer keeps every token (`preset_for` takes the model's)
+        context = DEFAULT_CONTEXT
+        if preset["ctx"]:
+            context = parse_method(PRESETS[preset["name"]] + preset["ctx"]).budget_context
+        return _preset(preset["name"], context, ())
     m = _NAME_RE.match(text)
     if not m:
         raise MethodError(
@@ -250,25 +255,52 @@ def _parse_method(name: str) -> MethodSpec:
     return spec
 
 
-# The recommended methods, by the bits their cache stores: a per-channel budget with a 32-token fp16 window,
-# chosen for the context given with ':ctxN' (default `DEFAULT_CONTEXT`), e.g. 'q3.5:ctx32k'.
-PRESETS = {"q4.5": "nuq@4.5:r32:chan", "q3.5": "nuq@3.5:r32:chan", "q2.5": "nuq@2.5:r32:chan"}
+# The recommended methods, by the bits their cache stores: a per-channel budget with an fp16 window of recent
+# tokens (`preset_window`), chosen for the context given with ':ctxN' (default `DEFAULT_CONTEXT`), e.g. 'q3.5:ctx32k',
+# and for the tokens the model's layers hold (`preset_for`).
+PRESETS = {"q4.5": "nuq@4.5:chan", "q3.5": "nuq@3.5:chan", "q2.5": "nuq@2.5:chan"}
 _PRESET_RE = re.compile(r"^(?P<name>q\d+(?:\.\d+)?)(?P<ctx>:ctx\d+k?)?$")
+# A preset's fp16 window: 1/64 of the tokens its model's fewest-holding layer keeps, at most 32. Each size was chosen
+# on calibration text, by KL against fp16 at the same bits (`experiments/window_sweep.py`): 32 of 16 / 32 / 64 on
+# SmolLM2-135M, whose layers hold all 2,048 tokens; 8 of 0 / 8 / 16 / 32 on Gemma-3-270M, whose sliding layers hold
+# the last 511 of them. A larger window at longer contexts is untried, so 32 stays the most.
+PRESET_WINDOW = 32
+PRESET_WINDOW_SHARE = 64
 
 
-def preset_for(name: str, context: int) -> MethodSpec:
-    """A preset (`PRESETS`) chosen for `context` cached tokens; any other method name as it parses."""
+def preset_window(context: int, layer_windows=()) -> int:
+    """The fp16 window of a preset chosen for `context` tokens on a model whose layers keep `layer_windows` (each
+    layer's sliding window, None where a layer keeps every token): 1/64 of the fewest tokens a layer holds, from 1
+    to `PRESET_WINDOW` tokens."""
+    fewest = min([context, *(w for w in layer_windows if w is not None)])
+    return max(1, min(PRESET_WINDOW, fewest // PRESET_WINDOW_SHARE))
+
+
+def _preset(name: str, context: int, layer_windows) -> MethodSpec:
+    budget = PRESETS[name]
+    family, unit = budget.split(":", 1)
+    return parse_method(f"{family}:r{preset_window(context, layer_windows)}:{unit}{context_flag(context)}")
+
+
+def preset_for(name: str, context: int, layer_windows) -> MethodSpec:
+    """A preset (`PRESETS`) chosen for `context` cached tokens on a model whose layers keep `layer_windows` (each
+    layer's sliding window, None: every token; `kvsqueeze.integrations.parts.layer_windows(model)`, or a recipe's
+    `budget.recipe_windows`); any other method name as it parses (a preset with ':ctxN' for that context)."""
     base = name.strip().lower()
     if base in PRESETS:
-        return parse_method(f"{PRESETS[base]}:ctx{context}")
+        return _preset(base, context, layer_windows)
+    preset = _PRESET_RE.match(base)
+    if preset and preset["name"] in PRESETS and preset["ctx"]:
+        return _preset(preset["name"], parse_method(base).budget_context, layer_windows)
     return parse_method(name)
 
 
-def preset_reaching(name: str, tokens: int) -> MethodSpec:
+def preset_reaching(name: str, tokens: int, layer_windows) -> MethodSpec:
     """A preset chosen for a cache that reaches `tokens` tokens (a generation's prompt and new tokens, an evaluation
     window), never for fewer than `DEFAULT_CONTEXT`: a shorter cache holds the 2,048-token choice, its window paid
-    over fewer tokens, as its memory report says. Any other method name as it parses."""
-    return preset_for(name, max(DEFAULT_CONTEXT, tokens))
+    over fewer tokens, as its memory report says; on a model whose layers keep `layer_windows` (`preset_for`). Any
+    other method name as it parses."""
+    return preset_for(name, max(DEFAULT_CONTEXT, tokens), layer_windows)
 
 
 def _budget_method(name: str, family: str, m: re.Match) -> MethodSpec:
@@ -409,17 +441,26 @@ def context_flag(context: int) -> str:
     return f":ctx{context // 1024}k" if context % 1024 == 0 else f":ctx{context}"
 
 
-def parse_methods(text: str, reaching: int | None = None, context: int | None = None) -> list[MethodSpec]:
+def parse_methods(text: str, reaching: int | None = None, context: int | None = None,
+                  layer_windows=None) -> list[MethodSpec]:
     """Parse a comma-separated list of method names, rejecting duplicates; with `reaching`, each preset is chosen
-    for a cache of that many tokens (`preset_reaching`), with `context` for exactly that many (`preset_for`), and
-    two names that come to the same method there are duplicates too."""
+    for a cache of that many tokens (`preset_reaching`), with `context` for exactly that many (`preset_for`), on a
+    model whose layers keep `layer_windows` (each layer's sliding window, None: every token; `()` for a model
+    whose every layer keeps every token), and two names that come to the same method there are duplicates too.
+    Without a context the names parse as `parse_method` reads them, presets for a model whose layers keep every
+    token unless `layer_windows` says otherwise."""
     names = [t.strip() for t in text.split(",") if t.strip()]
     if not names:
         raise MethodError("no methods given: pass e.g. --methods fp16,int3,nuq3-1%")
     if reaching is not None and context is not None:
         raise ValueError("parse_methods: give `reaching` or `context`, not both")
-    specs = [preset_reaching(n, reaching) if reaching is not None else preset_for(n, context) if context is not None
-             else parse_method(n) for n in names]
+    if (reaching is not None or context is not None) and layer_windows is None:
+        raise TypeError("parse_methods: presets chosen for a context follow the model's layers; give layer_windows "
+                        "(`()` where every layer keeps every token)")
+    windows = layer_windows or ()
+    specs = [preset_reaching(n, reaching, windows) if reaching is not None
+             else preset_for(n, context, windows) if context is not None
+             else preset_for(n, DEFAULT_CONTEXT, windows) for n in names]
     seen: dict[str, str] = {}
     for raw, s in zip(names, specs):
         if s.name in seen:

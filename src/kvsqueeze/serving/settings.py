@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..config import DEFAULT_METHOD  # the library's
-from ..methods import MethodError, MethodSpec, family, parse_method
+from ..methods import DEFAULT_CONTEXT, MethodError, MethodSpec, family, parse_method, preset_for
 from ..paged.layout import PageLayout
 
 # exact key elements per token in a page: on SmolLM2-135M's evaluation text (192 channels, 1% per-channel
@@ -119,6 +119,10 @@ class ServingConfig:
     def spec(self) -> MethodSpec:
         try:
             spec = parse_method(self.method)
+            if spec.budget is not None:  # a preset's fp16 window follows the tokens the recipe's model's layers hold
+                from ..methods.budget import recipe_windows
+
+                spec = preset_for(self.method, DEFAULT_CONTEXT, recipe_windows(self._recipe))
         except MethodError as exc:
             raise ServingError(f"KVSQUEEZE_METHOD={self.method!r}: {exc}") from None
         problems = []
