@@ -29,6 +29,7 @@ from kvsqueeze.kernels.numba.simd import (
     vload,
     vlookup,
     vlookup8,
+    vpick,
     vscatter,
     vstore,
 )
@@ -50,6 +51,12 @@ def _lookup_all(table, idx, out):
 def _lookup8_all(table, idx, out):
     for k in range(0, idx.shape[0], LANES):
         vstore(out, k, vlookup8(vload(table, 0), vload(idx, k)))
+
+
+@numba.njit(cache=False)
+def _pick_all(a, b, idx, bit, out):
+    for k in range(0, idx.shape[0], LANES):
+        vstore(out, k, vpick(vload(a, k), vload(b, k), vload(idx, k), bit))
 
 
 @numba.njit(cache=False)
@@ -113,6 +120,19 @@ def test_vlookup_reads_only_the_low_four_bits():
     out = np.empty(idx.shape[0], np.float32)
     _lookup_all(table, idx, out)
     assert np.array_equal(out, table[idx & 15])
+
+
+@pytest.mark.parametrize("bit", [16, 32, 1 << 31])
+def test_vpick_takes_b_where_the_index_has_the_bit(bit):
+    """The blend the kernels read 32- and 64-level rows with: b where `index & bit` is set, a elsewhere, whatever
+    the other bits."""
+    rng = np.random.default_rng(bit % 97)
+    a, b = rng.standard_normal((2, 4 * LANES)).astype(np.float32)
+    idx = rng.integers(0, 2**32, 4 * LANES, dtype=np.uint64).astype(np.uint32)
+    out = np.empty_like(a)
+    _pick_all(a, b, idx, bit, out)
+    assert np.array_equal(out, np.where(idx & np.uint32(bit), b, a))
+    assert 0 < int(np.count_nonzero(idx & np.uint32(bit))) < idx.shape[0]  # both sides taken
 
 
 @pytest.mark.parametrize("period", [1, 2, 4, 8])

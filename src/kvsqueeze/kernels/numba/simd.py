@@ -487,6 +487,22 @@ def vbelow(typingctx, a, limit):
     return f32x16(a, limit), codegen
 
 
+@intrinsic
+def vpick(typingctx, a, b, index, bit):
+    """Lane-wise b where index & bit is set, else a (`bit` an integer for every lane): one blend, which with
+    `vlookup` reads tables wider than 16 entries by permutes instead of gathers."""
+    if a != f32x16 or b != f32x16 or index != u32x16 or not isinstance(bit, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        x, y, idx, which = args
+        mask = _splat(builder, _to_i32(builder, which), _VI)
+        on = builder.icmp_unsigned("!=", builder.and_(idx, mask), ir.Constant(_VI, [0] * LANES))
+        return builder.select(on, y, x)
+
+    return f32x16(a, b, index, bit), codegen
+
+
 # ---- codes ---------------------------------------------------------------------------------------
 @intrinsic
 def vfunnel(typingctx, lo, hi, shift):
