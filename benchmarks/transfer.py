@@ -186,19 +186,19 @@ def supersede_moved(result: dict, rows: list[dict], windows: dict[str, list], se
         if r["model"] in windows and "resolved" in r:  # (a row of a version before it named none: kept)
             now = preset_for(r["method"], seqlen, windows[r["model"]]).name
             if now != r["resolved"]:
-                moved.setdefault(cell_key(r), f"{r['method']} was {r['resolved']}, now {now}")
+                moved.setdefault(cell_key(r), set()).add(f"{r['method']} was {r['resolved']}, now {now}")
     if not moved:
         return rows
     old = result.get("superseded")
     blocks = [] if old is None else old if isinstance(old, list) else [old]
     blocks.append({"why": "the presets' fp16 window now follows the tokens a model's layers hold (`preset_window`): "
-                          + "; ".join(sorted(set(moved.values()))),
+                          + "; ".join(sorted(set().union(*moved.values()))),
                    "rows": [r for r in rows if cell_key(r) in moved],
                    "cells": {"/".join(k): result["cells"].pop("/".join(k)) for k in moved
                              if "/".join(k) in result["cells"]}})
     result["superseded"] = blocks
     for k, why in moved.items():
-        print(f"{'/'.join(k)}: measured again ({why})", flush=True)
+        print(f"{'/'.join(k)}: measured again ({'; '.join(sorted(why))})", flush=True)
     return [r for r in rows if cell_key(r) not in moved]
 
 

@@ -157,7 +157,7 @@ def test_cells_whose_presets_resolve_otherwise_now_are_moved_aside_and_measured_
     def row(model, calib, text, method, resolved):
         return _row(calib, text, method, 1.0) | {"model": model, "resolved": resolved}
 
-    rows = [row("g", "bbc", "bbc", "fp16", "fp16"), row("g", "bbc", "bbc", "q3.5", "nuq@3.5:r32:chan"),
+    rows = [row("g", "bbc", "bbc", "q4.5", "nuq@4.5:r32:chan"), row("g", "bbc", "bbc", "q3.5", "nuq@3.5:r32:chan"),
             row("g", "bbc", "code", "nuq3-1%", "nuq3-1%"), row("s", "bbc", "bbc", "q3.5", "nuq@3.5:r32:chan")]
     result = {"cells": {"g/bbc/bbc": {"machine": "A"}, "g/bbc/code": {}, "s/bbc/bbc": {}},
               "superseded": {"why": "earlier", "rows": [], "cells": {}}}
@@ -167,5 +167,6 @@ def test_cells_whose_presets_resolve_otherwise_now_are_moved_aside_and_measured_
     earlier, moved = result["superseded"]
     assert earlier["why"] == "earlier"
     assert moved["rows"] == rows[:2] and moved["cells"] == {"g/bbc/bbc": {"machine": "A"}}
-    assert "q3.5 was nuq@3.5:r32:chan, now nuq@3.5:r8:chan" in moved["why"]
+    assert "q3.5 was nuq@3.5:r32:chan, now nuq@3.5:r8:chan" in moved["why"]  # every method that moved, named
+    assert "q4.5 was nuq@4.5:r32:chan, now nuq@4.5:r8:chan" in moved["why"]
     assert tr.supersede_moved(result, kept, {"g": [512, None], "s": [None, None]}, 2048) == kept  # nothing more
