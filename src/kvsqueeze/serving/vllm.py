@@ -84,10 +84,24 @@ def register() -> None:
         from vllm.platforms.cpu import CpuPlatform
     except ImportError:  # a build without the CPU platform
         return
-    current = CpuPlatform.get_attn_backend_cls
-    if getattr(current, "_kvsqueeze", False):
+    _wrap_once(CpuPlatform, "get_attn_backend_cls", _honour_custom)
+    _wrap_once(CpuPlatform, "register_triton_kernel_overrides", _explain_kernel_overrides)
+
+
+def _wrap_once(platform, name: str, wrap) -> None:
+    """Replace the classmethod `name` of `platform` by `wrap(its function)`, once per process (a second
+    registration, or a platform without it, leaves it as it is)."""
+    current = getattr(platform, name, None)
+    if current is None or getattr(current, "_kvsqueeze", False):
         return
-    original = current.__func__
+    wrapped = wrap(current.__func__)
+    wrapped._kvsqueeze = True
+    setattr(platform, name, classmethod(wrapped))
+
+
+def _honour_custom(original):
+    """The CPU platform's backend choice, which otherwise ignores the CUSTOM slot, made to take it."""
+    from vllm.v1.attention.backends.registry import AttentionBackendEnum
 
     def get_attn_backend_cls(cls, selected_backend, attn_selector_config, num_heads=None):
         if selected_backend == AttentionBackendEnum.CUSTOM and not attn_selector_config.use_mla:
@@ -101,19 +115,13 @@ def register() -> None:
             return AttentionBackendEnum.CUSTOM.get_path()
         return original(cls, selected_backend, attn_selector_config, num_heads)
 
-    get_attn_backend_cls._kvsqueeze = True
-    CpuPlatform.get_attn_backend_cls = classmethod(get_attn_backend_cls)
-    _explain_kernel_overrides(CpuPlatform)
+    return get_attn_backend_cls
 
 
-def _explain_kernel_overrides(platform) -> None:
+def _explain_kernel_overrides(original):
     """vLLM's CPU worker replaces Triton kernels by scanning the attributes of every loaded module, and the scan
     fails on an object of numba's compiler (llvmlite) when numba was imported first, with vLLM's own backend as
     with this one: a bare AttributeError from inside the worker. Said in words, with the fix, instead."""
-    current = getattr(platform, "register_triton_kernel_overrides", None)
-    if current is None or getattr(current, "_kvsqueeze", False):
-        return
-    original = current.__func__
 
     def register_triton_kernel_overrides(cls):
         try:
@@ -127,8 +135,7 @@ def _explain_kernel_overrides(platform) -> None:
                                f"numba's objects ({exc}); build the engine before using numba in the same process, "
                                "or run it in a process of its own (python -m kvsqueeze.serving.vllm_run)") from exc
 
-    register_triton_kernel_overrides._kvsqueeze = True
-    platform.register_triton_kernel_overrides = classmethod(register_triton_kernel_overrides)
+    return register_triton_kernel_overrides
 
 
 class PreRopeKeys:
