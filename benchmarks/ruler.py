@@ -273,11 +273,11 @@ def main() -> None:
             model, tok = load_model(model_name, args.dtype, args.device)
             contexts = {n: build_contexts(tok, haystack, n, args.samples, seed=args.seed, tasks=tasks, layout=layout)
                         for n in lengths}
-            loaded[model_name] = (model, tok, recipes[model_name], contexts)
+            # a preset's fp16 window follows the tokens the model's layers hold
+            loaded[model_name] = (model, tok, recipes[model_name], contexts, model_windows(model))
         for sample in range(args.samples):
             for model_name, _, lengths, _ in runs:
-                model, tok, recipe, contexts = loaded[model_name]
-                windows = model_windows(model)
+                model, tok, recipe, contexts, windows = loaded[model_name]
                 for n in lengths:
                     mine = [c for c in contexts[n] if c.sample == sample]
                     t0 = time.perf_counter()

@@ -41,7 +41,7 @@ from .capture import ForwardCapture
 from .fingerprint import check_recipe
 from .layers import CompressedLayer, Fp16Layer, settle_step
 from .parts import attention_modules, layer_rotaries
-from .preflight import UnsupportedModelError, model_windows, preflight
+from .preflight import model_windows, preflight
 from .simulate import SIMULATING, window_handler
 
 SUPPORTED = ("fp16, and int / nf / nuq with keys per channel before RoPE and values per token, outliers per "

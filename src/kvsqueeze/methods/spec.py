@@ -190,16 +190,9 @@ def parse_method(name: str) -> MethodSpec:
 
 def _parse_method(name: str) -> MethodSpec:
     text = name.strip().lower()
-    preset = _PRESET_RE.match(text)
-    if preset:
-        if preset["name"] not in PRESETS:
-            raise MethodError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)} (each with an optional "
-                              "':ctxN', the context it is chosen for)")
-        # without a model: chosen for one whose every layer keeps every token (`preset_for` takes the model's)
-        context = DEFAULT_CONTEXT
-        if preset["ctx"]:
-            context = parse_method(PRESETS[preset["name"]] + preset["ctx"]).budget_context
-        return _preset(preset["name"], context, ())
+    preset = _named_preset(text)
+    if preset:  # without a model: chosen for one whose every layer keeps every token (`preset_for` takes the model's)
+        return _preset(preset[0], preset[1] or DEFAULT_CONTEXT, ())
     m = _NAME_RE.match(text)
     if not m:
         raise MethodError(
@@ -276,22 +269,29 @@ def preset_window(context: int, layer_windows=()) -> int:
     return max(1, min(PRESET_WINDOW, fewest // PRESET_WINDOW_SHARE))
 
 
+def _named_preset(text: str) -> tuple[str, int | None] | None:
+    """(the preset, the context its ':ctxN' names, None without one) for a preset's name (lower case); None for any
+    other name."""
+    m = _PRESET_RE.match(text)
+    if not m:
+        return None
+    if m["name"] not in PRESETS:
+        raise MethodError(f"unknown preset {text!r}; presets: {', '.join(PRESETS)} (each with an optional "
+                          "':ctxN', the context it is chosen for)")
+    return m["name"], parse_method(PRESETS[m["name"]] + m["ctx"]).budget_context if m["ctx"] else None
+
+
 def _preset(name: str, context: int, layer_windows) -> MethodSpec:
-    budget = PRESETS[name]
-    family, unit = budget.split(":", 1)
-    return parse_method(f"{family}:r{preset_window(context, layer_windows)}:{unit}{context_flag(context)}")
+    return parse_method(f"{PRESETS[name]}:r{preset_window(context, layer_windows)}{context_flag(context)}")
 
 
 def preset_for(name: str, context: int, layer_windows) -> MethodSpec:
     """A preset (`PRESETS`) chosen for `context` cached tokens on a model whose layers keep `layer_windows` (each
     layer's sliding window, None: every token; `kvsqueeze.integrations.parts.layer_windows(model)`, or a recipe's
     `budget.recipe_windows`); any other method name as it parses (a preset with ':ctxN' for that context)."""
-    base = name.strip().lower()
-    if base in PRESETS:
-        return _preset(base, context, layer_windows)
-    preset = _PRESET_RE.match(base)
-    if preset and preset["name"] in PRESETS and preset["ctx"]:
-        return _preset(preset["name"], parse_method(base).budget_context, layer_windows)
+    preset = _named_preset(name.strip().lower())
+    if preset:
+        return _preset(preset[0], preset[1] or context, layer_windows)
     return parse_method(name)
 
 
