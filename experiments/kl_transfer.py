@@ -7,7 +7,10 @@ calibration parts only.
 The recipe must hold measured sensitivities (`kvsqueeze budget --recipe R`, which adds them). For each text,
 `--windows` windows of 2,048 tokens spread over that text's calibration part (its evaluation part, which
 `benchmarks/transfer.py` scores, is never read): PPL, its change against fp16 with a paired 95% interval, the
-mean KL divergence from fp16 and the stored bits, per method. Every method tried is reported.
+mean KL divergence from fp16 and the stored bits, per method. Every method tried is reported. `--methods` takes
+any methods the recipe serves: with `--methods nuq@3.5:r8:chan:kslots16` (key outliers capped per token at the count
+the budget charges) and a recipe without sensitivities, the same windows say what such a cap costs off the
+calibration text (`experiments/results/kslots_transfer_gemma.json`).
 """
 
 from __future__ import annotations
