@@ -51,19 +51,26 @@ def main() -> None:
     payload = {"model": args.model, "recipe": args.recipe, "recipe_text": recipe.meta.get("text"),
                "seqlen": args.seqlen, "windows": args.windows, "machine": machine(), "methods_tried": names[1:],
                "texts": {}}
-    for text in [t for t in args.texts.split(",") if t]:
+    score_texts(model, tok, recipe, names, specs, args.texts, args.windows, args.seqlen, payload, args.json)
+
+
+def score_texts(model, tok, recipe, names, specs, texts: str, windows: int, seqlen: int, payload: dict,
+                json_path: str) -> None:
+    """Score `specs` (the first fp16) on `windows` windows of each of `texts`' calibration parts into
+    payload["texts"], writing `json_path` as each text finishes."""
+    for text in [t for t in texts.split(",") if t]:
         t0 = time.perf_counter()
-        ids = calibration_windows(tok, load_text(text).calibration, args.windows, args.seqlen)
+        ids = calibration_windows(tok, load_text(text).calibration, windows, seqlen)
         rows = evaluate(model, ids, specs, recipe)
         base = rows[0].ppl
         out = []
         for name, r in zip(names, rows):
             out.append({**r.as_dict(), "change_pct": round(100 * (r.ppl / base - 1), 4)})
-            print(f"{text:5s} {name:24s} {r.avg_bits:.3f} bits  {out[-1]['change_pct']:+.3f}%  "
+            print(f"{text:5s} {name:36s} {r.avg_bits:.3f} bits  {out[-1]['change_pct']:+.3f}%  "
                   f"KLD {r.kld_mean:.5f}", flush=True)
         payload["texts"][text] = {"part": "calibration", "seconds": round(time.perf_counter() - t0, 1), "rows": out}
-        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")  # each text as it finishes
-    print(f"wrote {args.json}")
+        Path(json_path).write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"wrote {json_path}")
 
 
 if __name__ == "__main__":

@@ -21,15 +21,11 @@ again here and must match theirs.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from kvsqueeze.eval.perplexity import evaluate
-from kvsqueeze.eval.texts import calibration_windows, load_text
 from kvsqueeze.integrations.loading import load_model
 from kvsqueeze.methods import parse_method
 from kvsqueeze.numerics.quantizer import VectorQuantizer
@@ -37,6 +33,9 @@ from kvsqueeze.recipe import Recipe
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from common import machine  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from kl_transfer import score_texts  # noqa: E402
 
 
 def pooled(block: int):
@@ -77,18 +76,8 @@ def main() -> None:
     payload = {"model": args.model, "recipe": args.recipe, "recipe_text": recipe.meta.get("text"),
                "method": args.method, "shared_by": f"blocks of {args.block} tokens", "seqlen": args.seqlen,
                "windows": args.windows, "machine": machine(), "texts": {}}
-    for text in [t for t in args.texts.split(",") if t]:
-        t0 = time.perf_counter()
-        ids = calibration_windows(tok, load_text(text).calibration, args.windows, args.seqlen)
-        rows = evaluate(model, ids, specs, recipe)
-        base = rows[0].ppl
-        out = [{**r.as_dict(), "change_pct": round(100 * (r.ppl / base - 1), 4)} for r in rows]
-        for name, o in zip(("fp16", args.method + " (pooled)"), out):
-            print(f"{text:5s} {name:36s} {o['avg_bits']:.3f} bits  {o['change_pct']:+.3f}%  KLD {o['kld_mean']:.5f}",
-                  flush=True)
-        payload["texts"][text] = {"part": "calibration", "seconds": round(time.perf_counter() - t0, 1), "rows": out}
-        Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"wrote {args.json}")
+    score_texts(model, tok, recipe, ["fp16", args.method + " (pooled)"], specs, args.texts, args.windows,
+                args.seqlen, payload, args.json)
 
 
 if __name__ == "__main__":
