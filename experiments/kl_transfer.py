@@ -4,7 +4,8 @@ calibration parts only.
     python experiments/kl_transfer.py --model gemma3-270m --recipe out/exp/gemma_bbc_kl [--texts bbc,code]
         [--methods nuq@3.5:r8:chan,nuq@3.5:r8:kl:chan] [--windows 4] [--json experiments/results/kl_transfer.json]
 
-The recipe must hold measured sensitivities (`kvsqueeze budget --recipe R`, which adds them). For each text,
+A `:kl` method reads measured sensitivities, which `kvsqueeze budget --recipe R` adds to the recipe (a recipe
+without them is refused for it; other methods do not need them). For each text,
 `--windows` windows of 2,048 tokens spread over that text's calibration part (its evaluation part, which
 `benchmarks/transfer.py` scores, is never read): PPL, its change against fp16 with a paired 95% interval, the
 mean KL divergence from fp16 and the stored bits, per method. Every method tried is reported. `--methods` takes
